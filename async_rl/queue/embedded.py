@@ -1,0 +1,219 @@
+"""A private ``redis-server`` child process for runs without ``queue.redis_url``.
+
+Binds 127.0.0.1 on a free port, requires a generated password, and keeps an append-only
+file (AOF) in its data directory. With ``appendfsync="always"`` (the default) Redis
+fsyncs the AOF before it answers a write, so anything a ``put`` returned for survives a
+crash of Redis *or* of the machine; ``"everysec"`` is faster but may lose the last
+second of writes on a power loss (a killed Redis alone loses nothing, the data is
+already in the OS page cache).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Literal
+from urllib.parse import quote
+
+import redis
+
+__all__ = ["EmbeddedRedis", "RedisNotInstalledError"]
+
+_INSTALL_HINT = (
+    "redis-server was not found. Install it (Debian/Ubuntu: `apt-get install redis-server`; "
+    "macOS: `brew install redis`) or set queue.redis_url to an existing Redis server."
+)
+
+_SAFE_PASSWORD = re.compile(r"[!#-\[\]-~]+")  # goes into redis.conf inside double quotes
+
+
+class RedisNotInstalledError(FileNotFoundError):
+    """No ``redis-server`` executable to start."""
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a hostname: it could resolve to anything
+        return False
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+class EmbeddedRedis:
+    """Context manager running ``redis-server``; ``__enter__`` returns its ``redis://`` URL.
+
+    ``data_dir`` holds the AOF, config and log; pass the same directory (and ``port`` and
+    ``password``) to a new instance to restart on the old data. Without one, a temporary
+    directory is created and removed on exit. ``auth=False`` disables the password and is
+    only allowed on a loopback address.
+    """
+
+    def __init__(
+        self,
+        data_dir: str | os.PathLike[str] | None = None,
+        *,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        password: str | None = None,
+        auth: bool = True,
+        appendfsync: Literal["always", "everysec"] = "always",
+        executable: str = "redis-server",
+        startup_timeout_s: float = 15.0,
+    ) -> None:
+        if not auth and password is not None:
+            raise ValueError("password given with auth=False")
+        if not auth and not _is_loopback(host):
+            raise ValueError(f"refusing to bind {host!r} without a password: use auth=True")
+        if password is not None and not _SAFE_PASSWORD.fullmatch(password):
+            raise ValueError("password must be 1+ printable characters without quotes or spaces")
+        self.host = host
+        self.port = port
+        self.password = (password or secrets.token_urlsafe(24)) if auth else None
+        self.appendfsync = appendfsync
+        self.executable = executable
+        self.startup_timeout_s = startup_timeout_s
+        self._data_dir = Path(data_dir) if data_dir is not None else None
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        """``redis://[:password@]host:port/0`` of the running server."""
+        auth = f":{quote(self.password, safe='')}@" if self.password else ""
+        return f"redis://{auth}{self.host}:{self.port}/0"
+
+    @property
+    def pid(self) -> int:
+        """Process id of the running server."""
+        if self._proc is None:
+            raise RuntimeError("EmbeddedRedis is not running")
+        return self._proc.pid
+
+    @property
+    def data_dir(self) -> Path:
+        """Directory holding redis.conf, redis.log and the AOF."""
+        if self._data_dir is None:
+            raise RuntimeError("EmbeddedRedis is not running")
+        return self._data_dir
+
+    def start(self) -> str:
+        """Start the server and wait until it answers; returns :attr:`url`."""
+        binary = shutil.which(self.executable)
+        if binary is None:
+            raise RedisNotInstalledError(_INSTALL_HINT)
+        if self._data_dir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="async-rl-redis-")
+            self._data_dir = Path(self._tmp.name)
+        self._data_dir.mkdir(parents=True, exist_ok=True)
+        if self.port is None:
+            # Small race with other processes picking ports; startup fails loudly if lost.
+            self.port = _free_port(self.host)
+        conf = self._data_dir / "redis.conf"
+        # The password goes in a 0600 file, not argv, so `ps` does not show it.
+        conf.touch(mode=0o600)
+        conf.write_text(self._config())
+        self._proc = subprocess.Popen(
+            [binary, str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self.url
+
+    def _config(self) -> str:
+        lines = [
+            f"bind {self.host}",
+            f"port {self.port}",
+            f"dir {self._data_dir}",
+            "logfile redis.log",
+            "daemonize no",
+            "appendonly yes",
+            f"appendfsync {self.appendfsync}",
+            'save ""',  # the AOF is the persistence; no RDB snapshots forking the server
+            "protected-mode no" if self.password else "protected-mode yes",
+        ]
+        if self.password:
+            lines.append(f'requirepass "{self.password}"')
+        return "\n".join(lines) + "\n"
+
+    def _wait_ready(self) -> None:
+        assert self._proc is not None
+        client = redis.Redis(
+            host=self.host, port=self.port, password=self.password,
+            socket_timeout=1.0, socket_connect_timeout=1.0,
+        )
+        deadline = time.monotonic() + self.startup_timeout_s
+        try:
+            while True:
+                if self._proc.poll() is not None:
+                    raise RuntimeError(
+                        f"redis-server exited with code {self._proc.returncode}: "
+                        f"{self._log_tail()}"
+                    )
+                try:
+                    if client.ping():
+                        return
+                except redis.BusyLoadingError:
+                    pass  # replaying the AOF
+                except redis.ConnectionError:
+                    pass  # not listening yet
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"redis-server not ready after {self.startup_timeout_s} s: "
+                        f"{self._log_tail()}"
+                    )
+                time.sleep(0.02)
+        finally:
+            client.close()
+
+    def _log_tail(self, lines: int = 5) -> str:
+        log = self.data_dir / "redis.log"
+        if not log.exists():
+            return "(no log)"
+        return " | ".join(log.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM (Redis flushes the AOF and exits), SIGKILL after ``timeout_s``."""
+        if self._proc is not None:
+            if self._proc.poll() is None:
+                self._proc.send_signal(signal.SIGTERM)
+                try:
+                    self._proc.wait(timeout_s)
+                except subprocess.TimeoutExpired:
+                    self._proc.kill()
+                    self._proc.wait()
+            self._proc = None
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+            self._data_dir = None
+
+    def __enter__(self) -> str:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()

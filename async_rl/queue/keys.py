@@ -1,0 +1,40 @@
+"""Redis key and field names of one run: the layout `redis-cli` users see."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["CONSUMER_GROUP", "PAYLOAD_FIELD", "RunKeys"]
+
+CONSUMER_GROUP = "learner"
+PAYLOAD_FIELD = b"group"  # stream entry field holding the msgspec-encoded RolloutGroup
+
+
+@dataclass(frozen=True)
+class RunKeys:
+    """Keys of run ``run``.
+
+    - ``rollouts``: stream of unacknowledged encoded groups (acked entries are deleted).
+    - ``dead``: stream of undecodable entries (fields ``id``, ``reason``, ``raw``).
+    - ``counters``: hash of integers shared by every process: ``version``,
+      ``groups_started``, ``prompt_cursor``, ``dropped_stale``, ``dead_lettered``.
+    - ``staleness``: hash ``staleness (versions) -> groups read``.
+    """
+
+    run: str
+
+    @property
+    def rollouts(self) -> str:
+        return f"{self.run}:rollouts"
+
+    @property
+    def dead(self) -> str:
+        return f"{self.run}:dead"
+
+    @property
+    def counters(self) -> str:
+        return f"{self.run}:counters"
+
+    @property
+    def staleness(self) -> str:
+        return f"{self.run}:staleness"

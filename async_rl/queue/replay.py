@@ -1,0 +1,305 @@
+"""The replay queue: rollout groups on a Redis stream, read by the ``learner`` group.
+
+Entry lifecycle: ``put`` appends (XADD) -> *waiting*; ``get`` hands it to exactly one
+consumer (XREADGROUP) -> *pending* on that consumer; ``commit`` acknowledges and deletes
+it (XACK + XDEL). So the stream holds only unacknowledged entries, and
+
+    depth = waiting entries = XLEN - pending.
+
+Back-pressure blocks producers on *depth*, not on unacknowledged entries: the learner
+keeps what it read pending until its checkpoint is durable, and counting those would
+deadlock a learner that checkpoints less often than every ``max_depth`` groups.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from functools import partial
+from types import TracebackType
+from typing import Any, TypeVar
+
+import redis
+
+from async_rl.queue.admission import AdmissionLedger
+from async_rl.queue.client import attempts, connect, redact, retrying
+from async_rl.queue.keys import CONSUMER_GROUP, PAYLOAD_FIELD, RunKeys
+from async_rl.records import RecordDecodeError, RolloutGroup, decode, encode
+
+__all__ = ["ReplayQueue"]
+
+T = TypeVar("T")
+Entry = tuple[str, RolloutGroup]
+
+# Check depth and append in one script, so racing producers cannot overshoot max_depth.
+_PUT_LUA = """
+local pending = redis.call('XPENDING', KEYS[1], ARGV[2])[1]
+if redis.call('XLEN', KEYS[1]) - pending >= tonumber(ARGV[1]) then
+  return false
+end
+return redis.call('XADD', KEYS[1], '*', ARGV[3], ARGV[4])
+"""
+
+_CLAIM_BATCH = 100  # entries per XAUTOCLAIM round trip
+
+
+class ReplayQueue:
+    """Producer and consumer handle on the replay stream of run ``run``.
+
+    ``url``: ``redis://`` or ``rediss://`` with the password, e.g. ``EmbeddedRedis``'s.
+    ``max_depth``: waiting groups at which ``put`` blocks. ``consumer``: this reader's name
+    in the ``learner`` group (default: unique per process). ``claim_idle_s``: seconds an
+    entry must sit unacknowledged before ``recover`` takes it from another consumer; keep
+    it above the longest get-to-commit time of a live learner. ``op_timeout_s``: how
+    long operations without a ``timeout`` argument retry a lost connection.
+    ``socket_timeout_s``: bound on every single network read/connect.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        run: str,
+        max_depth: int = 256,
+        *,
+        consumer: str | None = None,
+        claim_idle_s: float = 300.0,
+        op_timeout_s: float = 30.0,
+        socket_timeout_s: float = 5.0,
+        dead_maxlen: int = 10_000,
+    ) -> None:
+        if max_depth <= 0:
+            raise ValueError(f"max_depth must be > 0, got {max_depth}")
+        self.run = run
+        self.max_depth = max_depth
+        self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+        self.claim_idle_s = claim_idle_s
+        self.op_timeout_s = op_timeout_s
+        self.dead_maxlen = dead_maxlen
+        self.keys = RunKeys(run)
+        self._url = redact(url)
+        # XREADGROUP blocks in slices shorter than the socket timeout, which bounds each read.
+        self._block_slice_s = min(1.0, socket_timeout_s / 2)
+        self._client = connect(url, socket_timeout_s)
+        self._ledger = AdmissionLedger(self._client, self.keys)
+        self._put_script = self._client.register_script(_PUT_LUA)
+        self._call("create consumer group", self._create_group)
+
+    def _call(self, what: str, op: Callable[[], T], deadline: float | None = None) -> T:
+        if deadline is None:
+            deadline = time.monotonic() + self.op_timeout_s
+        return retrying(op, deadline, f"{what} on {self._url}")
+
+    def _create_group(self) -> None:
+        try:
+            # From id 0 so groups put before the first reader existed are delivered too.
+            self._client.xgroup_create(self.keys.rollouts, CONSUMER_GROUP, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    # -- producer side -------------------------------------------------------------
+
+    def put(self, group: RolloutGroup, timeout: float = 30.0) -> str:
+        """Append ``group``; block while depth >= ``max_depth``. Returns the entry id.
+
+        Raises ``TimeoutError`` if the queue stays full for ``timeout`` seconds, and
+        ``QueueUnavailableError`` if Redis stays unreachable that long. When ``put``
+        returns, the group is in Redis's AOF (fsynced under ``appendfsync always``).
+        """
+        data = encode(group)
+        deadline = time.monotonic() + timeout
+        args = [self.max_depth, CONSUMER_GROUP, PAYLOAD_FIELD, data]
+        for _ in attempts(deadline, first_s=0.001, cap_s=0.05):
+            entry_id = self._call(
+                "put", lambda: self._put_script(keys=[self.keys.rollouts], args=args), deadline
+            )
+            if entry_id is not None:
+                return str(entry_id.decode())
+        raise TimeoutError(f"replay queue {self.run!r} stayed at max_depth={self.max_depth} "
+                           f"for {timeout} s: is the learner consuming?")
+
+    def publish_version(self, version: int) -> None:
+        """Announce the policy version whose weights have reached the servers."""
+        self._call("publish_version", lambda: self._ledger.publish_version(version))
+
+    def try_admit(self, batch_size: int, max_staleness: int) -> bool:
+        """AReaL admission: may a producer start one more group? Atomic across processes."""
+        return bool(
+            self._call("try_admit", lambda: self._ledger.try_admit(batch_size, max_staleness))
+        )
+
+    def next_prompt_index(self) -> int:
+        """The next dataset index, unique across all producers and restarts."""
+        return int(self._call("next_prompt_index", self._ledger.next_prompt_index))
+
+    # -- consumer side -------------------------------------------------------------
+
+    def get(self, n: int, max_staleness: int | None = None, timeout: float = 30.0) -> list[Entry]:
+        """Up to ``n`` groups for this consumer, as ``(entry_id, group)``.
+
+        Waits up to ``timeout`` seconds for ``n``; returns what it has then (maybe none).
+        Groups more than ``max_staleness`` versions behind the published version are
+        counted in ``dropped_stale``, acknowledged and skipped; undecodable entries go to
+        the dead-letter stream. Returned entries stay pending until :meth:`commit`.
+        """
+        deadline = time.monotonic() + timeout
+        out: list[Entry] = []
+        while True:
+            block_s = min(max(deadline - time.monotonic(), 0.0), self._block_slice_s)
+            read = partial(
+                self._client.xreadgroup, CONSUMER_GROUP, self.consumer,
+                {self.keys.rollouts: ">"}, count=n - len(out), block=max(1, int(block_s * 1000)),
+            )
+            reply = self._call("get", read, deadline)
+            if reply:
+                out.extend(self._screen(reply[0][1], max_staleness))
+            if len(out) >= n or time.monotonic() >= deadline:
+                return out
+
+    def commit(self, entry_ids: Iterable[str]) -> int:
+        """Acknowledge and delete entries once the state that used them is durable.
+
+        Returns how many were still pending (already committed ones count 0).
+        """
+        ids = list(entry_ids)
+        if not ids:
+            return 0
+
+        def ack() -> int:
+            pipe = self._client.pipeline()
+            self._ack_delete(pipe, ids)
+            return int(pipe.execute()[0])
+
+        return self._call("commit", ack)
+
+    def _ack_delete(self, pipe: Any, ids: Sequence[str | bytes]) -> None:
+        """Queue XACK + XDEL of ``ids`` on ``pipe`` (a MULTI/EXEC pipeline)."""
+        pipe.xack(self.keys.rollouts, CONSUMER_GROUP, *ids)
+        pipe.xdel(self.keys.rollouts, *ids)
+
+    def recover(self, max_staleness: int | None = None, min_idle_s: float | None = None) -> list[Entry]:
+        """Take over entries pending for at least ``min_idle_s`` (default ``claim_idle_s``).
+
+        Those are entries a consumer read but never committed, e.g. because it died;
+        they are returned (screened like :meth:`get`) and now pending on this consumer.
+        ``min_idle_s=0`` also re-reads this consumer's own pending entries, which a
+        restarted learner that is the only consumer wants.
+        """
+        idle_ms = int(1000 * (self.claim_idle_s if min_idle_s is None else min_idle_s))
+        claimed: list[tuple[bytes, dict[bytes, bytes]]] = []
+        cursor: bytes | str = "0-0"
+        while True:
+            cursor, entries, deleted = self._call(
+                "recover",
+                lambda: self._client.xautoclaim(
+                    self.keys.rollouts, CONSUMER_GROUP, self.consumer, idle_ms,
+                    start_id=cursor, count=_CLAIM_BATCH,
+                ),
+            )
+            claimed.extend(entries)
+            if deleted:  # pending ids whose entry is gone: nothing to redeliver, just ack
+                self.commit(d.decode() for d in deleted)
+            if cursor in (b"0-0", "0-0"):
+                return self._screen(claimed, max_staleness)
+
+    def _screen(
+        self, entries: Sequence[tuple[bytes, dict[bytes, bytes]]], max_staleness: int | None
+    ) -> list[Entry]:
+        """Decode entries; dead-letter the undecodable, drop the stale, record staleness."""
+        version = self._call("read version", self._ledger.version)
+        keep: list[Entry] = []
+        dead: list[tuple[bytes, str, bytes]] = []
+        stale: list[bytes] = []
+        histogram: Counter[int] = Counter()
+        for entry_id, fields in entries:
+            raw = fields.get(PAYLOAD_FIELD)
+            try:
+                if raw is None:
+                    raise RecordDecodeError(f"entry has no {PAYLOAD_FIELD.decode()!r} field")
+                group = decode(raw)
+            except RecordDecodeError as exc:
+                dead.append((entry_id, str(exc), raw or b""))
+                continue
+            staleness = version - group.behaviour_version
+            histogram[staleness] += 1
+            if max_staleness is not None and staleness > max_staleness:
+                stale.append(entry_id)
+            else:
+                keep.append((entry_id.decode(), group))
+        if histogram or dead:
+            self._call("record screening", lambda: self._record(histogram, dead, stale))
+        return keep
+
+    def _record(
+        self, histogram: Counter[int], dead: list[tuple[bytes, str, bytes]], stale: list[bytes]
+    ) -> None:
+        pipe = self._client.pipeline()  # MULTI/EXEC: counters and acks apply together
+        for staleness, count in histogram.items():
+            pipe.hincrby(self.keys.staleness, str(staleness), count)
+        for entry_id, reason, raw in dead:
+            pipe.xadd(self.keys.dead, {"id": entry_id, "reason": reason, "raw": raw},
+                      maxlen=self.dead_maxlen, approximate=True)
+        pipe.hincrby(self.keys.counters, "dead_lettered", len(dead))
+        pipe.hincrby(self.keys.counters, "dropped_stale", len(stale))
+        removed = [entry_id for entry_id, _, _ in dead] + stale
+        if removed:
+            self._ack_delete(pipe, removed)
+        pipe.execute()
+
+    # -- observability -------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """Queue health, shared by all processes.
+
+        ``depth`` (waiting groups), ``pending`` (read, not committed), ``dead_lettered``,
+        ``dropped_stale``, ``staleness_histogram`` ({versions behind: groups read}),
+        ``oldest_age_s`` (seconds since the oldest uncommitted group was put; 0 if none),
+        ``version``, ``groups_started``, ``prompt_cursor``.
+        """
+        def read() -> list[Any]:
+            pipe = self._client.pipeline(transaction=False)
+            pipe.xlen(self.keys.rollouts)
+            pipe.xpending(self.keys.rollouts, CONSUMER_GROUP)
+            pipe.hgetall(self.keys.counters)
+            pipe.hgetall(self.keys.staleness)
+            pipe.xrange(self.keys.rollouts, count=1)
+            pipe.time()  # entry ids carry the server's clock, so age is measured on it
+            return list(pipe.execute())
+
+        length, pending, counters, histogram, oldest, (sec, usec) = self._call("stats", read)
+        counts = {k.decode(): int(v) for k, v in counters.items()}
+        staleness = sorted((int(k), int(v)) for k, v in histogram.items())
+        age_s = 0.0
+        if oldest:
+            put_ms = int(oldest[0][0].split(b"-")[0])
+            age_s = max(0.0, sec + usec / 1e6 - put_ms / 1000)
+        return {
+            "depth": length - pending["pending"],
+            "pending": pending["pending"],
+            "dead_lettered": counts.get("dead_lettered", 0),
+            "dropped_stale": counts.get("dropped_stale", 0),
+            "staleness_histogram": dict(staleness),
+            "oldest_age_s": age_s,
+            "version": counts.get("version", 0),
+            "groups_started": counts.get("groups_started", 0),
+            "prompt_cursor": counts.get("prompt_cursor", 0),
+        }
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        self._client.close()
+
+    def __enter__(self) -> ReplayQueue:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
