@@ -1,0 +1,695 @@
+"""Typed configuration: dataclasses, YAML files, dotlist overrides and strict validation.
+
+Every section is a dataclass whose fields carry a default and a docstring (the string
+literal right after the field; ``async-rl config docs`` renders them). Loading is strict:
+
+* an unknown key fails and names the full key and the closest valid one;
+* a value of the wrong type names the key, the value and the expected type;
+* cross-field rules (``validate``) name every key involved.
+
+All three raise :class:`ConfigError`; the CLI turns it into exit code 2.
+
+Usage::
+
+    cfg = load_config("configs/quickstart.yaml", ["learner.optim.lr=1e-6"])
+    print(to_yaml(cfg))
+
+This module depends on nothing else in async_rl (ARCHITECTURE.md: dependencies point one way).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import math
+import textwrap
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message says which key and how to fix it."""
+
+
+# --------------------------------------------------------------------------- sections
+
+
+@dataclass
+class DataConfig:
+    """Training and validation prompts."""
+
+    train_files: str = ""
+    """Path to the training JSONL file (one object per line, EasyR1 format)."""
+    val_files: str = ""
+    """Path to the validation JSONL file; empty disables validation."""
+    prompt_key: str = "problem"
+    """Field of each row that holds the prompt text."""
+    answer_key: str = "answer"
+    """Field of each row that holds the reference answer given to the reward function."""
+    system_prompt: Optional[str] = None
+    """System message put before every prompt by the chat template; null for none."""
+    format_prompt: Optional[str] = None
+    """Path to a Jinja template rendering the user message from ``content`` (the prompt text), as in EasyR1; null uses the prompt text as is."""
+    max_prompt_length: int = 512
+    """Longest prompt in tokens (after the chat template)."""
+    overlong_prompt: Literal["skip", "truncate"] = "skip"
+    """What to do with a longer prompt: ``skip`` it (counted) or ``truncate`` it from the left."""
+    shuffle: bool = True
+    """Shuffle the prompt order (deterministically, with ``data.seed``) each epoch."""
+    seed: int = 1
+    """Seed of the prompt order."""
+
+
+@dataclass
+class VllmConfig:
+    """Engine arguments of each inference server's vLLM engine."""
+
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weight and activation dtype; ``auto`` is bfloat16 on GPU and float32 on CPU."""
+    max_model_len: Optional[int] = None
+    """Context length of the engine in tokens; null = max_prompt_length + max_response_length."""
+    gpu_memory_utilization: float = 0.6
+    """Fraction of GPU memory vLLM may take (GPU only), in (0, 1]."""
+    tensor_parallel_size: int = 1
+    """GPUs per inference server (tensor parallelism)."""
+    kv_cache_space_gb: float = 1.0
+    """KV-cache size in GiB on CPU (``VLLM_CPU_KVCACHE_SPACE``); ignored on GPU."""
+    enforce_eager: bool = False
+    """Disable CUDA graphs (faster start, slower decoding)."""
+    http_port: Optional[int] = None
+    """Port of the OpenAI-compatible HTTP API of server 0 (server i uses port + i); null picks free ports."""
+
+
+@dataclass
+class OverlongPenaltyConfig:
+    """DAPO's soft overlong punishment (arXiv:2503.14476, eq. 13)."""
+
+    enable: bool = False
+    """Penalise responses that come within ``buffer_length`` tokens of the maximum length."""
+    buffer_length: int = 64
+    """Length of the penalty ramp in tokens."""
+    penalty_factor: float = 1.0
+    """Penalty at the maximum length (the ramp goes linearly from 0 to this value)."""
+
+
+@dataclass
+class RewardConfig:
+    """How samples are scored."""
+
+    function: str = "exact_match"
+    """Built-in name (``exact_match``, ``math``, ``format``) or ``path/to/file.py:function`` with EasyR1's batch interface."""
+    fallback_reward: float = 0.0
+    """Reward given to a sample whose reward function raised (the sample also carries the error)."""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling: drop (and count) groups whose rewards are all equal."""
+    overlong_penalty: OverlongPenaltyConfig = field(default_factory=OverlongPenaltyConfig)
+    """Soft penalty for responses near ``rollout.max_response_length``."""
+
+
+@dataclass
+class RolloutConfig:
+    """Inference servers, rollout workers and sampling."""
+
+    num_servers: int = 1
+    """Number of persistent vLLM inference servers (independent of the learner's size)."""
+    workers_per_server: int = 1
+    """Rollout worker loops feeding each server."""
+    n: int = 8
+    """Samples per prompt (the group size)."""
+    temperature: float = 1.0
+    """Sampling temperature (> 0 for training rollouts)."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold in (0, 1]."""
+    top_k: int = -1
+    """Top-k sampling; -1 disables it."""
+    max_response_length: int = 256
+    """Longest response in tokens."""
+    max_inflight: int = 32
+    """Groups each worker keeps in flight to fill vLLM's continuous batching."""
+    cpus_per_server: float = 1.0
+    """CPU cores reserved for each server's Ray actor."""
+    gpus_per_server: float = 0.0
+    """GPUs reserved for each server's Ray actor (0 on CPU machines)."""
+    vllm: VllmConfig = field(default_factory=VllmConfig)
+    """vLLM engine arguments."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Reward function and reward shaping."""
+
+
+@dataclass
+class QueueConfig:
+    """Redis Streams replay queue between rollout and learner."""
+
+    redis_url: Optional[str] = None
+    """``redis://[:password@]host:port/db`` or ``rediss://...`` of an external server; null starts an embedded redis-server on 127.0.0.1."""
+    max_depth: int = 256
+    """Producers block while the stream holds this many unconsumed groups."""
+    timeout_s: float = 60.0
+    """Timeout of each blocking queue operation in seconds."""
+    recover_idle_s: float = 60.0
+    """Entries pending this long (seconds) with a consumer are treated as orphaned and redelivered."""
+
+
+@dataclass
+class OptimConfig:
+    """AdamW and the learning-rate schedule."""
+
+    lr: float = 1e-6
+    """Peak learning rate."""
+    weight_decay: float = 0.01
+    """AdamW decoupled weight decay."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas (two floats in [0, 1))."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    warmup_steps: int = 0
+    """Linear warm-up length in learner steps."""
+    scheduler: Literal["constant", "cosine"] = "constant"
+    """Schedule after warm-up."""
+    min_lr_ratio: float = 0.0
+    """Final learning rate of the cosine schedule as a fraction of ``lr``."""
+
+
+@dataclass
+class FsdpConfig:
+    """FSDP2 sharding and precision."""
+
+    param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Compute dtype of parameters; ``auto`` is bfloat16 on GPU and float32 on CPU."""
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of gradient reduction."""
+    reshard_after_forward: bool = True
+    """Free gathered parameters after forward (ZeRO-3 behaviour); false keeps them (ZeRO-2)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory."""
+
+
+@dataclass
+class LearnerConfig:
+    """The FSDP2 learner."""
+
+    model_path: str = ""
+    """Hugging Face model directory of the initial policy (and of the frozen reference)."""
+    world_size: int = 1
+    """Learner ranks (one per GPU, or per CPU process here)."""
+    batch_size: int = 16
+    """Groups (prompts) per learner step, ``B`` in the staleness rule."""
+    ppo_mini_batches: int = 1
+    """Optimizer steps per learner step: the batch is split into this many mini-batches."""
+    ppo_epochs: int = 1
+    """Passes over each batch."""
+    max_tokens_per_microbatch: int = 8192
+    """Token budget of one micro-batch (prompt + response, after packing)."""
+    cpus_per_rank: float = 1.0
+    """CPU cores reserved for each learner rank's Ray actor."""
+    gpus_per_rank: float = 0.0
+    """GPUs reserved for each learner rank (1 on GPU machines)."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and schedule."""
+    fsdp: FsdpConfig = field(default_factory=FsdpConfig)
+    """Sharding and precision."""
+
+
+@dataclass
+class AdvantageConfig:
+    """Advantage estimator (see docs/algorithms.md)."""
+
+    name: str = "grpo"
+    """Estimator: grpo, rloo, reinforce_pp, reinforce_pp_baseline, grpo_passk, opo, gae."""
+    norm_by_std: bool = True
+    """GRPO: divide by the group's standard deviation (false gives Dr. GRPO)."""
+    eps: float = 1e-6
+    """Added to standard deviations before dividing."""
+    gamma: float = 1.0
+    """Discount factor (reinforce_pp, gae)."""
+    lam: float = 1.0
+    """GAE lambda."""
+
+
+@dataclass
+class LossConfig:
+    """Policy loss and off-policy correction (see docs/algorithms.md).
+
+    ``async_rl.algos.losses.compute(config=...)`` reads these fields by name.
+    """
+
+    name: str = "decoupled_ppo"
+    """Policy loss: ppo, decoupled_ppo, tis, gspo, cispo."""
+    clip_low: float = 0.2
+    """Lower clip range: the ratio is clipped at 1 - clip_low."""
+    clip_high: float = 0.2
+    """Upper clip range: the ratio is clipped at 1 + clip_high (DAPO's clip-higher uses 0.28)."""
+    clip_c: Optional[float] = None
+    """Dual-clip constant (> 1) bounding the loss of negative-advantage tokens; null disables it."""
+    is_level: Literal["token", "sequence", "none"] = "token"
+    """Level of the behaviour importance weight pi_prox / mu."""
+    is_cap: Optional[float] = 2.0
+    """Truncate importance weights at this value (TIS); null for no truncation."""
+    mask_level: Literal["none", "token", "sequence", "geometric"] = "none"
+    """Masked importance sampling: reject tokens or sequences whose ratio leaves [mask_lower, mask_upper]."""
+    mask_lower: float = 0.5
+    """Lower bound of the accepted ratio for masked importance sampling."""
+    mask_upper: float = 2.0
+    """Upper bound of the accepted ratio for masked importance sampling."""
+    agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    """How token losses are reduced to a scalar."""
+    kl_coef: float = 0.0
+    """Weight of the KL penalty to the frozen reference policy; 0 loads no reference model."""
+    kl_kind: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator (Schulman's k1/k2/k3; k3 with verl's clamps)."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus."""
+
+
+@dataclass
+class AlgorithmConfig:
+    """The RL algorithm."""
+
+    max_staleness: int = 2
+    """eta: the most policy versions a trained group may lag the learner; 0 is synchronous on-policy RL."""
+    recompute_proximal: bool = True
+    """Recompute proximal log-probs with the current weights each step; false is bypass mode (pi_prox := mu)."""
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    """Advantage estimator."""
+    loss: LossConfig = field(default_factory=LossConfig)
+    """Policy loss and off-policy correction."""
+
+
+@dataclass
+class SyncConfig:
+    """Weight publishing from learner rank 0 to the inference servers."""
+
+    every: int = 1
+    """Publish weights every this many learner steps."""
+    bucket_mb: int = 256
+    """Size of one broadcast bucket in MiB (bounds the extra memory of a sync)."""
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """Collective backend; ``auto`` is NCCL on GPU and gloo on CPU."""
+    timeout_s: float = 300.0
+    """Timeout of one weight update (announcement, broadcast, acknowledgement), seconds."""
+
+
+@dataclass
+class TrainerConfig:
+    """The training run."""
+
+    run_name: str = "async-rl"
+    """Name of the run (Redis stream prefix, W&B run name)."""
+    output_dir: str = "runs/${trainer.run_name}"
+    """Directory of checkpoints, metrics.jsonl and the resolved config."""
+    total_steps: int = 100
+    """Learner steps to run."""
+    save_every: int = 10
+    """Write a checkpoint (and commit the queue entries it covers) every this many steps."""
+    keep_checkpoints: int = 2
+    """Checkpoints kept on disk (older ones are deleted)."""
+    resume: str = "auto"
+    """``auto`` (latest checkpoint in output_dir if any), ``off``, or a checkpoint path."""
+    val_every: int = 10
+    """Validate every this many steps; 0 disables validation."""
+    val_n: int = 4
+    """Samples per validation prompt for mean@n and pass@k (besides one greedy sample)."""
+    seed: int = 1
+    """Seed of the learner and samplers."""
+
+
+@dataclass
+class RayConfig:
+    """Where the processes run."""
+
+    address: Optional[str] = None
+    """Address of an existing Ray cluster (``auto`` or ``host:port``); null starts a local one."""
+    num_cpus: Optional[int] = None
+    """CPUs of the local Ray instance; null uses all."""
+
+
+@dataclass
+class WandbConfig:
+    """Weights & Biases tracking."""
+
+    enable: bool = True
+    """Log to Weights & Biases."""
+    mode: Literal["offline", "online", "disabled"] = "offline"
+    """W&B mode; ``WANDB_MODE`` in the environment takes precedence."""
+    project: str = "async-rl"
+    """W&B project."""
+    entity: Optional[str] = None
+    """W&B entity (team); null uses the default."""
+
+
+@dataclass
+class LoggingConfig:
+    """Console, JSONL and W&B output."""
+
+    console: bool = True
+    """Show the live console view."""
+    jsonl: bool = True
+    """Write metrics.jsonl in the run directory."""
+    log_every: int = 1
+    """Log metrics every this many learner steps."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """Weights & Biases settings."""
+
+
+@dataclass
+class Config:
+    """The whole configuration of a run."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    """Datasets and prompt formatting."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Inference servers, workers, sampling and rewards."""
+    queue: QueueConfig = field(default_factory=QueueConfig)
+    """Replay queue."""
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    """Model, optimizer, FSDP and micro-batching."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Advantage estimator, loss, off-policy correction, KL and staleness."""
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    """Weight publishing."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Steps, checkpoints and validation."""
+    ray: RayConfig = field(default_factory=RayConfig)
+    """Ray cluster."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Tracking."""
+
+
+#: Estimators whose baseline comes from the other samples of the same prompt.
+GROUP_ESTIMATORS = ("grpo", "rloo", "grpo_passk", "reinforce_pp_baseline", "opo")
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Build a validated :class:`Config` from a YAML file and ``key=value`` overrides.
+
+    Overrides use dotted keys (``learner.optim.lr=1e-6``); values are parsed as YAML.
+    ``${a.b}`` interpolations are resolved. Raises :class:`ConfigError`.
+    """
+    raw = _read_yaml(path) if path is not None else {}
+    for item in overrides:
+        key, sep, _ = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override {item!r} is not of the form key=value (e.g. learner.optim.lr=1e-6)")
+        _check_path(key.strip())
+    try:
+        merged = OmegaConf.merge(OmegaConf.create(to_dict(Config())), OmegaConf.create(raw), OmegaConf.from_dotlist(list(overrides)))
+        resolved = OmegaConf.to_container(merged, resolve=True)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"cannot merge or resolve the config: {exc}") from None
+    cfg = from_dict(Config, resolved)
+    validate(cfg)
+    return cfg
+
+
+def _read_yaml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} not found")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{p}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: the top level must be a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def _check_path(dotted: str) -> None:
+    """Raise ConfigError if ``dotted`` does not name a field (or a key under a dict field)."""
+    cls: Any = Config
+    parts = dotted.split(".")
+    for i, part in enumerate(parts):
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        if part not in fields:
+            _unknown_key(".".join(parts[:i]), part, list(fields))
+        ftype = _field_types(cls)[part]
+        if not _is_dataclass_type(ftype):
+            if i != len(parts) - 1:
+                raise ConfigError(f"{'.'.join(parts[: i + 1])} is a value, not a section: cannot set {dotted}")
+            return
+        cls = ftype
+    raise ConfigError(f"{dotted} is a section; set one of its keys, e.g. {dotted}.{dataclasses.fields(cls)[0].name}=...")
+
+
+def _unknown_key(prefix: str, key: str, valid: list[str]) -> typing.NoReturn:
+    full = f"{prefix}.{key}" if prefix else key
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    hint = f"did you mean {prefix + '.' if prefix else ''}{close[0]}? " if close else ""
+    where = f"section {prefix}" if prefix else "the top level"
+    raise ConfigError(f"unknown config key {full}: {hint}valid keys of {where}: {', '.join(valid)}")
+
+
+def from_dict(cls: type, data: Any, prefix: str = "") -> Any:
+    """Convert a nested mapping into dataclass ``cls``, strictly (see module docstring)."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'} must be a mapping (a section), got {data!r}")
+    types_ = _field_types(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in data:
+        if key not in types_:
+            _unknown_key(prefix, str(key), names)
+    kwargs = {}
+    for name, value in data.items():
+        key = f"{prefix}.{name}" if prefix else name
+        kwargs[name] = _convert(types_[name], value, key)
+    return cls(**kwargs)
+
+
+def _convert(tp: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if _is_dataclass_type(tp):
+        return from_dict(tp, value, key)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _convert(inner[0], value, key)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{key}={value!r} is not allowed{hint}; expected one of {', '.join(map(repr, choices))}")
+        return value
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            _wrong_type(key, value, _type_name(tp))
+        (item,) = typing.get_args(tp)
+        return [_convert(item, v, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if not isinstance(value, bool):
+            _wrong_type(key, value, "bool (true or false)")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            _wrong_type(key, value, "int")
+        return value
+    if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads "1e-6" as a string
+            try:
+                value = float(value)
+            except ValueError:
+                _wrong_type(key, value, "float")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            _wrong_type(key, value, "float")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            _wrong_type(key, value, "str")
+        return value
+    raise TypeError(f"config field {key} has an unsupported type {tp!r}")  # a bug in this module
+
+
+def _wrong_type(key: str, value: Any, expected: str) -> typing.NoReturn:
+    raise ConfigError(f"{key}={value!r} has type {type(value).__name__}, expected {expected}")
+
+
+def _type_name(tp: Any) -> str:
+    """Readable name of a field type: ``int | null``, ``'skip' | 'truncate'``, ``list[float]``."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (Union, types.UnionType):
+        return " | ".join("null" if a is type(None) else _type_name(a) for a in args)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in args)
+    if origin is list:
+        return f"list[{_type_name(args[0])}]"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _is_dataclass_type(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def validate(cfg: Config) -> None:
+    """Check value ranges and cross-field rules; raise ConfigError naming every key involved."""
+    problems: list[str] = []
+
+    def need(ok: bool, message: str) -> None:
+        if not ok:
+            problems.append(message)
+
+    r, lrn, alg, loss = cfg.rollout, cfg.learner, cfg.algorithm, cfg.algorithm.loss
+    for key, value in _positive_ints(cfg):
+        need(value >= 1, f"{key}={value} must be >= 1")
+    need(alg.max_staleness >= 0, f"algorithm.max_staleness={alg.max_staleness} must be >= 0 (0 = synchronous)")
+    need(r.temperature > 0, f"rollout.temperature={r.temperature} must be > 0")
+    need(0 < r.top_p <= 1, f"rollout.top_p={r.top_p} must be in (0, 1]")
+    need(r.top_k == -1 or r.top_k >= 1, f"rollout.top_k={r.top_k} must be -1 (off) or >= 1")
+    need(0 < r.vllm.gpu_memory_utilization <= 1, f"rollout.vllm.gpu_memory_utilization={r.vllm.gpu_memory_utilization} must be in (0, 1]")
+    need(r.vllm.kv_cache_space_gb > 0, f"rollout.vllm.kv_cache_space_gb={r.vllm.kv_cache_space_gb} must be > 0")
+    need(lrn.optim.lr > 0, f"learner.optim.lr={lrn.optim.lr} must be > 0")
+    need(lrn.optim.grad_clip >= 0, f"learner.optim.grad_clip={lrn.optim.grad_clip} must be >= 0 (0 disables clipping)")
+    need(len(lrn.optim.betas) == 2 and all(0 <= b < 1 for b in lrn.optim.betas), f"learner.optim.betas={lrn.optim.betas} must be two numbers in [0, 1)")
+    need(0 <= lrn.optim.min_lr_ratio <= 1, f"learner.optim.min_lr_ratio={lrn.optim.min_lr_ratio} must be in [0, 1]")
+    need(lrn.optim.warmup_steps >= 0, f"learner.optim.warmup_steps={lrn.optim.warmup_steps} must be >= 0")
+    need(cfg.trainer.val_every >= 0, f"trainer.val_every={cfg.trainer.val_every} must be >= 0 (0 disables validation)")
+    need(0 < loss.clip_low < 1, f"algorithm.loss.clip_low={loss.clip_low} must be in (0, 1)")
+    need(loss.clip_high > 0, f"algorithm.loss.clip_high={loss.clip_high} must be > 0")
+    need(loss.clip_c is None or loss.clip_c > 1, f"algorithm.loss.clip_c={loss.clip_c} must be > 1 (or null to disable dual-clip)")
+    need(loss.is_cap is None or loss.is_cap >= 1, f"algorithm.loss.is_cap={loss.is_cap} must be >= 1 (or null for no truncation)")
+    need(loss.kl_coef >= 0, f"algorithm.loss.kl_coef={loss.kl_coef} must be >= 0")
+    need(cfg.queue.timeout_s > 0 and cfg.sync.timeout_s > 0, f"queue.timeout_s={cfg.queue.timeout_s} and sync.timeout_s={cfg.sync.timeout_s} must be > 0")
+    need(math.isfinite(cfg.rollout.reward.fallback_reward), f"rollout.reward.fallback_reward={cfg.rollout.reward.fallback_reward} must be finite")
+
+    # Cross-field rules: name both keys.
+    need(
+        loss.mask_level == "none" or 0 <= loss.mask_lower < 1 < loss.mask_upper,
+        f"algorithm.loss.mask_lower={loss.mask_lower} and algorithm.loss.mask_upper={loss.mask_upper} must satisfy 0 <= lower < 1 < upper "
+        f"when algorithm.loss.mask_level={loss.mask_level!r}",
+    )
+    need(
+        alg.advantage.name not in GROUP_ESTIMATORS or r.n > 1,
+        f"algorithm.advantage.name={alg.advantage.name!r} compares samples of the same prompt and needs rollout.n > 1 (got rollout.n={r.n})",
+    )
+    need(
+        lrn.batch_size % lrn.ppo_mini_batches == 0,
+        f"learner.batch_size={lrn.batch_size} must be divisible by learner.ppo_mini_batches={lrn.ppo_mini_batches}",
+    )
+    need(
+        cfg.queue.max_depth >= lrn.batch_size,
+        f"queue.max_depth={cfg.queue.max_depth} must be >= learner.batch_size={lrn.batch_size}, or producers block before a batch can form",
+    )
+    need(
+        lrn.max_tokens_per_microbatch >= cfg.data.max_prompt_length + r.max_response_length,
+        f"learner.max_tokens_per_microbatch={lrn.max_tokens_per_microbatch} must hold one whole sample: "
+        f">= data.max_prompt_length + rollout.max_response_length = {cfg.data.max_prompt_length + r.max_response_length}",
+    )
+    if r.vllm.max_model_len is not None:
+        need(
+            r.vllm.max_model_len >= cfg.data.max_prompt_length + r.max_response_length,
+            f"rollout.vllm.max_model_len={r.vllm.max_model_len} must be >= data.max_prompt_length + rollout.max_response_length "
+            f"= {cfg.data.max_prompt_length + r.max_response_length}",
+        )
+    need(
+        alg.recompute_proximal or loss.name != "decoupled_ppo",
+        "algorithm.loss.name='decoupled_ppo' needs algorithm.recompute_proximal=true (with false, pi_prox = mu and the loss is 'tis')",
+    )
+    if problems:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+
+
+def _positive_ints(cfg: Config) -> list[tuple[str, int]]:
+    return [
+        ("rollout.num_servers", cfg.rollout.num_servers),
+        ("rollout.workers_per_server", cfg.rollout.workers_per_server),
+        ("rollout.n", cfg.rollout.n),
+        ("rollout.max_response_length", cfg.rollout.max_response_length),
+        ("rollout.max_inflight", cfg.rollout.max_inflight),
+        ("rollout.vllm.tensor_parallel_size", cfg.rollout.vllm.tensor_parallel_size),
+        ("data.max_prompt_length", cfg.data.max_prompt_length),
+        ("queue.max_depth", cfg.queue.max_depth),
+        ("learner.world_size", cfg.learner.world_size),
+        ("learner.batch_size", cfg.learner.batch_size),
+        ("learner.ppo_mini_batches", cfg.learner.ppo_mini_batches),
+        ("learner.ppo_epochs", cfg.learner.ppo_epochs),
+        ("learner.max_tokens_per_microbatch", cfg.learner.max_tokens_per_microbatch),
+        ("sync.every", cfg.sync.every),
+        ("sync.bucket_mb", cfg.sync.bucket_mb),
+        ("trainer.total_steps", cfg.trainer.total_steps),
+        ("trainer.save_every", cfg.trainer.save_every),
+        ("trainer.keep_checkpoints", cfg.trainer.keep_checkpoints),
+        ("trainer.val_n", cfg.trainer.val_n),
+        ("logging.log_every", cfg.logging.log_every),
+    ]
+
+
+# --------------------------------------------------------------------------- output
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """Plain nested dict of a config (or section)."""
+    return dataclasses.asdict(cfg)
+
+
+def to_yaml(cfg: Any) -> str:
+    """YAML text of a config; ``load_config`` of it gives back an equal config."""
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False)
+
+
+def save_resolved(cfg: Config, out_dir: str | Path) -> Path:
+    """Write ``resolved_config.yaml`` into ``out_dir`` (created if needed); return its path."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "resolved_config.yaml"
+    path.write_text(to_yaml(cfg))
+    return path
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring of each field of dataclass ``cls`` (the string literal after the field)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
+                docs[node.target.id] = nxt.value.value
+    return docs
+
+
+def reference_markdown() -> str:
+    """Markdown reference of every section and key: type, default, meaning (docs/config.md)."""
+    lines = ["# Configuration reference", "", "Generated by `async-rl config docs` from `async_rl/config.py`; do not edit by hand.", ""]
+
+    def section(cls: type, prefix: str) -> None:
+        docs = field_docs(cls)
+        hints = _field_types(cls)
+        nested = []
+        lines.extend([f"## `{prefix}`", "", (inspect.getdoc(cls) or "").splitlines()[0], "", "| key | type | default | meaning |", "| --- | --- | --- | --- |"])
+        for f in dataclasses.fields(cls):
+            tp = hints[f.name]
+            if _is_dataclass_type(tp):
+                nested.append((tp, f"{prefix}.{f.name}"))
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            type_text = _type_name(tp).replace("|", "\\|")
+            lines.append(f"| `{prefix}.{f.name}` | `{type_text}` | `{yaml.safe_dump(default, default_flow_style=True).strip().removesuffix('...').strip()}` | {docs.get(f.name, '')} |")
+        lines.append("")
+        for sub, sub_prefix in nested:
+            section(sub, sub_prefix)
+
+    for f in dataclasses.fields(Config):
+        section(_field_types(Config)[f.name], f.name)
+    return "\n".join(lines)

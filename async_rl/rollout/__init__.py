@@ -1,0 +1,1 @@
+"""Rollout: vLLM inference, generation loops and evaluation."""

