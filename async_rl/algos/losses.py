@@ -1,0 +1,424 @@
+"""Policy losses with off-policy correction, KL-to-reference and entropy terms.
+
+Shapes: ``B`` sequences, ``T`` response tokens; every per-token tensor is ``[B, T]`` and ``mask``
+is 1 for trained tokens. Each sampled token has three log-probabilities: the current policy's
+``logp`` (``pi_theta``, with gradient), the proximal policy's ``old_logp`` (``pi_prox``, recomputed
+by the learner) and the sampler's ``behav_logp`` (``mu``, from vLLM).
+
+A registered loss maps ``(logp, prox_logp, advantages, mask, options)`` to a per-token surrogate
+(:class:`PolicyTerms`). :func:`compute` then applies the off-policy correction, which is the same
+for every loss:
+
+* the importance weight ``w`` (``is_level``): ``pi_train / mu`` per token, or its product over the
+  sequence, truncated at ``is_cap`` and detached (truncated IS, Yao et al.,
+  https://fengyao.notion.site/off-policy-rl);
+* rejection (``mask_level``): tokens, or whole sequences, whose token ratio, summed log-ratio
+  (sequence) or geometric-mean ratio falls outside ``[mask_lower, mask_upper]`` leave the mask
+  (masked IS; verl ``rollout_corr_helper.compute_rollout_rejection_mask``).
+
+``pi_train`` is ``pi_prox`` for every loss except the bypass loss ``tis``, which has no recomputed
+``pi_prox`` (``pi_prox := mu``) and corrects with the detached current policy instead, as verl's
+bypass mode does. The per-token loss is ``w * surrogate``, aggregated over the surviving mask by
+``agg_mode``; ``kl_coef * KL(pi_theta || pi_ref)`` and ``-entropy_coef * entropy`` are added when
+their inputs are given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from . import kl
+from ._masked import masked_mean
+from ._registry import Registry
+
+IsLevel = Literal["none", "token", "sequence"]
+MaskLevel = Literal["none", "token", "sequence", "geometric"]
+AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+IS_LEVELS: tuple[str, ...] = ("none", "token", "sequence")
+MASK_LEVELS: tuple[str, ...] = ("none", "token", "sequence", "geometric")
+AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+# verl's SAFETY_BOUND: log-ratios are clamped to +-20 before exp so weights stay finite in float32.
+_LOG_RATIO_BOUND = 20.0
+
+
+@dataclass(frozen=True)
+class LossOptions:
+    """Every option of the policy loss, with its default. Read from a config by :meth:`from_any`."""
+
+    clip_low: float = 0.2
+    """PPO lower clip: the ratio is clipped below at ``1 - clip_low`` (dimensionless, in [0, 1))."""
+    clip_high: float = 0.2
+    """PPO upper clip: the ratio is clipped above at ``1 + clip_high``; above ``clip_low`` it is
+    DAPO's clip-higher (dimensionless, >= 0)."""
+    clip_c: float | None = None
+    """Dual-clip constant (Ye et al., arXiv:1912.09729): for negative advantages the per-token loss
+    is capped at ``-clip_c * A``. None disables dual-clip; otherwise > 1 (e.g. 3.0)."""
+    is_level: IsLevel = "none"
+    """Importance weight ``pi_train / mu``: "token" (per token), "sequence" (product over the
+    sequence) or "none" (weight 1). ``decoupled_ppo`` always carries the weight: "none" means
+    "token" for it."""
+    is_cap: float | None = 2.0
+    """Truncation of the importance weight, ``w = min(w, is_cap)`` (TIS); None = no truncation.
+    At least 1, so that on-policy tokens (weight 1) are never scaled down."""
+    mask_level: MaskLevel = "none"
+    """Rejection (masked IS): "token" drops tokens whose ratio is outside
+    ``[mask_lower, mask_upper]``; "sequence" drops sequences whose ratio product is; "geometric"
+    drops sequences whose geometric-mean ratio is; "none" keeps everything."""
+    mask_lower: float = 0.5
+    """Lower bound of the accepted ratio for rejection (dimensionless, in [0, 1])."""
+    mask_upper: float = 2.0
+    """Upper bound of the accepted ratio for rejection (dimensionless, >= 1)."""
+    agg_mode: AggMode = "token-mean"
+    """Aggregation of the per-token loss: "token-mean" (over all trained tokens of the batch),
+    "seq-mean-token-sum", "seq-mean-token-mean" (token mean per sequence, then mean over
+    sequences) or "seq-mean-token-sum-norm" (token sum per sequence divided by ``T``, then mean
+    over sequences; Dr. GRPO). Sequences without trained tokens do not count."""
+    kl_coef: float = 0.0
+    """Weight of the KL-to-reference term added to the loss (needs ``ref_logp``); 0 = off."""
+    kl_kind: str = "k3"
+    """KL estimator for the reference term: one of ``kl.names()`` ("k1", "k2", "k3")."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus subtracted from the loss (needs ``entropy``); 0 = off."""
+
+    def __post_init__(self) -> None:
+        _check(0 <= self.clip_low < 1, "clip_low must be in [0, 1)", self.clip_low)
+        _check(self.clip_high >= 0, "clip_high must be >= 0", self.clip_high)
+        _check(self.clip_c is None or self.clip_c > 1, "clip_c must be None or > 1", self.clip_c)
+        _check(self.is_level in IS_LEVELS, f"is_level must be one of {IS_LEVELS}", self.is_level)
+        _check(self.is_cap is None or self.is_cap >= 1, "is_cap must be None or >= 1", self.is_cap)
+        _check(self.mask_level in MASK_LEVELS, f"mask_level must be one of {MASK_LEVELS}", self.mask_level)
+        _check(0 <= self.mask_lower <= 1, "mask_lower must be in [0, 1]", self.mask_lower)
+        _check(self.mask_upper >= 1, "mask_upper must be >= 1", self.mask_upper)
+        _check(self.agg_mode in AGG_MODES, f"agg_mode must be one of {AGG_MODES}", self.agg_mode)
+        _check(self.kl_kind in kl.names(), f"kl_kind must be one of {kl.names()}", self.kl_kind)
+        _check(math.isfinite(self.kl_coef), "kl_coef must be finite", self.kl_coef)
+        _check(math.isfinite(self.entropy_coef), "entropy_coef must be finite", self.entropy_coef)
+
+    @classmethod
+    def from_any(cls, config: Mapping[str, Any] | object | None) -> LossOptions:
+        """Options from a dict, or from any object with attributes of the same names (e.g. a dataclass).
+
+        Missing names take the defaults; a dict key that is not an option raises ``ValueError``.
+        """
+        if config is None:
+            return cls()
+        if isinstance(config, cls):
+            return config
+        fields = [field.name for field in dataclasses.fields(cls)]
+        if isinstance(config, Mapping):
+            unknown = sorted(set(config) - set(fields))
+            if unknown:
+                raise ValueError(f"unknown loss option(s) {unknown}; valid options: {fields}")
+            return cls(**config)
+        return cls(**{name: getattr(config, name) for name in fields if hasattr(config, name)})
+
+
+def _check(condition: bool, message: str, value: object) -> None:
+    if not condition:
+        raise ValueError(f"{message}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class PolicyTerms:
+    """A loss's per-token surrogate and where it clipped; all ``[B, T]``."""
+
+    loss: Tensor
+    """Per-token loss before importance weighting and aggregation."""
+    clipped: Tensor
+    """Bool: the token's loss is the clipped branch (PPO clip / CISPO weight clip)."""
+    clipped_lower: Tensor
+    """Bool: the token's loss is the dual-clip bound (negative advantages only)."""
+
+
+PolicyLoss = Callable[[Tensor, Tensor, Tensor, Tensor, LossOptions], PolicyTerms]
+
+
+@dataclass(frozen=True)
+class _LossSpec:
+    fn: PolicyLoss
+    bypass: bool
+    """``pi_prox := mu``: the ratio's anchor is ``behav_logp`` and ``old_logp`` is not needed."""
+    behaviour_weight: bool
+    """The loss's definition includes the importance weight, so ``is_level="none"`` means "token"."""
+
+
+_REGISTRY: Registry[_LossSpec] = Registry("policy loss")
+names = _REGISTRY.names
+
+
+def register(name: str, *, bypass: bool = False, behaviour_weight: bool = False) -> Callable[[PolicyLoss], PolicyLoss]:
+    """Register a policy loss ``fn(logp, prox_logp, advantages, mask, options) -> PolicyTerms``.
+
+    ``bypass``: the loss anchors its ratio on ``mu`` (no recomputed ``pi_prox``).
+    ``behaviour_weight``: the loss always multiplies by the importance weight.
+    """
+
+    def decorator(fn: PolicyLoss) -> PolicyLoss:
+        _REGISTRY.add(name, _LossSpec(fn, bypass, behaviour_weight))
+        return fn
+
+    return decorator
+
+
+def compute(
+    name: str,
+    *,
+    logp: Tensor,
+    old_logp: Tensor | None,
+    behav_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    config: Mapping[str, Any] | object | None = None,
+    ref_logp: Tensor | None = None,
+    entropy: Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """Scalar loss and float metrics for policy loss ``name`` (one of :func:`names`).
+
+    Args:
+        logp: ``[B, T]`` current policy log-probabilities (carries the gradient).
+        old_logp: ``[B, T]`` proximal policy log-probabilities; may be None for the bypass loss ``tis``.
+        behav_logp: ``[B, T]`` behaviour (sampler) log-probabilities.
+        advantages: ``[B, T]`` per-token advantages.
+        mask: ``[B, T]`` 1 for trained tokens.
+        config: a dict or an object with :class:`LossOptions` names; missing names take defaults.
+        ref_logp: ``[B, T]`` reference policy log-probabilities; when given, ``kl_loss`` is logged
+            and ``kl_coef * kl_loss`` added. Required when ``kl_coef != 0``.
+        entropy: ``[B, T]`` per-token entropy of ``pi_theta`` with gradient (e.g.
+            :func:`entropy_from_logits`); when given, ``entropy`` is logged and
+            ``entropy_coef * entropy`` subtracted. Required when ``entropy_coef != 0``.
+
+    Returns:
+        ``(loss, metrics)``; metrics: ``pg_loss``, ``pg_clipfrac``, ``pg_clipfrac_lower``,
+        ``ppo_kl``, ``is_weight_mean``, ``is_weight_max``, ``is_ess``, ``masked_fraction``,
+        ``behav_kl``, plus ``kl_loss`` / ``entropy`` when those inputs are given.
+    """
+    options = LossOptions.from_any(config)
+    spec = _REGISTRY.get(name)
+    mask = mask.to(logp.dtype)
+    if spec.bypass:
+        prox_logp, train_logp = behav_logp, logp.detach()
+    elif old_logp is None:
+        raise ValueError(f"policy loss {name!r} needs old_logp (the proximal policy)")
+    else:
+        prox_logp = train_logp = old_logp
+    behav_log_ratio = (train_logp - behav_logp).detach()
+    level = "token" if spec.behaviour_weight and options.is_level == "none" else options.is_level
+    weight = importance_weight(behav_log_ratio, mask, level, options.is_cap)
+    keep = mask * rejection_mask(behav_log_ratio, mask, options.mask_level, options.mask_lower, options.mask_upper)
+
+    terms = spec.fn(logp, prox_logp, advantages, keep, options)
+    pg_loss = aggregate(terms.loss * weight, keep, options.agg_mode)
+    metrics = {
+        "pg_loss": pg_loss,
+        "pg_clipfrac": masked_mean(terms.clipped.to(keep.dtype), keep),
+        "pg_clipfrac_lower": masked_mean(terms.clipped_lower.to(keep.dtype), keep),
+        "ppo_kl": masked_mean(prox_logp - logp, keep),
+        **_correction_metrics(weight, mask, keep),
+        "behav_kl": masked_mean(kl.estimate("k3", behav_logp, train_logp), mask),
+    }
+    loss = pg_loss
+    if ref_logp is not None:
+        metrics["kl_loss"] = aggregate(kl.estimate(options.kl_kind, logp, ref_logp), keep, options.agg_mode)
+        loss = loss + options.kl_coef * metrics["kl_loss"]
+    elif options.kl_coef != 0:
+        raise ValueError("kl_coef != 0 needs ref_logp")
+    if entropy is not None:
+        metrics["entropy"] = aggregate(entropy, keep, options.agg_mode)
+        loss = loss - options.entropy_coef * metrics["entropy"]
+    elif options.entropy_coef != 0:
+        raise ValueError("entropy_coef != 0 needs entropy")
+    return loss, {key: float(value.detach()) for key, value in metrics.items()}
+
+
+def _correction_metrics(weight: Tensor, mask: Tensor, keep: Tensor) -> dict[str, Tensor]:
+    """Weight mean/max and ESS over the valid tokens, and the rejected fraction of them.
+
+    ``is_ess = 1 / mean(w~^2)`` with ``w~ = w / mean(w)``, i.e. ``mean(w)^2 / mean(w^2)`` (verl
+    ``rollout_is_eff_sample_size``): 1 for equal weights, towards 0 as a few tokens dominate.
+    """
+    weight = weight.detach()
+    weight_mean = masked_mean(weight, mask)
+    return {
+        "is_weight_mean": weight_mean,
+        "is_weight_max": torch.where(mask > 0, weight, torch.zeros_like(weight)).max(),
+        "is_ess": weight_mean.square() / masked_mean(weight.square(), mask).clamp_min(torch.finfo(weight.dtype).tiny),
+        "masked_fraction": 1 - keep.sum() / mask.sum().clamp_min(1),
+    }
+
+
+def _level_log_ratio(log_ratio: Tensor, mask: Tensor, level: str) -> Tensor:
+    """Log-ratio at ``level``: per token, summed over the sequence, or its per-sequence mean (geometric).
+
+    Shapes: ``[B, T]`` -> ``[B, T]`` (sequence levels broadcast over the sequence's tokens).
+    """
+    if level == "token":
+        return log_ratio
+    total = (log_ratio * mask).sum(-1, keepdim=True)
+    if level == "sequence":
+        return total.expand_as(log_ratio)
+    if level == "geometric":
+        return (total / mask.sum(-1, keepdim=True).clamp_min(1)).expand_as(log_ratio)
+    raise ValueError(f"unknown level {level!r}")
+
+
+def importance_weight(log_ratio: Tensor, mask: Tensor, level: str, cap: float | None) -> Tensor:
+    """Detached truncated importance weight ``min(exp(log_ratio at level), cap)``.
+
+    Shapes: ``log_ratio`` (``log pi_train - log mu``), ``mask`` ``[B, T]`` -> ``[B, T]``.
+    ``level``: "token", "sequence" (product of the token ratios) or "none" (all ones).
+    Sources: TIS, Yao et al. (https://fengyao.notion.site/off-policy-rl); verl
+    ``compute_rollout_correction_weights`` (log-ratio clamped to +-20 before exp).
+    """
+    if level == "none":
+        return torch.ones_like(log_ratio)
+    bounded = _level_log_ratio(log_ratio.detach(), mask, level).clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)
+    weight = torch.exp(bounded)
+    return weight if cap is None else weight.clamp_max(cap)
+
+
+def rejection_mask(log_ratio: Tensor, mask: Tensor, level: str, lower: float, upper: float) -> Tensor:
+    """1 where the ratio at ``level`` lies in ``[lower, upper]``, else 0 (masked importance sampling).
+
+    Shapes: ``log_ratio`` (``log pi_train - log mu``), ``mask`` ``[B, T]`` -> ``[B, T]`` float.
+    ``level``: "token", "sequence" (``sum_t log ratio``), "geometric" (``mean_t log ratio``) or
+    "none" (all ones). Compared in log space, so long sequences cannot overflow.
+    Source: verl ``rollout_corr_helper.compute_rollout_rejection_mask`` (MIS / rejection sampling).
+    """
+    if level == "none":
+        return torch.ones_like(log_ratio)
+    level_log_ratio = _level_log_ratio(log_ratio.detach(), mask, level)
+    log_lower = math.log(lower) if lower > 0 else -math.inf
+    inside = (level_log_ratio >= log_lower) & (level_log_ratio <= math.log(upper))
+    return inside.to(log_ratio.dtype)
+
+
+def _sequence_reduce(mode: str, loss_mat: Tensor, mask: Tensor) -> Tensor:
+    """Per-sequence loss ``[B]`` for the "seq-mean-*" aggregation modes."""
+    token_sum = (loss_mat * mask).sum(-1)
+    if mode == "seq-mean-token-sum":
+        return token_sum
+    if mode == "seq-mean-token-mean":
+        return token_sum / mask.sum(-1).clamp_min(1)
+    if mode == "seq-mean-token-sum-norm":
+        return token_sum / mask.shape[-1]
+    raise ValueError(f"unknown agg_mode {mode!r}; valid modes: {AGG_MODES}")
+
+
+def aggregate(loss_mat: Tensor, mask: Tensor, mode: str) -> Tensor:
+    """Scalar from a per-token loss ``[B, T]`` under ``mask`` ``[B, T]``.
+
+    "token-mean": ``sum(L m) / sum(m)``. "seq-mean-token-sum": mean over sequences of
+    ``sum_t L m``. "seq-mean-token-mean": mean over sequences of ``sum_t L m / sum_t m``.
+    "seq-mean-token-sum-norm": mean over sequences of ``sum_t L m / T`` (Dr. GRPO's constant
+    normaliser, arXiv:2503.20783; verl's variant sums over sequences instead of averaging).
+    Sequence means run over sequences with at least one trained token; an empty mask gives 0.
+    Source: verl ``core_algos.agg_loss``.
+    """
+    if mode == "token-mean":
+        return masked_mean(loss_mat, mask)
+    per_sequence = _sequence_reduce(mode, loss_mat, mask)
+    return per_sequence.sum() / (mask.sum(-1) > 0).sum().clamp_min(1)
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Per-token entropy ``logsumexp(z) - sum softmax(z) z``: ``[B, T, V]`` -> ``[B, T]``, with gradient.
+
+    Source: verl ``verl/utils/torch_functional.entropy_from_logits``.
+    """
+    probs = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)
+
+
+def _clipped_surrogate(log_ratio: Tensor, advantages: Tensor, options: LossOptions) -> PolicyTerms:
+    """PPO's pessimistic clipped surrogate on ``ratio = exp(log_ratio)``, with clip-higher and dual-clip.
+
+    ``max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))``; for ``A < 0`` and ``clip_c`` set, also
+    ``min(., -A clip_c)``. Shapes ``[B, T]``. Source: verl ``compute_policy_loss_vanilla``.
+    """
+    ratio = torch.exp(log_ratio.clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND))
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1 - options.clip_low, 1 + options.clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    is_clipped = clipped > unclipped
+    if options.clip_c is None:
+        return PolicyTerms(loss, is_clipped, torch.zeros_like(is_clipped))
+    bound = -advantages * options.clip_c
+    negative = advantages < 0
+    is_clipped_lower = negative & (loss > bound)
+    return PolicyTerms(torch.where(negative, torch.minimum(loss, bound), loss), is_clipped, is_clipped_lower)
+
+
+@register("ppo")
+def ppo(logp: Tensor, prox_logp: Tensor, advantages: Tensor, mask: Tensor, options: LossOptions) -> PolicyTerms:
+    """PPO clip on ``r = pi_theta / pi_prox`` with separate ``clip_low`` / ``clip_high`` and optional dual-clip.
+
+    Options: ``clip_low``, ``clip_high``, ``clip_c``. Shapes ``[B, T]``.
+    Sources: Schulman et al. (arXiv:1707.06347); clip-higher, DAPO (arXiv:2503.14476); dual-clip,
+    Ye et al. (arXiv:1912.09729); verl ``compute_policy_loss_vanilla``.
+    """
+    del mask  # token-level: no sequence reduction
+    return _clipped_surrogate(logp - prox_logp, advantages, options)
+
+
+@register("decoupled_ppo", behaviour_weight=True)
+def decoupled_ppo(
+    logp: Tensor, prox_logp: Tensor, advantages: Tensor, mask: Tensor, options: LossOptions
+) -> PolicyTerms:
+    """Decoupled PPO: PPO clip on ``pi_theta / pi_prox``, times the detached weight ``min(pi_prox / mu, is_cap)``.
+
+    The weight is applied by :func:`compute` (at ``is_level``, "token" when that is "none").
+    AReaL drops tokens whose weight exceeds the cap instead of truncating; that is
+    ``mask_level="token"`` with ``mask_upper=is_cap`` here. Options: as ``ppo``, plus ``is_cap``.
+    Shapes ``[B, T]``. Sources: Fu et al., AReaL (arXiv:2505.24298), Hilton et al. (arXiv:2110.00641);
+    AReaL ``areal/utils/functional.py::ppo_actor_loss_fn``.
+    """
+    return ppo(logp, prox_logp, advantages, mask, options)
+
+
+@register("tis", bypass=True)
+def tis(logp: Tensor, prox_logp: Tensor, advantages: Tensor, mask: Tensor, options: LossOptions) -> PolicyTerms:
+    """Bypass mode: ``pi_prox := mu``, PPO clip on ``pi_theta / mu`` (no recompute of ``pi_prox``).
+
+    The clipped ratio truncates the importance ratio itself, so ``is_level`` stays "none" unless a
+    second weight ``sg(pi_theta) / mu`` is wanted; rejection (``mask_level``) compares
+    ``sg(pi_theta) / mu``. Options: as ``ppo``. Shapes ``[B, T]``.
+    Sources: Yao et al., TIS (https://fengyao.notion.site/off-policy-rl); verl
+    ``compute_policy_loss_bypass_mode`` (loss_type "ppo_clip").
+    """
+    return ppo(logp, prox_logp, advantages, mask, options)
+
+
+@register("gspo")
+def gspo(logp: Tensor, prox_logp: Tensor, advantages: Tensor, mask: Tensor, options: LossOptions) -> PolicyTerms:
+    """GSPO: clip on the sequence ratio ``s_i = exp(mean_t log(pi_theta / pi_prox))``, token-level
+    straight-through form ``s_i,t = sg(s_i) pi_theta / sg(pi_theta)``.
+
+    Options: ``clip_low``, ``clip_high`` (the paper uses ~3e-4 / 4e-4), ``clip_c``. The paper's
+    objective aggregates with ``agg_mode="seq-mean-token-mean"``. Shapes ``[B, T]``.
+    Sources: Zheng et al., GSPO (arXiv:2507.18071); verl ``compute_policy_loss_gspo``.
+    """
+    sequence_log_ratio = _level_log_ratio(logp - prox_logp, mask, "geometric")
+    return _clipped_surrogate(logp - logp.detach() + sequence_log_ratio.detach(), advantages, options)
+
+
+@register("cispo")
+def cispo(logp: Tensor, prox_logp: Tensor, advantages: Tensor, mask: Tensor, options: LossOptions) -> PolicyTerms:
+    """CISPO: ``-sg(clip(r, 1 - clip_low, 1 + clip_high)) * A * log pi_theta`` with ``r = pi_theta / pi_prox``.
+
+    Every token keeps a gradient; clipping only bounds its weight (MiniMax-M1 leaves the lower
+    side open: set ``clip_low`` near 1). ``clip_c`` does not apply. Shapes ``[B, T]``.
+    Sources: MiniMax-M1 (arXiv:2506.13585); verl ``compute_policy_loss_cispo``.
+    """
+    del mask  # token-level: no sequence reduction
+    ratio = torch.exp((logp - prox_logp).detach().clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND))
+    weight = ratio.clamp(1 - options.clip_low, 1 + options.clip_high)
+    return PolicyTerms(-weight * advantages * logp, weight != ratio, torch.zeros_like(ratio, dtype=torch.bool))
