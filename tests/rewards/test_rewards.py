@@ -1,0 +1,108 @@
+"""Built-in rewards, loading by path, and the scorer's error isolation and shaping."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from async_rl.rewards import builtin_names, load_reward_function
+from async_rl.rewards.builtin import last_boxed
+from async_rl.rewards.scoring import RewardScorer
+
+
+def _inputs(*pairs, length=4):
+    return [{"response": r, "response_length": length, "ground_truth": g} for r, g in pairs]
+
+
+def test_builtins_listed():
+    assert builtin_names() == ["exact_match", "format", "math"]
+
+
+def test_exact_match():
+    fn = load_reward_function("exact_match")
+    out = fn(_inputs((" 432\n", "432"), ("43 2", "432"), ("432", 432)))
+    assert [o["overall"] for o in out] == [1.0, 0.0, 1.0]
+
+
+def test_last_boxed_balanced():
+    assert last_boxed(r"a \boxed{1} then \boxed{\frac{1}{2}} end") == r"\frac{1}{2}"
+    assert last_boxed(r"\boxed{unclosed") is None
+    assert last_boxed("none") is None
+
+
+def test_math_equivalence():
+    fn = load_reward_function("math")
+    out = fn(_inputs((r"so \boxed{\frac{1}{2}}", "0.5"), (r"\boxed{3}", "4"), ("4", "4")))
+    assert [o["accuracy"] for o in out] == [1.0, 0.0, 0.0]
+    assert [o["format"] for o in out] == [1.0, 1.0, 0.0]
+    assert out[1]["overall"] == pytest.approx(0.1)
+
+
+def test_unknown_name_suggests():
+    with pytest.raises(ValueError, match="did you mean 'exact_match'"):
+        load_reward_function("exact_mach")
+
+
+def test_load_from_file(tmp_path):
+    path = tmp_path / "my_reward.py"
+    path.write_text("def compute_score(items):\n    return [{'overall': float(len(i['response'])), 'len': 1.0} for i in items]\n")
+    fn = load_reward_function(f"{path}:compute_score")
+    assert fn(_inputs(("abc", "")))[0]["overall"] == 3.0
+    with pytest.raises(ValueError, match="no function 'nope'"):
+        load_reward_function(f"{path}:nope")
+    with pytest.raises(FileNotFoundError, match="not found"):
+        load_reward_function(f"{tmp_path / 'missing.py'}:f")
+
+
+def _flaky(items):
+    out = []
+    for item in items:
+        if item["response"] == "boom":
+            raise ZeroDivisionError("division by zero in my reward")
+        if item["response"] == "nan":
+            out.append({"overall": float("nan")})
+        else:
+            out.append({"overall": 1.0, "accuracy": 1.0})
+    return out
+
+
+def test_raising_reward_isolates_failing_samples(caplog):
+    scorer = RewardScorer(_flaky, fallback_reward=-1.0)
+    with caplog.at_level(logging.WARNING, logger="async_rl.rewards.scoring"):
+        first = scorer.score(_inputs(("ok", "a"), ("boom", "b"), ("nan", "c"), ("ok", "d")))
+        second = scorer.score(_inputs(("boom", "e")))
+    assert [s.reward for s in first] == [1.0, -1.0, -1.0, 1.0]
+    assert first[0].error is None and first[0].components == {"accuracy": 1.0}
+    assert first[1].error == "ZeroDivisionError: division by zero in my reward"
+    assert "non-finite" in first[2].error
+    assert second[0].error == first[1].error
+    c = scorer.counters
+    assert (c.scored, c.errors, c.distinct_errors) == (5, 3, 2)
+    # each distinct error is logged once, with its traceback
+    logged = [r.getMessage() for r in caplog.records]
+    assert len(logged) == 2 and "Traceback" in logged[0]
+
+
+def test_wrong_output_shape_is_an_error():
+    scorer = RewardScorer(lambda items: [{"overall": 1.0}], fallback_reward=0.0)
+    scores = scorer.score(_inputs(("a", "a"), ("b", "b")))
+    # the batch call returns 1 output for 2 inputs; one-by-one calls then succeed
+    assert [s.reward for s in scores] == [1.0, 1.0] and scorer.counters.errors == 0
+    bad = RewardScorer(lambda items: [0.5 for _ in items], fallback_reward=0.0)
+    assert "not a dict with key 'overall'" in bad.score(_inputs(("a", "a")))[0].error
+
+
+def test_overlong_penalty_dapo():
+    scorer = RewardScorer(lambda items: [{"overall": 1.0} for _ in items], max_response_length=20, overlong_buffer=8, overlong_factor=1.0)
+    rewards = [scorer.score(_inputs(("x", ""), length=n))[0].reward for n in (12, 16, 20)]
+    assert rewards == pytest.approx([1.0, 0.5, 0.0])
+
+
+def test_dynamic_sampling_filter_counts():
+    scorer = RewardScorer(lambda items: [])
+    assert scorer.keep_group([0.0, 1.0, 1.0])
+    assert not scorer.keep_group([1.0, 1.0, 1.0])
+    assert not scorer.keep_group([0.0, 0.0])
+    assert scorer.keep_group([1.0])  # a group of one has nothing to compare
+    assert scorer.counters.groups_filtered == 2
