@@ -34,6 +34,7 @@ __all__ = ["ReplayQueue"]
 
 T = TypeVar("T")
 Entry = tuple[str, RolloutGroup]
+RawEntry = tuple[bytes, dict[bytes, bytes]]  # (entry id, fields) as redis-py returns them
 
 # Check depth and append in one script, so racing producers cannot overshoot max_depth.
 _PUT_LUA = """
@@ -44,7 +45,7 @@ end
 return redis.call('XADD', KEYS[1], '*', ARGV[3], ARGV[4])
 """
 
-_CLAIM_BATCH = 100  # entries per XAUTOCLAIM round trip
+_CLAIM_BATCH = 100  # pending entries examined per round trip
 
 
 class ReplayQueue:
@@ -181,33 +182,57 @@ class ReplayQueue:
         pipe.xack(self.keys.rollouts, CONSUMER_GROUP, *ids)
         pipe.xdel(self.keys.rollouts, *ids)
 
-    def recover(self, max_staleness: int | None = None, min_idle_s: float | None = None) -> list[Entry]:
-        """Take over entries pending for at least ``min_idle_s`` (default ``claim_idle_s``).
+    def recover(
+        self,
+        max_staleness: int | None = None,
+        *,
+        min_idle_s: float | None = None,
+        include_own: bool = False,
+    ) -> list[Entry]:
+        """Take over entries other consumers read but never committed (e.g. they died).
 
-        Those are entries a consumer read but never committed, e.g. because it died;
-        they are returned (screened like :meth:`get`) and now pending on this consumer.
-        ``min_idle_s=0`` also re-reads this consumer's own pending entries, which a
-        restarted learner that is the only consumer wants.
+        Only entries unacknowledged for at least ``min_idle_s`` seconds (default
+        ``claim_idle_s``) are taken, so live consumers keep theirs; XCLAIM re-checks the
+        idle time, so two recovering consumers never take the same entry. With
+        ``include_own`` this consumer's own pending entries are returned too: what a
+        learner restarted under the same consumer name wants. Entries are screened like
+        :meth:`get` and are now pending on this consumer.
         """
         idle_ms = int(1000 * (self.claim_idle_s if min_idle_s is None else min_idle_s))
-        claimed: list[tuple[bytes, dict[bytes, bytes]]] = []
-        cursor: bytes | str = "0-0"
-        while True:
-            cursor, entries, deleted = self._call(
-                "recover",
-                lambda: self._client.xautoclaim(
-                    self.keys.rollouts, CONSUMER_GROUP, self.consumer, idle_ms,
-                    start_id=cursor, count=_CLAIM_BATCH,
-                ),
-            )
-            claimed.extend(entries)
-            if deleted:  # pending ids whose entry is gone: nothing to redeliver, just ack
-                self.commit(d.decode() for d in deleted)
-            if cursor in (b"0-0", "0-0"):
-                return self._screen(claimed, max_staleness)
+        entries = self._call("recover", lambda: self._claim_idle(idle_ms))
+        if include_own:
+            entries = self._call("recover own", self._own_pending) + entries
+        return self._screen(entries, max_staleness)
+
+    def _claim_idle(self, idle_ms: int) -> list[RawEntry]:
+        claimed: list[RawEntry] = []
+        start: bytes | str = "-"
+        while page := self._client.xpending_range(
+            self.keys.rollouts, CONSUMER_GROUP, start, "+", _CLAIM_BATCH, idle=idle_ms
+        ):
+            ids = [p["message_id"] for p in page if p["consumer"].decode() != self.consumer]
+            if ids:
+                claimed += self._client.xclaim(
+                    self.keys.rollouts, CONSUMER_GROUP, self.consumer, idle_ms, ids
+                )
+            start = b"(" + page[-1]["message_id"]
+        return claimed
+
+    def _own_pending(self) -> list[RawEntry]:
+        own: list[RawEntry] = []
+        start: bytes | str = "0"
+        while reply := self._client.xreadgroup(
+            CONSUMER_GROUP, self.consumer, {self.keys.rollouts: start}, count=_CLAIM_BATCH
+        ):
+            page = reply[0][1]
+            if not page:
+                break
+            own += page
+            start = page[-1][0]
+        return own
 
     def _screen(
-        self, entries: Sequence[tuple[bytes, dict[bytes, bytes]]], max_staleness: int | None
+        self, entries: Sequence[RawEntry], max_staleness: int | None
     ) -> list[Entry]:
         """Decode entries; dead-letter the undecodable, drop the stale, record staleness."""
         version = self._call("read version", self._ledger.version)
