@@ -55,12 +55,15 @@ def compute_with_returns(
     group_index: Tensor | None = None,
     **options: Any,
 ) -> tuple[Tensor, Tensor]:
-    """``(advantages, returns)``, both ``[B, T]``, from estimator ``name``; computed without gradient."""
+    """``(advantages, returns)``, both ``[B, T]``, from estimator ``name``; computed without gradient.
+
+    Floating rewards keep their dtype (integer or bool rewards become float32).
+    """
     estimator = _REGISTRY.get(name)
     _check_shapes(rewards, response_mask, group_index)
-    mask = response_mask.to(torch.float32)
+    rewards = rewards if rewards.is_floating_point() else rewards.to(torch.float32)
     with torch.no_grad():
-        return estimator(rewards.to(torch.float32), mask, group_index, **options)
+        return estimator(rewards, response_mask.to(rewards.dtype), group_index, **options)
 
 
 def _check_shapes(rewards: Tensor, response_mask: Tensor, group_index: Tensor | None) -> None:
