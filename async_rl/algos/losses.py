@@ -14,7 +14,7 @@ for every loss:
   https://fengyao.notion.site/off-policy-rl);
 * rejection (``mask_level``): tokens, or whole sequences, whose token ratio, summed log-ratio
   (sequence) or geometric-mean ratio falls outside ``[mask_lower, mask_upper]`` leave the mask
-  (masked IS; verl ``rollout_corr_helper.compute_rollout_rejection_mask``).
+  (masked IS, https://richardli.xyz/rl-collapse; verl ``rollout_corr_helper``).
 
 ``pi_train`` is ``pi_prox`` for every loss except the bypass loss ``tis``, which has no recomputed
 ``pi_prox`` (``pi_prox := mu``) and corrects with the detached current policy instead, as verl's
@@ -291,7 +291,8 @@ def rejection_mask(log_ratio: Tensor, mask: Tensor, level: str, lower: float, up
     Shapes: ``log_ratio`` (``log pi_train - log mu``), ``mask`` ``[B, T]`` -> ``[B, T]`` float.
     ``level``: "token", "sequence" (``sum_t log ratio``), "geometric" (``mean_t log ratio``) or
     "none" (all ones). Compared in log space, so long sequences cannot overflow.
-    Source: verl ``rollout_corr_helper.compute_rollout_rejection_mask`` (MIS / rejection sampling).
+    Sources: masked importance sampling (MIS), Liu, Yao et al., "When Speed Kills Stability"
+    (https://richardli.xyz/rl-collapse); verl ``rollout_corr_helper.compute_rollout_rejection_mask``.
     """
     if level == "none":
         return torch.ones_like(log_ratio)

@@ -129,11 +129,11 @@ def test_gae_skips_untrained_tokens() -> None:
 
 def test_integer_rewards_and_adv_carry_no_gradient() -> None:
     rewards = torch.tensor([1.0, 0.0], requires_grad=True)
-    result = advantages.compute("rloo", rewards=rewards, group_index=torch.tensor([0, 0]), response_mask=torch.ones(2, 1))
+    groups = torch.tensor([0, 0])
+    result = advantages.compute("rloo", rewards=rewards, group_index=groups, response_mask=torch.ones(2, 1))
     assert not result.requires_grad
-    as_int = advantages.compute(
-        "rloo", rewards=torch.tensor([1, 0]), group_index=torch.tensor([0, 0]), response_mask=torch.ones(2, 1)
-    )
+    integer_rewards = torch.tensor([1, 0])
+    as_int = advantages.compute("rloo", rewards=integer_rewards, group_index=groups, response_mask=torch.ones(2, 1))
     torch.testing.assert_close(as_int, torch.tensor([[1.0], [-1.0]]))
 
 

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from async_rl.algos import advantages, losses
 
 SETTINGS = settings(max_examples=40, deadline=None)
+Batch = dict[str, torch.Tensor]
 
 sizes = st.tuples(st.integers(1, 4), st.integers(1, 5))
 options = st.fixed_dictionaries(
@@ -31,7 +32,7 @@ options = st.fixed_dictionaries(
 
 
 @st.composite
-def batches(draw: st.DrawFn) -> dict[str, torch.Tensor]:
+def batches(draw: st.DrawFn) -> Batch:
     """Random ``[B, T]`` log-probs, advantages and a mask with at least one trained token."""
     batch, length = draw(sizes)
     generator = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
@@ -45,7 +46,9 @@ def batches(draw: st.DrawFn) -> dict[str, torch.Tensor]:
     return {"logp": logp, "old": logp + normal(0.3), "behav": logp + normal(0.3), "adv": normal(1.0), "mask": mask}
 
 
-def _loss_and_grad(name: str, logp: torch.Tensor, old: torch.Tensor, behav: torch.Tensor, batch: dict[str, torch.Tensor], config: dict[str, Any]) -> tuple[float, torch.Tensor, dict[str, float]]:
+def _loss_and_grad(
+    name: str, logp: torch.Tensor, old: torch.Tensor, behav: torch.Tensor, batch: Batch, config: dict[str, Any]
+) -> tuple[float, torch.Tensor, dict[str, float]]:
     leaf = logp.clone().requires_grad_(True)
     loss, metrics = losses.compute(
         name, logp=leaf, old_logp=old, behav_logp=behav, advantages=batch["adv"], mask=batch["mask"], config=config
@@ -57,7 +60,7 @@ def _loss_and_grad(name: str, logp: torch.Tensor, old: torch.Tensor, behav: torc
 
 @SETTINGS
 @given(batch=batches(), config=options, name=st.sampled_from(losses.names()))
-def test_on_policy_gradient_is_the_policy_gradient(batch: dict[str, torch.Tensor], config: dict[str, Any], name: str) -> None:
+def test_on_policy_gradient_is_the_policy_gradient(batch: Batch, config: dict[str, Any], name: str) -> None:
     """With logp == old_logp == behav_logp every loss's gradient is that of -A log pi."""
     logp = batch["logp"]
     _, grad, metrics = _loss_and_grad(name, logp, logp, logp, batch, config)
@@ -70,7 +73,7 @@ def test_on_policy_gradient_is_the_policy_gradient(batch: dict[str, torch.Tensor
 
 @SETTINGS
 @given(batch=batches(), config=options)
-def test_decoupled_ppo_is_ppo_when_behaviour_is_proximal(batch: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+def test_decoupled_ppo_is_ppo_when_behaviour_is_proximal(batch: Batch, config: dict[str, Any]) -> None:
     old = batch["old"]
     decoupled = _loss_and_grad("decoupled_ppo", batch["logp"], old, old, batch, config)
     ppo = _loss_and_grad("ppo", batch["logp"], old, old, batch, config)
@@ -85,7 +88,7 @@ def test_decoupled_ppo_is_ppo_when_behaviour_is_proximal(batch: dict[str, torch.
     cap=st.floats(1.0, 3.0),
     name=st.sampled_from(["decoupled_ppo", "tis", "gspo"]),
 )
-def test_truncated_weights_never_exceed_the_cap(batch: dict[str, torch.Tensor], level: str, cap: float, name: str) -> None:
+def test_truncated_weights_never_exceed_the_cap(batch: Batch, level: str, cap: float, name: str) -> None:
     config = {"is_level": level, "is_cap": cap}
     *_, metrics = _loss_and_grad(name, batch["logp"], batch["old"], batch["behav"], batch, config)
     assert metrics["is_weight_max"] <= cap

@@ -41,7 +41,9 @@ def _logp(ratios: list[list[float]]) -> torch.Tensor:
     return (OLD + torch.tensor(ratios, dtype=torch.float64).log()).requires_grad_(True)
 
 
-def _ppo(config: dict[str, Any] | None = None, name: str = "ppo") -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
+def _ppo(
+    config: dict[str, Any] | None = None, name: str = "ppo"
+) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
     logp = _logp(RATIOS)
     loss, metrics = losses.compute(
         name, logp=logp, old_logp=OLD, behav_logp=OLD, advantages=ADV, mask=MASK, config=config
