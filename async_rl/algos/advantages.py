@@ -57,11 +57,11 @@ def compute_with_returns(
 ) -> tuple[Tensor, Tensor]:
     """``(advantages, returns)``, both ``[B, T]``, from estimator ``name``; computed without gradient.
 
-    Floating rewards keep their dtype (integer or bool rewards become float32).
+    Computed in at least float32 (float64 rewards stay float64; integer, bool and half become float32).
     """
     estimator = _REGISTRY.get(name)
     _check_shapes(rewards, response_mask, group_index)
-    rewards = rewards if rewards.is_floating_point() else rewards.to(torch.float32)
+    rewards = rewards.to(torch.promote_types(rewards.dtype, torch.float32))
     with torch.no_grad():
         return estimator(rewards, response_mask.to(rewards.dtype), group_index, **options)
 
