@@ -252,8 +252,8 @@ class LossConfig:
     """Upper clip range: the ratio is clipped at 1 + clip_high (DAPO's clip-higher uses 0.28)."""
     clip_c: Optional[float] = None
     """Dual-clip constant (> 1) bounding the loss of negative-advantage tokens; null disables it."""
-    is_level: Literal["token", "sequence", "none"] = "token"
-    """Level of the behaviour importance weight pi_prox / mu."""
+    is_level: Literal["none", "token", "sequence"] = "none"
+    """Behaviour importance weight pi_prox / mu for every loss: per ``token``, per ``sequence`` (product), or ``none``. decoupled_ppo always carries it (``none`` means ``token`` there)."""
     is_cap: Optional[float] = 2.0
     """Truncate importance weights at this value (TIS); null for no truncation."""
     mask_level: Literal["none", "token", "sequence", "geometric"] = "none"
@@ -575,8 +575,8 @@ def validate(cfg: Config) -> None:
 
     # Cross-field rules: name both keys.
     need(
-        loss.mask_level == "none" or 0 <= loss.mask_lower < 1 < loss.mask_upper,
-        f"algorithm.loss.mask_lower={loss.mask_lower} and algorithm.loss.mask_upper={loss.mask_upper} must satisfy 0 <= lower < 1 < upper "
+        loss.mask_level == "none" or 0 <= loss.mask_lower <= 1 <= loss.mask_upper,
+        f"algorithm.loss.mask_lower={loss.mask_lower} and algorithm.loss.mask_upper={loss.mask_upper} must satisfy 0 <= lower <= 1 <= upper "
         f"when algorithm.loss.mask_level={loss.mask_level!r}",
     )
     need(
