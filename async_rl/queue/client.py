@@ -45,6 +45,7 @@ def connect(url: str, socket_timeout_s: float) -> redis.Redis:
         socket_timeout=socket_timeout_s,
         socket_connect_timeout=socket_timeout_s,
         retry=Retry(NoBackoff(), 0),
+        protocol=2,  # reply shapes the queue parses; RESP3 would turn some into maps
     )
 
 

@@ -1,0 +1,116 @@
+"""EmbeddedRedis lifecycle, safety checks, AOF durability across a SIGKILL, and TLS URLs."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import redis
+from queue_workers import SPAWN, make_group, produce
+
+from async_rl.queue import EmbeddedRedis, RedisNotInstalledError, ReplayQueue
+from async_rl.queue.client import connect
+
+
+def test_missing_redis_server_says_what_to_install() -> None:
+    with pytest.raises(RedisNotInstalledError, match=r"apt-get install redis-server.*queue\.redis_url"):
+        EmbeddedRedis(executable="redis-server-that-does-not-exist").start()
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", "redis.example.com"])
+def test_refuses_non_loopback_bind_without_password(host: str) -> None:
+    with pytest.raises(ValueError, match="without a password"):
+        EmbeddedRedis(host=host, auth=False)
+
+
+def test_rejects_password_that_breaks_the_config() -> None:
+    with pytest.raises(ValueError, match="password"):
+        EmbeddedRedis(password='a" b')
+
+
+def test_requires_generated_password_and_stops_on_exit() -> None:
+    server = EmbeddedRedis()
+    with server as url:
+        data_dir, port, pid = server.data_dir, server.port, server.pid
+        assert url.startswith("redis://:") and "@127.0.0.1:" in url
+        with pytest.raises(redis.AuthenticationError):
+            connect(f"redis://127.0.0.1:{port}/0", socket_timeout_s=2.0).ping()
+        client = connect(url, socket_timeout_s=2.0)
+        assert client.config_get("appendonly") == {"appendonly": "yes"}
+        assert client.config_get("appendfsync") == {"appendfsync": "always"}
+        assert client.config_get("bind")["bind"] == "127.0.0.1"
+        client.close()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    assert not data_dir.exists()  # its temporary directory is removed
+    with pytest.raises(redis.ConnectionError):
+        connect(f"redis://127.0.0.1:{port}/0", socket_timeout_s=1.0).ping()
+
+
+def test_loopback_without_auth_is_allowed(tmp_path: Path) -> None:
+    with EmbeddedRedis(tmp_path, auth=False) as url:
+        assert "@" not in url
+        assert connect(url, socket_timeout_s=2.0).ping()
+    assert (tmp_path / "appendonlydir").is_dir()  # a given data dir is kept
+
+
+@pytest.mark.integration
+def test_sigkilled_redis_restarted_on_its_aof_keeps_every_put(tmp_path: Path) -> None:
+    """A producer process keeps putting while Redis is SIGKILLed and restarted."""
+    first = EmbeddedRedis(tmp_path)
+    url = first.start()
+    run, total = "durable", 600
+    returned = SPAWN.Queue()
+    producer = SPAWN.Process(target=produce, args=(url, run, range(total), returned, total), daemon=True)
+    producer.start()
+    acknowledged = [returned.get(timeout=60.0) for _ in range(200)]
+    os.kill(first.pid, signal.SIGKILL)  # no shutdown, no final fsync
+    first.stop()  # reaps the dead process
+    time.sleep(0.5)  # the producer is now retrying against a dead port
+    second = EmbeddedRedis(tmp_path, port=first.port, password=first.password)
+    with second:
+        acknowledged += [returned.get(timeout=60.0) for _ in range(total - 200)]
+        producer.join(30.0)
+        assert producer.exitcode == 0
+        with ReplayQueue(url, run) as q:
+            stored = {group.group_id for _, group in q.get(2 * total, timeout=1.0)}
+    assert set(acknowledged) <= stored
+    assert len(acknowledged) == total
+
+
+@pytest.mark.integration
+def test_rediss_url_with_password(tmp_path: Path) -> None:
+    """A TLS-only Redis (started by hand: EmbeddedRedis is plain TCP) via a rediss:// URL."""
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+         "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    password = secrets.token_urlsafe(16)
+    proc = subprocess.Popen(
+        ["redis-server", "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
+         "--tls-cert-file", str(cert), "--tls-key-file", str(key), "--tls-auth-clients", "no",
+         "--requirepass", password, "--save", "", "--dir", str(tmp_path)],
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        url = f"rediss://:{password}@127.0.0.1:{port}/0?ssl_ca_certs={cert}"
+        with ReplayQueue(url, "tls", op_timeout_s=10.0) as q:  # retries until it listens
+            q.put(make_group(0, run="tls"))
+            assert [g.group_id for _, g in q.get(1, timeout=2.0)] == ["g0"]
+        with pytest.raises(redis.ConnectionError):  # the server speaks only TLS
+            connect(f"redis://:{password}@127.0.0.1:{port}/0", socket_timeout_s=1.0).ping()
+    finally:
+        proc.terminate()
+        proc.wait(10)
