@@ -1,0 +1,208 @@
+"""Rollout groups -> padded tensors -> token-budgeted micro-batches, balanced across ranks.
+
+Pure functions, no distributed code: every learner rank receives the whole step's groups and
+computes the same plan, so ranks agree on micro-batch counts without communicating (FSDP needs
+every rank to run the same number of forward/backward passes).
+
+Shapes: ``N`` samples, ``L`` prompt + response tokens (right-padded), ``T`` response tokens
+(the longest response of the step; every response-aligned tensor uses the same ``T`` for the
+whole step, so ``seq-mean-token-sum-norm`` divides by one constant).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor
+
+from async_rl.records import RolloutGroup
+
+#: Reasons a sample or a group is dropped before training (the keys of ``DropCounts``).
+DROP_REASONS = ("empty_response", "nonfinite_reward", "reward_error", "nonfinite_logprob", "bad_token", "too_long")
+
+
+@dataclass(frozen=True)
+class Batch:
+    """The trainable samples of one learner step (CPU tensors).
+
+    ``input_ids`` and ``attention_mask`` are ``[N, L]`` int64 (prompt then response, right
+    padding with token 0 and mask 0). ``response_positions`` ``[N, T]`` int64 is the index in
+    ``input_ids`` of each response token (0 on padding); ``response_mask`` ``[N, T]`` float32
+    is 1 on response tokens. ``behav_logp`` ``[N, T]`` float32 is the sampler's log-probability
+    (natural log) and ``token_versions`` ``[N, T]`` int64 the policy version of each token
+    (-1 on padding). ``rewards`` ``[N]`` float32, ``group_index`` ``[N]`` int64 (position of the
+    sample's group in the step's list), ``behaviour_version`` ``[N]`` int64 (min token version),
+    ``lengths`` ``[N]`` int64 (prompt + response tokens).
+    """
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    response_positions: Tensor
+    response_mask: Tensor
+    behav_logp: Tensor
+    token_versions: Tensor
+    rewards: Tensor
+    group_index: Tensor
+    behaviour_version: Tensor
+    lengths: Tensor
+
+    @property
+    def size(self) -> int:
+        """Number of samples ``N``."""
+        return int(self.lengths.shape[0])
+
+    def select(self, rows: Sequence[int]) -> Batch:
+        """The samples ``rows`` (in that order), with ``L`` cut to their longest sequence."""
+        index = torch.as_tensor(list(rows), dtype=torch.long)
+        width = int(self.lengths[index].max()) if len(rows) else 1
+        picked = {f.name: getattr(self, f.name).index_select(0, index) for f in fields(self)}
+        picked["input_ids"] = picked["input_ids"][:, :width]
+        picked["attention_mask"] = picked["attention_mask"][:, :width]
+        return Batch(**picked)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """Result of :func:`prepare`: the batch (None when nothing is trainable) and the drop counts."""
+
+    batch: Batch | None
+    dropped: Counter[str]
+    groups_used: int
+    """Groups with at least one trainable sample."""
+
+
+def prepare(groups: Sequence[RolloutGroup], max_tokens: int, vocab_size: int | None = None) -> Prepared:
+    """Validate and pad ``groups`` into a :class:`Batch`.
+
+    A sample is dropped (counted under its reason) when its response is empty, a response
+    token id is outside ``[0, vocab_size)`` (``bad_token``), or prompt + response exceed
+    ``max_tokens`` (``too_long``: it fits no micro-batch). A whole group is dropped when any
+    sample has a non-finite reward, a failed reward (``reward_error``) or a non-finite
+    behaviour log-probability: group baselines computed from such a group would be wrong, and
+    one NaN reaches every parameter. Counts are in samples.
+    """
+    dropped: Counter[str] = Counter()
+    rows: list[tuple[list[int], list[int], list[float], list[int], float, int]] = []
+    groups_used = 0
+    for group in groups:
+        prompt = list(group.prompt_array())
+        reason = _group_problem(group)
+        if reason is not None:
+            dropped[reason] += len(group.samples)
+            continue
+        kept = 0
+        for sample in group.samples:
+            tokens = list(sample.token_array())
+            problem = _sample_problem(len(prompt), tokens, max_tokens, vocab_size)
+            if problem is not None:
+                dropped[problem] += 1
+                continue
+            rows.append((prompt, tokens, list(sample.logprob_array()), sample.token_versions(), sample.reward, groups_used))
+            kept += 1
+        groups_used += kept > 0
+    if not rows:
+        return Prepared(None, dropped, 0)
+    return Prepared(_pad(rows), dropped, groups_used)
+
+
+def _group_problem(group: RolloutGroup) -> str | None:
+    for sample in group.samples:
+        if sample.error is not None:
+            return "reward_error"
+        if not math.isfinite(sample.reward):
+            return "nonfinite_reward"
+        if not all(math.isfinite(x) for x in sample.logprob_array()):
+            return "nonfinite_logprob"
+    return None
+
+
+def _sample_problem(prompt_len: int, tokens: list[int], max_tokens: int, vocab_size: int | None) -> str | None:
+    if not tokens:
+        return "empty_response"
+    if vocab_size is not None and not all(0 <= t < vocab_size for t in tokens):
+        return "bad_token"
+    if prompt_len + len(tokens) > max_tokens:
+        return "too_long"
+    return None
+
+
+def _pad(rows: list[tuple[list[int], list[int], list[float], list[int], float, int]]) -> Batch:
+    n = len(rows)
+    width = max(len(p) + len(r) for p, r, *_ in rows)
+    resp = max(len(r) for _, r, *_ in rows)
+    input_ids = torch.zeros(n, width, dtype=torch.long)
+    attention_mask = torch.zeros(n, width, dtype=torch.long)
+    positions = torch.zeros(n, resp, dtype=torch.long)
+    response_mask = torch.zeros(n, resp)
+    behav_logp = torch.zeros(n, resp)
+    versions = torch.full((n, resp), -1, dtype=torch.long)
+    for i, (prompt, tokens, logp, token_versions, _, _) in enumerate(rows):
+        p, r = len(prompt), len(tokens)
+        input_ids[i, : p + r] = torch.tensor(prompt + tokens, dtype=torch.long)
+        attention_mask[i, : p + r] = 1
+        positions[i, :r] = torch.arange(p, p + r)
+        response_mask[i, :r] = 1
+        behav_logp[i, :r] = torch.tensor(logp)
+        versions[i, :r] = torch.tensor(token_versions)
+    return Batch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        response_positions=positions,
+        response_mask=response_mask,
+        behav_logp=behav_logp,
+        token_versions=versions,
+        rewards=torch.tensor([row[4] for row in rows], dtype=torch.float32),
+        group_index=torch.tensor([row[5] for row in rows], dtype=torch.long),
+        behaviour_version=torch.tensor([min(row[3]) for row in rows], dtype=torch.long),
+        lengths=attention_mask.sum(-1),
+    )
+
+
+def split_groups(num_groups: int, parts: int, order: Sequence[int] | None = None) -> list[list[int]]:
+    """Split group positions ``order`` (default ``0..num_groups-1``) into ``parts`` contiguous
+    chunks whose sizes differ by at most one (PPO mini-batches)."""
+    order = list(range(num_groups)) if order is None else list(order)
+    base, extra = divmod(len(order), parts)
+    chunks, start = [], 0
+    for i in range(parts):
+        end = start + base + (i < extra)
+        chunks.append(order[start:end])
+        start = end
+    return chunks
+
+
+def plan_micro_batches(lengths: Sequence[int], rows: Sequence[int], world_size: int, max_tokens: int) -> list[list[list[int]]]:
+    """Assign samples ``rows`` (with ``lengths[row]`` tokens) to ranks and pack them into micro-batches.
+
+    Returns ``plan[rank][micro_batch] = [row, ...]``. Ranks get balanced token counts (longest
+    first to the least-loaded rank); each rank packs its samples longest-first so a micro-batch
+    holds similar lengths and its padded size ``len(rows) * longest`` stays within
+    ``max_tokens``. Every rank gets the same number of micro-batches: a rank that needs fewer
+    gets empty ones at the end (it still runs a zero-weight pass so collectives match).
+    Deterministic: equal inputs give equal plans on every rank.
+    """
+    by_length = sorted(rows, key=lambda r: (-lengths[r], r))
+    per_rank: list[list[int]] = [[] for _ in range(world_size)]
+    load = [0] * world_size
+    for row in by_length:
+        rank = min(range(world_size), key=lambda k: (load[k], k))
+        per_rank[rank].append(row)
+        load[rank] += lengths[row]
+    packed = [_pack(rank_rows, lengths, max_tokens) for rank_rows in per_rank]
+    count = max(1, max(len(p) for p in packed))
+    return [p + [[] for _ in range(count - len(p))] for p in packed]
+
+
+def _pack(rows: list[int], lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Next-fit over rows sorted longest first: the first row of a bin is its longest."""
+    bins: list[list[int]] = []
+    for row in rows:
+        if bins and (len(bins[-1]) + 1) * lengths[bins[-1][0]] <= max_tokens:
+            bins[-1].append(row)
+        else:
+            bins.append([row])
+    return bins

@@ -1,0 +1,135 @@
+"""Process group, FSDP2-sharded Hugging Face causal LMs, token log-probabilities and bucketed
+full-parameter gathering.
+
+One code path for both backends: gloo and float32 on CPU, NCCL and (by default) bfloat16
+compute with float32 gradient reduction on GPU.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from transformers import AutoModelForCausalLM
+
+from async_rl.config import FsdpConfig
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """This process's place in the learner job."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+
+
+def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int, timeout_s: float) -> DistInfo:
+    """Join the learner's default process group (NCCL with CUDA, else gloo); idempotent.
+
+    ``timeout_s`` bounds every collective of the group (a dead peer raises instead of hanging).
+    """
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        store = dist.TCPStore(master_addr, master_port, world_size, is_master=rank == 0,
+                              timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    return DistInfo(dist.get_rank(), dist.get_world_size(), device)
+
+
+def compute_dtype(fsdp: FsdpConfig, device: torch.device) -> torch.dtype:
+    """Parameter compute dtype: ``auto`` is bfloat16 on GPU and float32 on CPU."""
+    if fsdp.param_dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, fsdp.param_dtype)
+
+
+def load_sharded(model_path: str, fsdp: FsdpConfig, device: torch.device, trainable: bool) -> nn.Module:
+    """Load a causal LM with float32 master weights and shard it: ``fully_shard`` per decoder
+    layer, then at the root (embeddings, final norm, LM head).
+
+    ``trainable=False`` gives the frozen reference model (no gradients, eval mode).
+    """
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    if fsdp.gradient_checkpointing and trainable:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype(fsdp, device), reduce_dtype=getattr(torch, fsdp.reduce_dtype))
+    for layer in _decoder_layers(model):
+        fully_shard(layer, mp_policy=policy, reshard_after_forward=fsdp.reshard_after_forward)
+    fully_shard(model, mp_policy=policy, reshard_after_forward=fsdp.reshard_after_forward)
+    model.to(device)
+    model.train(trainable)
+    model.requires_grad_(trainable)
+    return model
+
+
+def _decoder_layers(model: nn.Module) -> nn.ModuleList:
+    base = getattr(model, model.base_model_prefix)
+    layers = getattr(base, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise TypeError(f"{type(model).__name__}: no decoder layer list at {model.base_model_prefix}.layers")
+    return layers
+
+
+def token_logprobs(
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, positions: Tensor, with_entropy: bool = False
+) -> tuple[Tensor, Tensor | None]:
+    """Log-probability of the tokens at ``positions`` under ``model`` (natural log).
+
+    Shapes: ``input_ids``, ``attention_mask`` ``[n, L]``; ``positions`` ``[n, T]`` (indices >= 1
+    into ``input_ids``; padding entries may be anything in range and should be masked by the
+    caller). Returns ``logp`` ``[n, T]`` float32 and, if ``with_entropy``, the entropy ``[n, T]``
+    of the predicted distribution at each position. Token ``t`` is predicted by the logits at
+    ``t - 1``; only the ``T`` needed rows of the ``[n, L, V]`` logits are normalised.
+    """
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    rows = (positions - 1).clamp_min(0)
+    picked = logits.gather(1, rows.unsqueeze(-1).expand(-1, -1, logits.shape[-1])).float()  # [n, T, V]
+    targets = input_ids.gather(1, positions)
+    log_norm = torch.logsumexp(picked, dim=-1)
+    logp = picked.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_norm
+    if not with_entropy:
+        return logp, None
+    probs = torch.softmax(picked, dim=-1)
+    return logp, log_norm - (probs * picked).sum(-1)
+
+
+def iter_full_parameters(model: nn.Module, bucket_bytes: int, dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, Tensor]]]:
+    """Full (unsharded) parameters of an FSDP2 model, ``bucket_bytes`` at a time.
+
+    Collective: every rank must iterate to the end (each parameter is all-gathered). Yields
+    lists of ``(name, tensor)`` with names as in the Hugging Face checkpoint; at most one
+    bucket (or one parameter larger than a bucket) is materialised at a time, so the extra
+    memory of a sync is bounded by ``bucket_bytes`` rather than the model size. ``dtype``
+    casts each tensor (e.g. to the servers' bfloat16) before it counts against the bucket.
+    """
+    bucket: list[tuple[str, Tensor]] = []
+    size = 0
+    for name, param in model.named_parameters():
+        full = param.full_tensor() if hasattr(param, "full_tensor") else param.detach()
+        full = full.detach().to(dtype) if dtype is not None else full.detach()
+        if bucket and size + full.numel() * full.element_size() > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, full))
+        size += full.numel() * full.element_size()
+    if bucket:
+        yield bucket
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (for a single-machine rendezvous)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+

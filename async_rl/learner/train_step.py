@@ -1,0 +1,272 @@
+"""One learner step on a prepared batch: proximal/reference log-probs, advantages, PPO epochs
+and mini-batches with gradient accumulation, clipping, AdamW and the LR schedule.
+
+Every rank holds the whole batch and the same plan (``batching.plan_micro_batches``); each
+trains its own micro-batches. Loss normalisation is global: a micro-batch's loss (a mean over
+its own tokens or sequences, as ``algos.losses.compute`` returns it) is weighted by its share
+of the mini-batch's trained tokens (``token-mean``) or sequences (``seq-mean-*``) over all
+ranks, so the accumulated gradient equals that of one loss over the whole mini-batch however
+it is split into micro-batches and ranks. (With rejection, ``mask_level != none``, the weight
+counts tokens before rejection, as verl does.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from async_rl.algos import advantages, losses
+from async_rl.config import AlgorithmConfig, LearnerConfig, OptimConfig
+from async_rl.learner.batching import Batch, plan_micro_batches, split_groups
+from async_rl.learner.model import DistInfo, token_logprobs
+
+# Options each advantage estimator accepts from AdvantageConfig (gae also needs critic values,
+# which this learner has not: it is rejected in Trainer.__init__).
+_ADVANTAGE_OPTIONS = {"grpo": ("norm_by_std", "eps"), "grpo_passk": ("norm_by_std", "eps"), "reinforce_pp": ("gamma",)}
+
+
+def lr_factor(step: int, optim: OptimConfig, total_steps: int) -> float:
+    """Learning-rate multiplier for learner step ``step`` (0-based): linear warm-up over
+    ``warmup_steps`` steps, then constant, or cosine from 1 down to ``min_lr_ratio`` at
+    ``total_steps``."""
+    if step < optim.warmup_steps:
+        return (step + 1) / optim.warmup_steps
+    if optim.scheduler == "constant":
+        return 1.0
+    progress = min(1.0, (step - optim.warmup_steps) / max(1, total_steps - optim.warmup_steps))
+    return optim.min_lr_ratio + (1 - optim.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_optimizer(model: nn.Module, learner: LearnerConfig, total_steps: int) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW over the (sharded) parameters and its per-learner-step schedule."""
+    o = learner.optim
+    optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.betas[0], o.betas[1]), eps=o.eps, weight_decay=o.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, o, total_steps))
+    return optimizer, scheduler
+
+
+@dataclass
+class StepTimes:
+    """Seconds spent in each phase of a step."""
+
+    prox: float = 0.0
+    """Proximal and reference log-prob forward passes."""
+    fwd_bwd: float = 0.0
+    """Forward and backward passes of the loss."""
+    optim: float = 0.0
+    """Clipping, optimizer and scheduler steps."""
+
+
+@dataclass
+class StepResult:
+    """What one :meth:`Trainer.step` did; ``metrics`` are identical on every rank."""
+
+    metrics: dict[str, float]
+    tokens: int
+    """Real (unpadded) prompt + response tokens of the batch."""
+    optimizer_steps: int
+    """Optimizer updates applied (mini-batches x epochs, minus those skipped for a non-finite gradient)."""
+    times: StepTimes = field(default_factory=StepTimes)
+
+
+class Trainer:
+    """Owns the policy (and frozen reference), optimizer and schedule of one learner rank."""
+
+    def __init__(
+        self,
+        policy: nn.Module,
+        reference: nn.Module | None,
+        learner: LearnerConfig,
+        algorithm: AlgorithmConfig,
+        info: DistInfo,
+        total_steps: int,
+        seed: int,
+    ) -> None:
+        if algorithm.advantage.name == "gae":
+            raise ValueError("algorithm.advantage.name='gae' needs a critic, which the learner does not train; use grpo, rloo, reinforce_pp, ...")
+        if (algorithm.loss.kl_coef > 0) != (reference is not None):
+            raise ValueError("a reference model is needed exactly when algorithm.loss.kl_coef > 0")
+        self.policy, self.reference = policy, reference
+        self.learner, self.algorithm, self.info = learner, algorithm, info
+        self.seed = seed
+        self.optimizer, self.scheduler = build_optimizer(policy, learner, total_steps)
+        # tis anchors on mu and ignores old_logp; with one update per step pi_prox is the
+        # current policy, so logp.detach() of the loss pass is exactly the recomputed value.
+        self.single_update = learner.ppo_mini_batches == 1 and learner.ppo_epochs == 1
+        self.recompute = algorithm.recompute_proximal and algorithm.loss.name != "tis" and not self.single_update
+
+    # -- public -------------------------------------------------------------------
+
+    def step(self, batch: Batch, step_index: int) -> StepResult:
+        """Train on ``batch`` (the same on every rank): ``ppo_epochs`` passes of
+        ``ppo_mini_batches`` optimizer updates, then one scheduler step.
+
+        ``step_index`` (the policy version before the step) seeds the per-epoch shuffle of
+        groups, so a resumed run repeats it exactly.
+        """
+        times = StepTimes()
+        start = time.perf_counter()
+        adv = self._advantages(batch)
+        old_logp = self._all_rows_logp(self.policy, batch) if self.recompute else None
+        ref_logp = self._all_rows_logp(self.reference, batch) if self.reference is not None else None
+        times.prox = time.perf_counter() - start
+
+        sums: dict[str, float] = defaultdict(float)
+        updates = skipped = 0
+        num_groups = int(batch.group_index.max()) + 1
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step_index)
+        for epoch in range(self.learner.ppo_epochs):
+            order = torch.randperm(num_groups, generator=generator).tolist() if self.learner.ppo_epochs > 1 else None
+            for groups in split_groups(num_groups, self.learner.ppo_mini_batches, order):
+                chosen = set(groups)
+                rows = [r for r, g in enumerate(batch.group_index.tolist()) if g in chosen]
+                if not rows:
+                    continue
+                t0 = time.perf_counter()
+                mini = self._accumulate(batch, rows, adv, old_logp, ref_logp)
+                t1 = time.perf_counter()
+                grad_norm = self._clip()
+                if math.isfinite(grad_norm):
+                    self.optimizer.step()
+                    updates += 1
+                else:  # one bad gradient must not reach the weights; the step is counted, not applied
+                    skipped += 1
+                self.optimizer.zero_grad(set_to_none=True)
+                times.fwd_bwd += t1 - t0
+                times.optim += time.perf_counter() - t1
+                for key, value in mini.items():
+                    sums[key] += value
+                sums["grad_norm"] += grad_norm if math.isfinite(grad_norm) else 0.0
+        t2 = time.perf_counter()
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        times.optim += time.perf_counter() - t2
+        done = max(1, updates + skipped)
+        metrics = {f"actor/{k}": v / done for k, v in sums.items()}
+        metrics.update(self._batch_metrics(batch, adv))
+        metrics.update({"actor/lr": lr, "actor/updates": float(updates), "actor/skipped_nonfinite_grad": float(skipped)})
+        return StepResult(metrics, int(batch.lengths.sum()), updates, times)
+
+    # -- pieces -------------------------------------------------------------------
+
+    def _advantages(self, batch: Batch) -> Tensor:
+        cfg = self.algorithm.advantage
+        options = {name: getattr(cfg, name) for name in _ADVANTAGE_OPTIONS.get(cfg.name, ())}
+        return advantages.compute(cfg.name, rewards=batch.rewards, response_mask=batch.response_mask,
+                                  group_index=batch.group_index, **options)
+
+    def _weight(self, batch: Batch, rows: list[int]) -> float:
+        """Normaliser share of ``rows``: trained tokens (token-mean) or sequences (seq-mean-*)."""
+        if not rows:
+            return 0.0
+        mask = batch.response_mask[rows]
+        if self.algorithm.loss.agg_mode == "token-mean":
+            return float(mask.sum())
+        return float((mask.sum(-1) > 0).sum())
+
+    @torch.no_grad()
+    def _all_rows_logp(self, model: nn.Module, batch: Batch) -> Tensor:
+        """Log-probs ``[N, T]`` of every sample under ``model`` (no gradient): each rank
+        computes its share, one all-reduce assembles the whole table on every rank."""
+        table = torch.zeros_like(batch.behav_logp)
+        plan = plan_micro_batches(batch.lengths.tolist(), range(batch.size), self.info.world_size, self.learner.max_tokens_per_microbatch)
+        for rows in plan[self.info.rank]:
+            micro = _micro(batch, rows)
+            logp, _ = token_logprobs(model, *self._inputs(micro))
+            if rows:
+                table[rows] = logp.cpu() * micro.response_mask
+        dist.all_reduce(table)
+        return table
+
+    def _inputs(self, micro: Batch) -> tuple[Tensor, Tensor, Tensor]:
+        device = self.info.device
+        return micro.input_ids.to(device), micro.attention_mask.to(device), micro.response_positions.to(device)
+
+    def _accumulate(self, batch: Batch, rows: list[int], adv: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None) -> dict[str, float]:
+        """Forward/backward of this rank's micro-batches of one mini-batch; returns the
+        mini-batch's metrics (weighted means over all ranks)."""
+        loss_cfg = self.algorithm.loss
+        plan = plan_micro_batches(batch.lengths.tolist(), rows, self.info.world_size, self.learner.max_tokens_per_microbatch)
+        total = self._weight(batch, rows)
+        sums: dict[str, float] = defaultdict(float)
+        for micro_rows in plan[self.info.rank]:
+            micro = _micro(batch, micro_rows)
+            share = self._weight(batch, micro_rows) / total
+            index = micro_rows or [0]  # a filler pass reads row 0 under a zero mask
+            logp, entropy = token_logprobs(self.policy, *self._inputs(micro), with_entropy=True)
+            device = logp.device
+            mask = micro.response_mask.to(device)
+            behav = micro.behav_logp.to(device)
+            if self.single_update and self.algorithm.recompute_proximal:
+                prox = logp.detach()
+            elif old_logp is not None:
+                prox = old_logp[index].to(device)
+            else:
+                prox = behav  # bypass: pi_prox := mu
+            loss, metrics = losses.compute(
+                loss_cfg.name, logp=logp, old_logp=prox, behav_logp=behav, advantages=adv[index].to(device) * mask, mask=mask,
+                config=loss_cfg, ref_logp=None if ref_logp is None else ref_logp[index].to(device),
+                entropy=entropy if loss_cfg.entropy_coef != 0 else entropy.detach(),
+            )
+            # FSDP averages gradients over ranks; scale back to a sum of global shares.
+            (loss * share * self.info.world_size).backward()
+            for key, value in metrics.items():
+                sums[key] += value * share
+        return _all_reduce_sum(sums, self.info.device)
+
+    def _clip(self) -> float:
+        """Global gradient norm before clipping (clipped in place when ``grad_clip > 0``)."""
+        limit = self.learner.optim.grad_clip or math.inf
+        norm = torch.nn.utils.clip_grad_norm_([p for p in self.policy.parameters() if p.grad is not None], limit)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        return float(norm)
+
+    def _batch_metrics(self, batch: Batch, adv: Tensor) -> dict[str, float]:
+        mask = batch.response_mask
+        lengths = mask.sum(-1)
+        return {
+            "batch/samples": float(batch.size),
+            "batch/response_length_mean": float(lengths.mean()),
+            "batch/response_length_max": float(lengths.max()),
+            "batch/reward_mean": float(batch.rewards.mean()),
+            "batch/reward_std": float(batch.rewards.std()) if batch.size > 1 else 0.0,
+            "batch/advantage_mean": float((adv * mask).sum() / mask.sum()),
+            "batch/advantage_abs_max": float((adv * mask).abs().max()),
+        }
+
+
+def _micro(batch: Batch, rows: list[int]) -> Batch:
+    """The micro-batch of ``rows``; an empty plan entry becomes row 0 with a zero mask, so the
+    rank still runs the forward/backward that FSDP's collectives expect, contributing nothing."""
+    if rows:
+        return batch.select(rows)
+    filler = batch.select([0])
+    return dataclasses.replace(filler, response_mask=torch.zeros_like(filler.response_mask))
+
+
+def _all_reduce_sum(values: dict[str, float], device: torch.device) -> dict[str, float]:
+    """Sum float metrics over ranks (keys are the same on every rank: filler passes report too)."""
+    keys = sorted(values)
+    tensor = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return dict(zip(keys, tensor.tolist()))
+
+
+def staleness_metrics(batch: Batch, version: int) -> dict[str, float]:
+    """Staleness (learner version minus behaviour version, in versions) of the batch's groups:
+    mean, max and a histogram ``staleness/hist/{k}`` (groups)."""
+    per_group: dict[int, int] = {}
+    for g, v in zip(batch.group_index.tolist(), batch.behaviour_version.tolist()):
+        per_group[g] = min(v, per_group.get(g, v))
+    lags = [version - v for v in per_group.values()]
+    hist = Counter(lags)
+    out = {"staleness/mean": sum(lags) / len(lags), "staleness/max": float(max(lags))}
+    out.update({f"staleness/hist/{k}": float(n) for k, n in sorted(hist.items())})
+    return out

@@ -1,0 +1,51 @@
+"""Fixtures of the learner tests: a tiny random Qwen2 with a tokenizer, a real redis-server,
+and a one-rank gloo process group in the test process."""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from async_rl.learner.model import DistInfo
+from async_rl.queue import EmbeddedRedis
+
+VOCAB = 512
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Directory of a random tiny Qwen2 (hidden 128, 2 layers, vocab 512) with a word-level tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    out = tmp_path_factory.mktemp("tiny_qwen2")
+    torch.manual_seed(0)
+    config = Qwen2Config(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=2,
+                         intermediate_size=256, vocab_size=VOCAB, max_position_embeddings=256, tie_word_embeddings=False)
+    Qwen2ForCausalLM(config).save_pretrained(out)
+    vocab = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>").save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """URL (with password) of a redis-server shared by the session; tests use their own run names."""
+    with EmbeddedRedis(tmp_path_factory.mktemp("redis")) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def one_rank() -> Iterator[DistInfo]:
+    """A gloo process group of one rank in the test process (FSDP2 needs a process group)."""
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=60))
+    yield DistInfo(0, 1, torch.device("cpu"))
+    dist.destroy_process_group()

@@ -1,0 +1,65 @@
+"""Synthetic rollout groups, test configs, and the body of spawned learner ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+import torch.multiprocessing as mp
+
+from async_rl.config import Config, load_config
+from async_rl.records import RolloutGroup, Sample
+
+SPAWN = mp.get_context("spawn")
+
+
+def make_groups(count: int, seed: int, samples: int = 4, vocab: int = 512, version: int = 0, run: str = "test") -> list[RolloutGroup]:
+    """``count`` groups of ``samples`` random responses (1-12 tokens) to random prompts (3-8
+    tokens), with random behaviour log-probs and rewards in [0, 1); equal seeds give equal groups."""
+    rng = random.Random(seed)
+    groups = []
+    for g in range(count):
+        prompt = [rng.randrange(2, vocab) for _ in range(rng.randint(3, 8))]
+        members = []
+        for _ in range(samples):
+            tokens = [rng.randrange(2, vocab) for _ in range(rng.randint(1, 12))]
+            logp = [-rng.uniform(0.5, 3.0) for _ in tokens]
+            members.append(Sample.from_lists(tokens, logp, version, rng.random()))
+        groups.append(RolloutGroup.from_lists(run, f"g{seed}-{g}", g, prompt, members, "srv", 0.0, created_at=0.0))
+    return groups
+
+
+def learner_config(model_path: str | Path, output_dir: str | Path, run: str, *overrides: str) -> Config:
+    """A small valid config for the tiny model: batches of 4 groups x 4 samples, fp32 on CPU."""
+    return load_config(None, [
+        f"learner.model_path={model_path}", f"trainer.output_dir={output_dir}", f"trainer.run_name={run}",
+        "data.max_prompt_length=16", "rollout.max_response_length=16", "rollout.n=4",
+        "learner.batch_size=4", "learner.max_tokens_per_microbatch=64", "learner.optim.lr=1e-3",
+        "learner.optim.weight_decay=0.0", "algorithm.max_staleness=100", "queue.max_depth=64",
+        "queue.timeout_s=5.0", "sync.timeout_s=30.0", "trainer.save_every=2", "trainer.total_steps=4",
+        *overrides,
+    ])
+
+
+def rank_main(rank: int, world_size: int, port: int, cfg: Config, redis_url: str, max_steps: int | None, done_file: str) -> None:
+    """Body of one spawned learner rank: run the loop, then write ``done_file``.{rank}."""
+    from async_rl.learner.loop import LearnerLoop
+
+    loop = LearnerLoop(cfg, rank, world_size, "127.0.0.1", port, redis_url)
+    summary = loop.run(max_steps)
+    Path(f"{done_file}.{rank}").write_text(json.dumps({"version": summary.version, "pid": os.getpid()}))
+    loop.close()
+
+
+def start_ranks(world_size: int, cfg: Config, redis_url: str, done_file: Path, max_steps: int | None = None) -> list[mp.Process]:
+    """Spawn ``world_size`` ranks of :func:`rank_main` on a free port."""
+    from async_rl.learner.model import free_port
+
+    port = free_port()
+    procs = [SPAWN.Process(target=rank_main, args=(r, world_size, port, cfg, redis_url, max_steps, str(done_file)), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    return procs

@@ -1,0 +1,65 @@
+"""Pure batching: padded tensors from groups, micro-batch plans by token budget across ranks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from learner_helpers import make_groups
+
+from async_rl.learner.batching import plan_micro_batches, prepare, split_groups
+from async_rl.records import RolloutGroup, Sample
+
+
+def test_prepare_pads_and_aligns_response_tensors() -> None:
+    a = Sample.from_lists([7, 8, 9], [-0.1, -0.2, -0.3], [3, 4, 4], 1.0)
+    b = Sample.from_lists([5], [-0.5], 2, 0.0)
+    group = RolloutGroup.from_lists("r", "g", 0, [1, 2], [a, b], "s", 0.0)
+    other = RolloutGroup.from_lists("r", "h", 1, [3], [Sample.from_lists([6, 6], [-1.0, -2.0], 4, 0.5)], "s", 0.0)
+    batch = prepare([group, other], max_tokens=16).batch
+    assert batch.input_ids.tolist() == [[1, 2, 7, 8, 9], [1, 2, 5, 0, 0], [3, 6, 6, 0, 0]]
+    assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 1, 1, 0, 0]]
+    assert batch.response_positions.tolist() == [[2, 3, 4], [2, 0, 0], [1, 2, 0]]
+    assert batch.response_mask.tolist() == [[1, 1, 1], [1, 0, 0], [1, 1, 0]]
+    assert torch.allclose(batch.behav_logp[0], torch.tensor([-0.1, -0.2, -0.3]))
+    assert batch.token_versions.tolist() == [[3, 4, 4], [2, -1, -1], [4, 4, -1]]
+    assert batch.behaviour_version.tolist() == [3, 2, 4]
+    assert batch.group_index.tolist() == [0, 0, 1]
+    assert batch.rewards.tolist() == [1.0, 0.0, 0.5]
+    assert batch.lengths.tolist() == [5, 3, 3]
+    picked = batch.select([2, 1])
+    assert picked.input_ids.tolist() == [[3, 6, 6], [1, 2, 5]] and picked.group_index.tolist() == [1, 0]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_plan_covers_every_row_once_within_budget_and_balanced(world_size: int) -> None:
+    rng = random.Random(world_size)
+    lengths = [rng.randint(3, 40) for _ in range(37)]
+    rows = list(range(37))
+    plan = plan_micro_batches(lengths, rows, world_size, max_tokens=64)
+    assert len({len(micro) for micro in plan}) == 1  # same number of micro-batches per rank
+    flat = [r for rank in plan for micro in rank for r in micro]
+    assert sorted(flat) == rows
+    for rank in plan:
+        for micro in rank:
+            assert not micro or len(micro) * max(lengths[r] for r in micro) <= 64
+    loads = [sum(lengths[r] for micro in rank for r in micro) for rank in plan]
+    assert max(loads) - min(loads) <= max(lengths)
+    assert plan == plan_micro_batches(lengths, rows, world_size, max_tokens=64)
+
+
+def test_plan_gives_empty_micro_batches_to_ranks_without_rows() -> None:
+    plan = plan_micro_batches([10, 10, 10], [0], world_size=2, max_tokens=64)
+    assert plan == [[[0]], [[]]]
+
+
+def test_split_groups_in_near_equal_chunks() -> None:
+    assert split_groups(5, 2) == [[0, 1, 2], [3, 4]]
+    assert split_groups(4, 2, order=[3, 1, 0, 2]) == [[3, 1], [0, 2]]
+
+
+def test_prepare_counts_and_returns_none_when_nothing_is_trainable() -> None:
+    prepared = prepare(make_groups(2, seed=0), max_tokens=3)  # every prompt alone has >= 3 tokens
+    assert prepared.batch is None and prepared.groups_used == 0
+    assert prepared.dropped == {"too_long": 8}
