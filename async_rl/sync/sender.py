@@ -1,0 +1,376 @@
+"""Learner side of weight sync: :class:`WeightSender` (use from learner rank 0 only).
+
+Membership: servers register themselves over the control channel (:class:`Hello`, sent
+at start and every heartbeat). Each update first asks every target server whether it
+takes part (Announce -> Ready, bounded by ``control_timeout_s``), then builds the weight
+group from the servers that answered. The group is kept while the membership stays the
+same and every update succeeds (NCCL communicator creation costs seconds at scale), and
+rebuilt under a new epoch otherwise: a server that joined, left or failed, or any failed
+collective (a group whose collective failed is in an undefined state). A dead server
+thus costs one short Ready timeout at most (usually none: ZeroMQ reports the closed
+connection), never a stuck broadcast.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from async_rl.sync.buckets import TensorSpec, iter_bucket_tensors, pack_bucket, plan_buckets
+from async_rl.sync.control import (
+    Abort,
+    Ack,
+    Announce,
+    ControlError,
+    ControlTimeout,
+    Hello,
+    Message,
+    Ready,
+    SenderChannel,
+    Start,
+)
+from async_rl.sync.group import (
+    GroupError,
+    Rendezvous,
+    WeightGroup,
+    host_store,
+    resolve_backend,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServerReport:
+    """Outcome of one update on one server (times in seconds)."""
+
+    server_id: str
+    ok: bool
+    error: str | None = None
+    fatal: bool = False
+    """The server's weights are undefined (load failed midway): restart it."""
+    receive_s: float = 0.0
+    load_s: float = 0.0
+    pause_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class SendResult:
+    """Outcome and timings (seconds) of one :meth:`WeightSender.send`."""
+
+    version: int
+    update_id: int
+    announce_s: float
+    """Announce -> all Ready -> Start sent."""
+    group_s: float
+    """Rendezvous and group construction (0 when the previous group was reused)."""
+    transfer_s: float
+    """Consuming the tensors, packing and broadcasting every bucket (incl. ``group_s``)."""
+    ack_s: float
+    """Waiting for the servers to load and acknowledge."""
+    total_s: float
+    bytes: int
+    """Payload bytes broadcast (sum of bucket sizes)."""
+    servers: dict[str, ServerReport]
+
+    @property
+    def ok(self) -> bool:
+        """At least one target server and all of them updated."""
+        return bool(self.servers) and all(r.ok for r in self.servers.values())
+
+    @property
+    def failed(self) -> dict[str, str]:
+        """``server_id -> error`` of the servers that did not update."""
+        return {s: r.error or "failed" for s, r in self.servers.items() if not r.ok}
+
+
+@dataclass
+class _Server:
+    peer: bytes
+    """ZeroMQ routing id of the server's current connection."""
+    num_workers: int
+    version: int | None
+
+
+class WeightSender:
+    """Broadcasts named tensors to every registered inference server."""
+
+    def __init__(
+        self,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        bucket_mb: int = 256,
+        backend: Literal["auto", "nccl", "gloo"] = "auto",
+        timeout_s: float = 300.0,
+        control_timeout_s: float = 10.0,
+    ):
+        """
+        Args:
+            host: address servers reach this process at (control socket and store).
+            port: control socket port (0: any free port; see :attr:`address`).
+            bucket_mb: bucket size in MiB; bounds the sender's and each server's extra
+                device memory to one bucket (servers stage received buckets on CPU).
+            backend: ``auto`` (NCCL when this process sees a GPU, else gloo).
+            timeout_s: bound of one update from Announce to the end of the broadcast;
+                acknowledgements get ``control_timeout_s`` more (the load).
+            control_timeout_s: bound of one control round trip (Ready, a send).
+        """
+        self.bucket_bytes = bucket_mb * 2**20
+        self.backend = resolve_backend(backend)
+        self.timeout_s = timeout_s
+        self.control_timeout_s = control_timeout_s
+        self._host = host
+        self._channel = SenderChannel(host, port)
+        self._store = host_store(host, timeout_s)
+        self._servers: dict[str, _Server] = {}
+        self._update_id = 0
+        self._epoch = 0
+        self._group: WeightGroup | None = None
+        self._members: tuple[tuple[str, bytes, int], ...] = ()
+
+    @property
+    def address(self) -> str:
+        """Control endpoint the servers connect to, e.g. ``tcp://10.0.0.1:40123``."""
+        return self._channel.address
+
+    @property
+    def servers(self) -> dict[str, int | None]:
+        """Registered servers and the weights version each acknowledged last."""
+        return {sid: s.version for sid, s in self._servers.items()}
+
+    def poll(self, timeout_s: float = 0.0) -> None:
+        """Process control messages that arrived (registrations) for up to ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                peer, msg = self._channel.recv_until(deadline)
+            except ControlTimeout:
+                return
+            self._register(peer, msg)
+
+    def wait_for_servers(self, n: int, timeout_s: float) -> list[str]:
+        """Block until at least ``n`` servers registered; ``ControlTimeout`` otherwise."""
+        deadline = time.monotonic() + timeout_s
+        while len(self._servers) < n:
+            if time.monotonic() >= deadline:
+                raise ControlTimeout(f"{len(self._servers)}/{n} servers after {timeout_s} s")
+            self.poll(min(0.1, max(0.0, deadline - time.monotonic())))
+        return list(self._servers)
+
+    def behind(self, version: int) -> list[str]:
+        """Registered servers not holding ``version`` (new, restarted or failed ones):
+        send them the current weights before they serve again."""
+        self.poll()
+        return [sid for sid, s in self._servers.items() if s.version != version]
+
+    def send(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        version: int,
+        *,
+        specs: Sequence[TensorSpec],
+        servers: Collection[str] | None = None,
+    ) -> SendResult:
+        """Publish one weights version.
+
+        Args:
+            named_tensors: ``(name, tensor)`` pairs in ``specs`` order, consumed lazily,
+                one bucket at a time (a generator gathering FSDP shards layer by layer
+                never materializes the whole model). Any device; full (unsharded) values.
+            version: version number the servers will report.
+            specs: names, dtypes, shapes of ``named_tensors`` (from
+                :func:`~async_rl.sync.buckets.tensor_specs`; works on sharded/meta
+                tensors, so it costs no gather).
+            servers: target server ids (default: all registered).
+
+        Returns a :class:`SendResult`; per-server failures are reported in it, never
+        raised (a failed server keeps serving its previous weights). Raises
+        ``ValueError`` if ``named_tensors`` does not match ``specs`` (the servers are
+        told to abort first), and re-raises whatever the iterable raises.
+        """
+        t0 = time.monotonic()
+        deadline = t0 + self.timeout_s
+        self.poll()
+        self._update_id += 1
+        uid = self._update_id
+        wanted = self._servers.keys() if servers is None else servers
+        targets = {sid: self._servers[sid] for sid in wanted if sid in self._servers}
+        reports = {
+            sid: ServerReport(sid, False, "not registered")
+            for sid in wanted
+            if sid not in self._servers
+        }
+        buckets = plan_buckets(specs, self.bucket_bytes)
+        announce = Announce(uid, version, tuple(specs), tuple(buckets))
+
+        ready = self._ready(announce, targets, reports, min(deadline, t0 + self.control_timeout_s))
+        members = tuple((sid, s.peer, s.num_workers) for sid, s in ready.items())
+        if not members:
+            return self._result(version, uid, t0, 0.0, 0.0, 0.0, 0, reports)
+        if members != self._members or self._group is None:
+            self._drop_group()
+            self._epoch += 1
+        world = 1 + sum(n for _, _, n in members)
+        rv = Rendezvous(self._host, self._store.port, self._epoch, world, self.backend)
+        offset = 1
+        for sid, peer, n in members:
+            start = Start(uid, rv, offset, max(0.0, deadline - time.monotonic()))
+            offset += n
+            if not self._send_or_report(peer, sid, start, reports):
+                # The group cannot form without it: release the others now.
+                self._abort(uid, ready, f"server {sid} unreachable")
+                for other in ready.keys() - reports.keys():
+                    reports[other] = ServerReport(other, False, f"aborted: server {sid} unreachable")
+                return self._result(version, uid, t0, time.monotonic() - t0, 0.0, 0.0, 0, reports)
+        announce_s = time.monotonic() - t0
+
+        t1 = time.monotonic()
+        group_s = 0.0
+        nbytes = 0
+        try:
+            if self._group is None:
+                self._group = WeightGroup.join(rv, 0, self._store, deadline - time.monotonic())
+                self._members = members
+                group_s = self._group.create_s
+            group = self._group
+            buf = torch.empty(max(b.nbytes for b in buckets), dtype=torch.uint8, device=group.device)
+            for bucket, tensors in iter_bucket_tensors(named_tensors, specs, buckets):
+                group.broadcast(pack_bucket(bucket, specs, tensors, buf), deadline - time.monotonic())
+                nbytes += bucket.nbytes
+        except GroupError as e:
+            self._abort(uid, ready, f"sender: {e}")
+            for sid in ready:
+                reports[sid] = ServerReport(sid, False, f"transfer failed: {e}")
+            return self._result(version, uid, t0, announce_s, group_s, time.monotonic() - t1, nbytes, reports)
+        except BaseException as e:
+            self._abort(uid, ready, f"sender raised {type(e).__name__}: {e}")
+            raise
+        transfer_s = time.monotonic() - t1
+
+        self._collect_acks(uid, ready, reports, deadline + self.control_timeout_s)
+        if not all(r.ok for r in reports.values()):
+            self._drop_group()
+        return self._result(version, uid, t0, announce_s, group_s, transfer_s, nbytes, reports)
+
+    def close(self) -> None:
+        """Release the group, the store and the socket."""
+        self._drop_group()
+        self._channel.close()
+
+    # -- internals -----------------------------------------------------------------
+
+    def _register(self, peer: bytes, msg: Message) -> None:
+        # Replies to updates that already ended (late Ready/Ack) are dropped here.
+        if isinstance(msg, Hello):
+            known = self._servers.get(msg.server_id)
+            if known is None or known.peer != peer:
+                log.info("weight sync: server %s registered (version %s)", msg.server_id, msg.version)
+            self._servers[msg.server_id] = _Server(peer, msg.num_workers, msg.version)
+
+    def _send_or_report(
+        self, peer: bytes, sid: str, msg: Message, reports: dict[str, ServerReport]
+    ) -> bool:
+        try:
+            self._channel.send(peer, msg, self.control_timeout_s)
+        except ControlError as e:
+            reports[sid] = ServerReport(sid, False, f"unreachable: {e}")
+            self._servers.pop(sid, None)  # re-registers with its next Hello if alive
+            return False
+        return True
+
+    def _ready(
+        self,
+        announce: Announce,
+        targets: dict[str, _Server],
+        reports: dict[str, ServerReport],
+        deadline: float,
+    ) -> dict[str, _Server]:
+        """Announce to ``targets``; return those that answered Ready without error."""
+        asked = {
+            s.peer: sid
+            for sid, s in targets.items()
+            if self._send_or_report(s.peer, sid, announce, reports)
+        }
+        ready: dict[str, _Server] = {}
+        while asked:
+            try:
+                peer, msg = self._channel.recv_until(deadline)
+            except ControlTimeout:
+                break
+            if isinstance(msg, Ready) and msg.update_id == announce.update_id and peer in asked:
+                sid = asked.pop(peer)
+                if msg.error is None:
+                    ready[sid] = targets[sid]
+                else:
+                    reports[sid] = ServerReport(sid, False, f"declined: {msg.error}")
+            else:
+                self._register(peer, msg)
+        for sid in asked.values():
+            reports[sid] = ServerReport(sid, False, "no Ready within the control timeout")
+            self._servers.pop(sid, None)
+        return ready
+
+    def _collect_acks(
+        self,
+        uid: int,
+        ready: dict[str, _Server],
+        reports: dict[str, ServerReport],
+        deadline: float,
+    ) -> None:
+        waiting = {s.peer: sid for sid, s in ready.items() if sid not in reports}
+        while waiting:
+            try:
+                peer, msg = self._channel.recv_until(deadline)
+            except ControlTimeout:
+                break
+            if isinstance(msg, Ack) and msg.update_id == uid and peer in waiting:
+                sid = waiting.pop(peer)
+                reports[sid] = ServerReport(
+                    sid, msg.error is None, msg.error, msg.fatal, msg.receive_s, msg.load_s, msg.pause_s
+                )
+                if sid in self._servers:
+                    self._servers[sid].version = msg.version
+            else:
+                self._register(peer, msg)
+        for sid in waiting.values():
+            reports[sid] = ServerReport(sid, False, "no Ack within the timeout")
+        if waiting:
+            self._abort(uid, {sid: ready[sid] for sid in waiting.values()}, "sender: no Ack in time")
+
+    def _abort(self, uid: int, servers: dict[str, _Server], reason: str) -> None:
+        """Tell ``servers`` to drop ``uid`` now rather than at their timeout."""
+        self._drop_group()
+        for sid, s in servers.items():
+            try:
+                self._channel.send(s.peer, Abort(uid, reason), self.control_timeout_s)
+            except ControlError as e:
+                log.warning("weight sync: could not send Abort to %s: %s", sid, e)
+
+    def _drop_group(self) -> None:
+        if self._group is not None:
+            self._group.close()
+        self._group = None
+        self._members = ()
+
+    @staticmethod
+    def _result(
+        version: int,
+        uid: int,
+        t0: float,
+        announce_s: float,
+        group_s: float,
+        transfer_s: float,
+        nbytes: int,
+        reports: dict[str, ServerReport],
+    ) -> SendResult:
+        now = time.monotonic()
+        done = t0 + announce_s + transfer_s
+        return SendResult(
+            version, uid, announce_s, group_s, transfer_s, max(0.0, now - done), now - t0, nbytes, reports
+        )

@@ -1,0 +1,232 @@
+"""Engine side of weight sync: the control loop of one inference server.
+
+:class:`WeightUpdateServer` talks to the sender over ZeroMQ and drives the engine's
+workers (:class:`~async_rl.sync.receiver.WeightReceiverExtension`) with
+``collective_rpc``. It works with the async engine (``vllm.v1.engine.async_llm.AsyncLLM``,
+whose methods are coroutines) and with the offline ``vllm.LLM`` (plain methods).
+
+On the async engine, generation continues while buckets are received; it is paused only
+for the load with ``pause_generation(mode="keep", clear_cache=False)``: running requests
+are frozen, not dropped, and continue on the new weights after ``resume_generation()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from async_rl.sync.control import (
+    Abort,
+    Ack,
+    Announce,
+    ControlTimeout,
+    Hello,
+    Message,
+    Ready,
+    ServerChannel,
+    Start,
+    encode,
+)
+
+log = logging.getLogger(__name__)
+
+
+class EngineHandle:
+    """Uniform async access to a vLLM engine (``AsyncLLM`` or offline ``LLM``)."""
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+
+    async def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        out = getattr(self.engine, name)(*args, **kwargs)
+        return await out if inspect.isawaitable(out) else out
+
+    async def rpc(self, method: str, args: tuple = (), timeout_s: float | None = None) -> list[Any]:
+        """``collective_rpc`` on every worker; one result per worker."""
+        return await self._call("collective_rpc", method, timeout=timeout_s, args=args)
+
+    async def pause(self) -> None:
+        """Freeze scheduling, keeping running requests (no-op on the offline ``LLM``,
+        which runs nothing between calls)."""
+        if hasattr(self.engine, "pause_generation"):
+            await self._call("pause_generation", mode="keep", clear_cache=False)
+
+    async def resume(self) -> None:
+        if hasattr(self.engine, "resume_generation"):
+            await self._call("resume_generation")
+
+    async def reset_prefix_cache(self) -> bool:
+        """Forget cached prefixes computed with the old weights. False when blocks are
+        still held by (kept) running requests: vLLM then keeps the cache; run the engine
+        with ``enable_prefix_caching=False`` if stale prefix hits are not acceptable."""
+        return bool(await self._call("reset_prefix_cache"))
+
+
+@dataclass(frozen=True)
+class UpdateOutcome:
+    """One update as this server saw it (times in seconds)."""
+
+    update_id: int
+    version: int | None
+    """Version served after the update (the previous one if it failed)."""
+    error: str | None = None
+    fatal: bool = False
+    receive_s: float = 0.0
+    load_s: float = 0.0
+    pause_s: float = 0.0
+    prefix_cache_reset: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+class WeightUpdateServer:
+    """Receives weight updates for one engine; call :meth:`start` once, then
+    :meth:`serve` (background task) or :meth:`serve_one`."""
+
+    def __init__(
+        self,
+        engine: Any,
+        sender_address: str,
+        server_id: str,
+        *,
+        version: int | None = None,
+        heartbeat_s: float = 5.0,
+        control_timeout_s: float = 10.0,
+        poll_s: float = 0.005,
+    ):
+        """
+        Args:
+            engine: ``AsyncLLM`` or ``LLM`` built with the receiver extension.
+            sender_address: :attr:`WeightSender.address`.
+            server_id: stable name of this server (a restarted one keeps it).
+            version: weights version the engine was started with (None: unknown, the
+                sender will see this server as behind and send it the current weights).
+            heartbeat_s: Hello period while idle (re-registers with a restarted sender).
+            control_timeout_s: bound of one control send and of one ``collective_rpc``.
+            poll_s: first interval of receive-progress polling (doubles up to 0.1 s).
+        """
+        self.engine = EngineHandle(engine)
+        self.server_id = server_id
+        self.version = version
+        self.heartbeat_s = heartbeat_s
+        self.control_timeout_s = control_timeout_s
+        self.poll_s = poll_s
+        self._channel = ServerChannel(sender_address)
+        self._num_workers = 0
+        self._pending: Announce | None = None
+        """An Announce that arrived while another update was running."""
+
+    async def start(self) -> None:
+        """Count the engine's workers and register with the sender."""
+        indices = await self.engine.rpc("wsync_worker_index", timeout_s=self.control_timeout_s)
+        self._num_workers = len(indices)
+        await self._hello()
+
+    async def serve(self, on_outcome: Callable[[UpdateOutcome], None] | None = None) -> None:
+        """Handle updates forever (cancel the task to stop)."""
+        while True:
+            outcome = await self.serve_one(self.heartbeat_s * 10)
+            if outcome is not None and on_outcome is not None:
+                on_outcome(outcome)
+
+    async def serve_one(self, timeout_s: float) -> UpdateOutcome | None:
+        """Handle control messages until one update ends (success or failure); None when
+        ``timeout_s`` seconds pass without one. Sends a Hello every ``heartbeat_s`` idle."""
+        deadline = time.monotonic() + timeout_s
+        announce, self._pending = self._pending, None
+        if announce is not None:
+            await self._send(Ready(announce.update_id, self.server_id))
+        while (remaining := deadline - time.monotonic()) > 0:
+            try:
+                msg = await self._channel.recv(min(self.heartbeat_s, remaining))
+            except ControlTimeout:
+                await self._hello()
+                continue
+            if isinstance(msg, Announce):
+                announce = msg
+                await self._send(Ready(msg.update_id, self.server_id))
+            elif isinstance(msg, Start) and announce is not None and msg.update_id == announce.update_id:
+                outcome = await self._update(announce, msg)
+                await self._send(
+                    Ack(outcome.update_id, self.server_id, outcome.version, outcome.error,
+                        outcome.fatal, outcome.receive_s, outcome.load_s, outcome.pause_s)
+                )
+                if outcome.ok:
+                    log.info("weight sync: %s now serves version %s", self.server_id, self.version)
+                else:
+                    log.warning("weight sync: %s update %d failed: %s", self.server_id, outcome.update_id, outcome.error)
+                return outcome
+            elif isinstance(msg, Abort) and announce is not None and msg.update_id == announce.update_id:
+                announce = None
+        return None
+
+    def close(self) -> None:
+        self._channel.close()
+
+    # -- internals -----------------------------------------------------------------
+
+    async def _send(self, msg: Message) -> None:
+        await self._channel.send(msg, self.control_timeout_s)
+
+    async def _hello(self) -> None:
+        await self._send(Hello(self.server_id, self._num_workers, self.version))
+
+    async def _update(self, announce: Announce, start: Start) -> UpdateOutcome:
+        uid = announce.update_id
+        t0 = time.monotonic()
+        try:
+            await self.engine.rpc("wsync_begin", (encode(announce), encode(start)), self.control_timeout_s)
+            error = await self._wait_received(uid, start.timeout_s)
+        except Exception as e:  # an rpc failing or timing out is this update's failure
+            error = f"{type(e).__name__}: {e}"
+        if error is not None:
+            await self.engine.rpc("wsync_discard", (uid,), self.control_timeout_s)
+            return UpdateOutcome(uid, self.version, error, receive_s=time.monotonic() - t0)
+        receive_s = time.monotonic() - t0
+
+        t1 = time.monotonic()
+        await self.engine.pause()
+        try:
+            load_s = max(await self.engine.rpc("wsync_load", (uid,), max(start.timeout_s, self.control_timeout_s)))
+        except Exception as e:  # a half-done load leaves undefined weights: fatal
+            self.version = None
+            return UpdateOutcome(uid, None, f"load failed: {type(e).__name__}: {e}", fatal=True)
+        else:
+            self.version = announce.version
+            reset = await self.engine.reset_prefix_cache()
+        finally:
+            await self.engine.resume()
+        return UpdateOutcome(uid, self.version, None, False, receive_s, load_s, time.monotonic() - t1, reset)
+
+    async def _wait_received(self, uid: int, timeout_s: float) -> str | None:
+        """Poll the workers until all staged ``uid`` (None) or one failed, the sender
+        aborted, or ``timeout_s`` passed (the error text). The workers enforce the same
+        timeout themselves; the extra second here only covers a stuck worker thread."""
+        deadline = time.monotonic() + timeout_s + 1.0
+        delay = self.poll_s
+        while True:
+            statuses = await self.engine.rpc("wsync_status", (uid,), self.control_timeout_s)
+            errors = [err for state, err, _ in statuses if state == "failed"]
+            if errors:
+                return "; ".join(e or "receive failed" for e in errors)
+            if all(state == "received" for state, _, _ in statuses):
+                return None
+            if time.monotonic() >= deadline:
+                return f"receive timed out after {timeout_s:.1f} s"
+            try:
+                msg = await self._channel.recv(delay)
+            except ControlTimeout:
+                msg = None
+            if isinstance(msg, Abort) and msg.update_id == uid:
+                return f"aborted by sender: {msg.reason}"
+            if isinstance(msg, Announce):  # the sender gave up on uid and moved on
+                self._pending = msg
+                return f"superseded by update {msg.update_id}"
+            delay = min(delay * 2, 0.1)
