@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import time
 from pathlib import Path
 
 import torch.multiprocessing as mp
@@ -44,12 +45,15 @@ def learner_config(model_path: str | Path, output_dir: str | Path, run: str, *ov
 
 
 def rank_main(rank: int, world_size: int, port: int, cfg: Config, redis_url: str, max_steps: int | None, done_file: str) -> None:
-    """Body of one spawned learner rank: run the loop, then write ``done_file``.{rank}."""
+    """Body of one spawned learner rank: run the loop, then write ``done_file``.{rank}. With
+    ``max_steps`` the rank then waits to be killed (a crash after those steps)."""
     from async_rl.learner.loop import LearnerLoop
 
     loop = LearnerLoop(cfg, rank, world_size, "127.0.0.1", port, redis_url)
     summary = loop.run(max_steps)
     Path(f"{done_file}.{rank}").write_text(json.dumps({"version": summary.version, "pid": os.getpid()}))
+    if max_steps is not None:
+        time.sleep(3600)
     loop.close()
 
 

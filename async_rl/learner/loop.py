@@ -1,0 +1,261 @@
+"""The learner loop of one rank: queue -> step -> publish -> checkpoint -> commit.
+
+Rank 0 is the only queue consumer. It reads ``B`` groups and broadcasts their msgspec bytes to
+the other ranks, so every rank trains on the same batch and plans identically. Versions,
+staleness and checkpoints follow ARCHITECTURE.md: version += 1 per step that trained, entries
+are committed only after the checkpoint containing them is durable, and a restarted learner
+commits what its checkpoint covers, then re-reads its own pending entries first.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from async_rl.config import Config
+from async_rl.learner import checkpoint
+from async_rl.learner.batching import prepare
+from async_rl.learner.model import DistInfo, init_distributed, iter_full_parameters, load_sharded
+from async_rl.learner.train_step import Trainer, staleness_metrics
+from async_rl.queue import ReplayQueue
+from async_rl.records import RolloutGroup, decode, encode
+
+
+class WeightPublisher(Protocol):
+    """What rank 0 sends weights with (``async_rl.sync.WeightSender`` has this shape)."""
+
+    def send(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
+        """Deliver every ``(name, full tensor)`` as policy ``version``; return once the servers have it."""
+
+
+@dataclass
+class LoopSummary:
+    """What :meth:`LearnerLoop.run` did."""
+
+    version: int
+    """Policy version at the end."""
+    steps: list[dict[str, float]] = field(default_factory=list)
+    """Metrics of each step run (same on every rank)."""
+
+
+class LearnerLoop:
+    """One rank of the learner job.
+
+    ``redis_url`` is the replay queue's; ``publisher`` (rank 0 only; None = no inference
+    servers to update) receives the weights every ``sync.every`` steps, after which the version
+    is published for admission. Rank 0 appends one JSON line per step to
+    ``{output_dir}/learner_steps.jsonl`` (version, entry ids, metrics).
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        redis_url: str,
+        publisher: WeightPublisher | None = None,
+    ) -> None:
+        self.cfg = cfg
+        torch.manual_seed(cfg.trainer.seed)
+        # Collectives wait at most this long: longer than any queue wait or weight sync on rank 0.
+        timeout_s = 2 * max(cfg.queue.timeout_s, cfg.sync.timeout_s)
+        self.info: DistInfo = init_distributed(rank, world_size, master_addr, master_port, timeout_s)
+        lrn = cfg.learner
+        policy = load_sharded(lrn.model_path, lrn.fsdp, self.info.device, trainable=True)
+        reference = load_sharded(lrn.model_path, lrn.fsdp, self.info.device, trainable=False) if cfg.algorithm.loss.kl_coef > 0 else None
+        self.vocab_size = int(policy.config.vocab_size)
+        self.trainer = Trainer(policy, reference, lrn, cfg.algorithm, self.info, cfg.trainer.total_steps, cfg.trainer.seed)
+        self.publisher = publisher
+        # Every rank must know whether rank 0 publishes: the gathers are collective.
+        self.publishing = bool(_broadcast_bytes(b"1" if publisher is not None else b"", self.info))
+        self.output_dir = Path(cfg.trainer.output_dir)
+        self.queue = (
+            ReplayQueue(redis_url, cfg.trainer.run_name, cfg.queue.max_depth, consumer=f"{cfg.trainer.run_name}-learner",
+                        claim_idle_s=cfg.queue.recover_idle_s, op_timeout_s=cfg.queue.timeout_s)
+            if self.info.rank == 0 else None
+        )
+        self.version = 0
+        self.uncommitted: list[str] = []
+        self.counters: Counter[str] = Counter()
+        self.backlog: list[tuple[str, RolloutGroup]] = []
+        self._resume()
+
+    # -- lifecycle ----------------------------------------------------------------
+
+    def _resume(self) -> None:
+        path = checkpoint.resolve_resume(self.cfg.trainer.resume, self.output_dir) if self.info.rank == 0 else None
+        chosen = _broadcast_bytes(str(path).encode() if path else b"", self.info).decode()
+        if chosen:
+            state = checkpoint.load(Path(chosen), self.trainer.policy, self.trainer.optimizer)
+            self.trainer.scheduler.load_state_dict(state.scheduler)
+            self.version = state.version
+            self.counters.update(state.counters)
+            if self.queue is not None:  # the checkpoint holds these; a crash may have come before the commit
+                self.queue.commit(state.uncommitted_entry_ids)
+        if self.queue is not None:
+            # Entries read but not in the checkpoint: train them first, in their original order.
+            self.backlog = self.queue.recover(max_staleness=None, include_own=True)
+
+    def run(self, max_steps: int | None = None) -> LoopSummary:
+        """Train until ``trainer.total_steps`` (then save a final checkpoint), or for at most
+        ``max_steps`` steps (no final save: the caller will continue or the run is cut short)."""
+        summary = LoopSummary(self.version)
+        steps = 0
+        while self.version < self.cfg.trainer.total_steps and (max_steps is None or steps < max_steps):
+            metrics = self._step()
+            steps += 1
+            summary.steps.append(metrics)
+        if self.version >= self.cfg.trainer.total_steps and not checkpoint.checkpoint_dir(self.output_dir, self.version).exists():
+            self._save()
+        summary.version = self.version
+        return summary
+
+    def close(self) -> None:
+        """Release the queue connection and leave the process group."""
+        if self.queue is not None:
+            self.queue.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # -- one step -----------------------------------------------------------------
+
+    def _step(self) -> dict[str, float]:
+        start = time.perf_counter()
+        entries = self._next_batch()
+        wait_s = time.perf_counter() - start
+        groups = [group for _, group in entries]
+        prepared = prepare(groups, self.cfg.learner.max_tokens_per_microbatch, self.vocab_size)
+        self.counters.update({f"dropped/{k}": v for k, v in prepared.dropped.items()})
+        self.counters["groups_consumed"] += len(groups)
+        metrics: dict[str, float] = {"version": float(self.version)}
+        if prepared.batch is None:  # nothing trainable: no update, no new version
+            self.counters["skipped_steps"] += 1
+            step_s = time.perf_counter() - start
+        else:
+            metrics.update(staleness_metrics(prepared.batch, self.version))
+            result = self.trainer.step(prepared.batch, self.version)
+            self.version += 1
+            sync_s = self._publish() if self.version % self.cfg.sync.every == 0 else 0.0
+            step_s = time.perf_counter() - start
+            metrics.update(result.metrics)
+            metrics.update({
+                "perf/tokens": float(result.tokens),
+                "perf/tokens_per_s": result.tokens / max(step_s - wait_s, 1e-9),
+                "time/prox": result.times.prox, "time/fwd_bwd": result.times.fwd_bwd,
+                "time/optim": result.times.optim, "time/sync": sync_s,
+            })
+        metrics.update({"time/wait": wait_s, "time/step": step_s, "perf/idle_fraction": wait_s / max(step_s, 1e-9)})
+        metrics.update({f"counters/{k}": float(v) for k, v in self.counters.items()})
+        self.uncommitted.extend(entry_id for entry_id, _ in entries)
+        if self.version % self.cfg.trainer.save_every == 0 and prepared.batch is not None:
+            self._save()
+        self._log(metrics, [entry_id for entry_id, _ in entries])
+        return metrics
+
+    def _next_batch(self) -> list[tuple[str, RolloutGroup]]:
+        """Rank 0 collects ``B`` fresh-enough groups and broadcasts them; returns them on every
+        rank (entry ids only on rank 0). After each bounded queue read that leaves the batch
+        short, rank 0 broadcasts a wait beat, so no rank sits in one collective for longer
+        than a queue timeout."""
+        size = self.cfg.learner.batch_size
+        entries: list[tuple[str, RolloutGroup]] = []
+        while True:
+            if self.queue is not None:
+                entries.extend(self._screen(self._read(size - len(entries))))
+            received = _broadcast_groups([g for _, g in entries] if len(entries) >= size else [], self.info)
+            if received is not None:
+                return entries if self.queue is not None else [("", g) for g in received]
+
+    def _read(self, n: int) -> list[tuple[str, RolloutGroup]]:
+        """Up to ``n`` entries: recovered ones first, then new ones (one bounded queue read)."""
+        take, self.backlog = self.backlog[:n], self.backlog[n:]
+        if len(take) < n:
+            take += self.queue.get(n - len(take), self.cfg.algorithm.max_staleness, self.cfg.queue.timeout_s)  # type: ignore[union-attr]
+        return take
+
+    def _screen(self, entries: list[tuple[str, RolloutGroup]]) -> list[tuple[str, RolloutGroup]]:
+        """Drop groups more than ``max_staleness`` behind this learner's version (the queue
+        screens against the published version, which may lag); they are committed with the
+        next checkpoint, never trained."""
+        keep = []
+        for entry_id, group in entries:
+            if self.version - group.behaviour_version > self.cfg.algorithm.max_staleness:
+                self.counters["dropped/stale"] += 1
+                self.uncommitted.append(entry_id)
+            else:
+                keep.append((entry_id, group))
+        return keep
+
+    def _publish(self) -> float:
+        """Gather full parameters bucket by bucket and send them (rank 0); return seconds."""
+        if not self.publishing:
+            return 0.0
+        start = time.perf_counter()
+        buckets = iter_full_parameters(self.trainer.policy, self.cfg.sync.bucket_mb << 20)
+        if self.info.rank == 0:
+            self.publisher.send((item for bucket in buckets for item in bucket), self.version)  # type: ignore[union-attr]
+            self.queue.publish_version(self.version)  # type: ignore[union-attr]
+        else:
+            for _ in buckets:  # every rank takes part in each gather
+                pass
+        return time.perf_counter() - start
+
+    def _save(self) -> None:
+        state = checkpoint.TrainingState(self.version, self.trainer.scheduler.state_dict(), list(self.uncommitted), dict(self.counters))
+        path = checkpoint.checkpoint_dir(self.output_dir, self.version)
+        checkpoint.save(path, self.trainer.policy, self.trainer.optimizer, state, self.cfg.learner.model_path, self.cfg.trainer.keep_checkpoints)
+        if self.queue is not None:
+            self.queue.commit(self.uncommitted)
+        self.uncommitted = []
+
+    def _log(self, metrics: dict[str, float], entry_ids: list[str]) -> None:
+        if self.info.rank != 0:
+            return
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.output_dir / "learner_steps.jsonl", "a") as f:
+            f.write(json.dumps({"version": self.version, "entry_ids": entry_ids, "metrics": metrics}) + "\n")
+
+
+def _broadcast_bytes(payload: bytes, info: DistInfo) -> bytes:
+    """Rank 0's ``payload`` on every rank (length first, then the bytes as a uint8 tensor)."""
+    length = torch.tensor([len(payload)], dtype=torch.long, device=info.device)
+    dist.broadcast(length, 0)
+    if info.rank == 0 or int(length) == 0:
+        if int(length):
+            dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(info.device), 0)
+        return payload if info.rank == 0 else b""
+    data = torch.empty(int(length), dtype=torch.uint8, device=info.device)
+    dist.broadcast(data, 0)
+    return data.cpu().numpy().tobytes()
+
+
+def _broadcast_groups(groups: list[RolloutGroup], info: DistInfo) -> list[RolloutGroup] | None:
+    """Rank 0's ``groups`` on every rank, as msgspec bytes; None everywhere for a wait beat
+    (rank 0 passed no groups)."""
+    encoded = [encode(g) for g in groups] if info.rank == 0 else []
+    count = torch.tensor([len(encoded)], dtype=torch.long, device=info.device)
+    dist.broadcast(count, 0)
+    if int(count) == 0:
+        return None
+    sizes = torch.tensor([len(e) for e in encoded] or [0] * int(count), dtype=torch.long, device=info.device)
+    dist.broadcast(sizes, 0)
+    if info.rank == 0:
+        _broadcast_bytes(b"".join(encoded), info)
+        return list(groups)
+    data = _broadcast_bytes(b"", info)
+    out, offset = [], 0
+    for size in sizes.tolist():
+        out.append(decode(data[offset: offset + size]))
+        offset += size
+    return out
