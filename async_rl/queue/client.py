@@ -76,4 +76,6 @@ def retrying(op: Callable[[], T], deadline: float, what: str) -> T:
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             # BusyLoadingError (Redis replaying its AOF) is a ConnectionError: wait it out.
             failure = exc
-    raise QueueUnavailableError(f"{what}: Redis unreachable until the deadline ({failure})") from failure
+    raise QueueUnavailableError(
+        f"{what}: Redis unreachable until the deadline ({failure})"
+    ) from failure

@@ -156,7 +156,7 @@ class EmbeddedRedis:
         return "\n".join(lines) + "\n"
 
     def _wait_ready(self) -> None:
-        assert self._proc is not None
+        assert self._proc is not None and self.port is not None
         client = redis.Redis(
             host=self.host, port=self.port, password=self.password,
             socket_timeout=1.0, socket_connect_timeout=1.0,
@@ -171,7 +171,10 @@ class EmbeddedRedis:
                     )
                 try:
                     if client.ping():
+                        self._check_is_ours(client)
                         return
+                except redis.AuthenticationError as exc:
+                    raise RuntimeError(f"port {self.port} is held by another Redis") from exc
                 except redis.BusyLoadingError:
                     pass  # replaying the AOF
                 except redis.ConnectionError:
@@ -184,6 +187,13 @@ class EmbeddedRedis:
                 time.sleep(0.02)
         finally:
             client.close()
+
+    def _check_is_ours(self, client: redis.Redis) -> None:
+        # A free port can be taken by another process before our server binds it.
+        assert self._proc is not None
+        pid = int(client.info("server")["process_id"])
+        if pid != self._proc.pid:
+            raise RuntimeError(f"port {self.port} is held by another Redis (pid {pid})")
 
     def _log_tail(self, lines: int = 5) -> str:
         log = self.data_dir / "redis.log"

@@ -19,6 +19,8 @@ class RunKeys:
     - ``counters``: hash of integers shared by every process: ``version``,
       ``groups_started``, ``prompt_cursor``, ``dropped_stale``, ``dead_lettered``.
     - ``staleness``: hash ``staleness (versions) -> groups read``.
+    - ``last_put(producer)``: ``"<seq> <entry id>"`` of a producer's last put, expiring
+      a minute after its retries end (makes retried puts idempotent).
     """
 
     run: str
@@ -38,3 +40,6 @@ class RunKeys:
     @property
     def staleness(self) -> str:
         return f"{self.run}:staleness"
+
+    def last_put(self, producer: str) -> str:
+        return f"{self.run}:last-put:{producer}"

@@ -13,6 +13,7 @@ deadlock a learner that checkpoints less often than every ``max_depth`` groups.
 
 from __future__ import annotations
 
+import itertools
 import os
 import secrets
 import socket
@@ -21,7 +22,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import redis
 
@@ -35,14 +36,26 @@ __all__ = ["ReplayQueue"]
 T = TypeVar("T")
 Entry = tuple[str, RolloutGroup]
 RawEntry = tuple[bytes, dict[bytes, bytes]]  # (entry id, fields) as redis-py returns them
+StreamReply = list[tuple[bytes, list[RawEntry]]]  # XREADGROUP: [(stream, entries)]
 
 # Check depth and append in one script, so racing producers cannot overshoot max_depth.
+# KEYS[2] remembers this producer's last put as "<seq> <entry id>": a put retried after
+# its reply was lost (same seq) returns the first entry id instead of appending twice.
 _PUT_LUA = """
+local last = redis.call('GET', KEYS[2])
+if last then
+  local sep = string.find(last, ' ', 1, true)
+  if string.sub(last, 1, sep - 1) == ARGV[5] then
+    return string.sub(last, sep + 1)
+  end
+end
 local pending = redis.call('XPENDING', KEYS[1], ARGV[2])[1]
 if redis.call('XLEN', KEYS[1]) - pending >= tonumber(ARGV[1]) then
   return false
 end
-return redis.call('XADD', KEYS[1], '*', ARGV[3], ARGV[4])
+local id = redis.call('XADD', KEYS[1], '*', ARGV[3], ARGV[4])
+redis.call('SET', KEYS[2], ARGV[5] .. ' ' .. id, 'EX', ARGV[6])
+return id
 """
 
 _CLAIM_BATCH = 100  # pending entries examined per round trip
@@ -87,6 +100,9 @@ class ReplayQueue:
         self._client = connect(url, socket_timeout_s)
         self._ledger = AdmissionLedger(self._client, self.keys)
         self._put_script = self._client.register_script(_PUT_LUA)
+        # Dedup state is per instance: a restart that reuses `consumer` starts afresh.
+        self._last_put_key = self.keys.last_put(f"{self.consumer}.{secrets.token_hex(4)}")
+        self._put_seq = itertools.count()
         self._call("create consumer group", self._create_group)
 
     def _call(self, what: str, op: Callable[[], T], deadline: float | None = None) -> T:
@@ -110,16 +126,22 @@ class ReplayQueue:
         Raises ``TimeoutError`` if the queue stays full for ``timeout`` seconds, and
         ``QueueUnavailableError`` if Redis stays unreachable that long. When ``put``
         returns, the group is in Redis's AOF (fsynced under ``appendfsync always``).
+        Retries after connection loss never append the group twice.
         """
         data = encode(group)
         deadline = time.monotonic() + timeout
-        args = [self.max_depth, CONSUMER_GROUP, PAYLOAD_FIELD, data]
+        keys = [self.keys.rollouts, self._last_put_key]
+        # The dedup record only has to outlive this call's retries.
+        ttl_s = int(timeout) + 60
+        args: list[bytes | str | int] = [
+            self.max_depth, CONSUMER_GROUP, PAYLOAD_FIELD, data, next(self._put_seq), ttl_s
+        ]
         for _ in attempts(deadline, first_s=0.001, cap_s=0.05):
             entry_id = self._call(
-                "put", lambda: self._put_script(keys=[self.keys.rollouts], args=args), deadline
+                "put", lambda: self._put_script(keys=keys, args=args), deadline
             )
             if entry_id is not None:
-                return str(entry_id.decode())
+                return str(entry_id, "ascii")
         raise TimeoutError(f"replay queue {self.run!r} stayed at max_depth={self.max_depth} "
                            f"for {timeout} s: is the learner consuming?")
 
@@ -147,6 +169,8 @@ class ReplayQueue:
         counted in ``dropped_stale``, acknowledged and skipped; undecodable entries go to
         the dead-letter stream. Returned entries stay pending until :meth:`commit`.
         """
+        if n <= 0:
+            raise ValueError(f"n must be > 0, got {n}")
         deadline = time.monotonic() + timeout
         out: list[Entry] = []
         while True:
@@ -155,7 +179,7 @@ class ReplayQueue:
                 self._client.xreadgroup, CONSUMER_GROUP, self.consumer,
                 {self.keys.rollouts: ">"}, count=n - len(out), block=max(1, int(block_s * 1000)),
             )
-            reply = self._call("get", read, deadline)
+            reply = cast(StreamReply, self._call("get", read, deadline))
             if reply:
                 out.extend(self._screen(reply[0][1], max_staleness))
             if len(out) >= n or time.monotonic() >= deadline:
@@ -207,23 +231,23 @@ class ReplayQueue:
     def _claim_idle(self, idle_ms: int) -> list[RawEntry]:
         claimed: list[RawEntry] = []
         start: bytes | str = "-"
-        while page := self._client.xpending_range(
+        while page := cast(list[dict[str, Any]], self._client.xpending_range(
             self.keys.rollouts, CONSUMER_GROUP, start, "+", _CLAIM_BATCH, idle=idle_ms
-        ):
+        )):
             ids = [p["message_id"] for p in page if p["consumer"].decode() != self.consumer]
             if ids:
-                claimed += self._client.xclaim(
+                claimed += cast(list[RawEntry], self._client.xclaim(
                     self.keys.rollouts, CONSUMER_GROUP, self.consumer, idle_ms, ids
-                )
+                ))
             start = b"(" + page[-1]["message_id"]
         return claimed
 
     def _own_pending(self) -> list[RawEntry]:
         own: list[RawEntry] = []
         start: bytes | str = "0"
-        while reply := self._client.xreadgroup(
+        while reply := cast(StreamReply, self._client.xreadgroup(
             CONSUMER_GROUP, self.consumer, {self.keys.rollouts: start}, count=_CLAIM_BATCH
-        ):
+        )):
             page = reply[0][1]
             if not page:
                 break

@@ -14,11 +14,12 @@ SPAWN = mp.get_context("spawn")  # fresh interpreters, like real rollout workers
 
 def make_group(index: int, version: int = 0, run: str = "test") -> RolloutGroup:
     """A small group whose ``group_id`` is ``g{index}`` and behaviour version ``version``."""
-    sample = Sample.from_lists([index, 1, 2], [-0.5, -0.25, -1.0], [version + 1, version, version], 1.0)
+    versions = [version + 1, version, version]  # the minimum sits mid-response
+    sample = Sample.from_lists([index, 1, 2], [-0.5, -0.25, -1.0], versions, 1.0)
     return RolloutGroup.from_lists(run, f"g{index}", index, [3, 4], [sample], "srv", 0.01)
 
 
-def produce(url: str, run: str, indices: range, done: mp.Queue, max_depth: int = 256) -> None:
+def produce(url: str, run: str, indices: range, done: mp.Queue[str], max_depth: int = 256) -> None:
     """Put one group per index, reporting each group id once ``put`` has returned."""
     with ReplayQueue(url, run, max_depth=max_depth) as q:
         for i in indices:
@@ -26,7 +27,7 @@ def produce(url: str, run: str, indices: range, done: mp.Queue, max_depth: int =
             done.put(f"g{i}")
 
 
-def consume(url: str, run: str, batch: int, committed: mp.Queue, stop: Event) -> None:
+def consume(url: str, run: str, batch: int, committed: mp.Queue[str], stop: Event) -> None:
     """Get, commit, report committed group ids; exit once ``stop`` is set and the queue is dry."""
     with ReplayQueue(url, run) as q:
         while True:
@@ -38,14 +39,16 @@ def consume(url: str, run: str, batch: int, committed: mp.Queue, stop: Event) ->
                 return
 
 
-def take_and_hang(url: str, run: str, n: int, taken: mp.Queue) -> None:
+def take_and_hang(url: str, run: str, n: int, taken: mp.Queue[list[str]]) -> None:
     """Get ``n`` entries, report their ids, then wait (uncommitted) to be killed."""
     with ReplayQueue(url, run) as q:
         taken.put([entry_id for entry_id, _ in q.get(n, timeout=10.0)])
         time.sleep(600)
 
 
-def admit(url: str, run: str, batch_size: int, max_staleness: int, go: Event, admitted: mp.Queue) -> None:
+def admit(
+    url: str, run: str, batch_size: int, max_staleness: int, go: Event, admitted: mp.Queue[int]
+) -> None:
     """Try to admit until refused; report how many this process got."""
     with ReplayQueue(url, run) as q:
         go.wait()
@@ -55,7 +58,7 @@ def admit(url: str, run: str, batch_size: int, max_staleness: int, go: Event, ad
         admitted.put(count)
 
 
-def draw_prompts(url: str, run: str, n: int, go: Event, drawn: mp.Queue) -> None:
+def draw_prompts(url: str, run: str, n: int, go: Event, drawn: mp.Queue[list[int]]) -> None:
     """Draw ``n`` dataset indices; report them."""
     with ReplayQueue(url, run) as q:
         go.wait()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import msgspec
 import pytest
@@ -45,7 +46,9 @@ def test_each_entry_goes_to_one_consumer(queue: ReplayQueue, redis_url: str, run
     assert {g.group_id for _, g in mine}.isdisjoint(g.group_id for _, g in theirs)
 
 
-def test_undecodable_entries_are_dead_lettered(queue: ReplayQueue, redis_url: str, run: str) -> None:
+def test_undecodable_entries_are_dead_lettered(
+    queue: ReplayQueue, redis_url: str, run: str
+) -> None:
     raw = redis.Redis.from_url(redis_url)
     bad = {
         b"\xc1garbage": "garbage",
@@ -60,7 +63,7 @@ def test_undecodable_entries_are_dead_lettered(queue: ReplayQueue, redis_url: st
     got = queue.get(4, timeout=0.5)
 
     assert [g.group_id for _, g in got] == ["g0", "g1"]
-    dead = raw.xrange(queue.keys.dead)
+    dead: Any = raw.xrange(queue.keys.dead)
     assert [fields[b"raw"] for _, fields in dead] == [*bad, b""]
     assert all(fields[b"reason"] for _, fields in dead)
     assert b"no 'group' field" in dead[2][1][b"reason"]
@@ -110,7 +113,9 @@ def test_admission_rule_single_producer(queue: ReplayQueue) -> None:
         queue.publish_version(-1)
 
 
-def test_recover_takes_only_entries_idle_long_enough(queue: ReplayQueue, redis_url: str, run: str) -> None:
+def test_recover_takes_only_entries_idle_long_enough(
+    queue: ReplayQueue, redis_url: str, run: str
+) -> None:
     for i in range(3):
         queue.put(make_group(i, run=run))
     with ReplayQueue(redis_url, run) as reader:

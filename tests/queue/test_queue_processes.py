@@ -82,6 +82,7 @@ def test_killed_consumer_entries_are_recovered_exactly(redis_url: str, run: str)
         victim = _start(take_and_hang, redis_url, run, 5, taken_q)
         taken = _drain(taken_q, 1, 30.0)[0]
         assert len(taken) == 5
+        assert victim.pid is not None
         os.kill(victim.pid, signal.SIGKILL)
         victim.join(10.0)
         assert victim.exitcode == -signal.SIGKILL
