@@ -27,6 +27,8 @@ from urllib.parse import quote
 
 import redis
 
+from async_rl.queue.client import connect
+
 __all__ = ["EmbeddedRedis", "RedisNotInstalledError"]
 
 _INSTALL_HINT = (
@@ -156,11 +158,8 @@ class EmbeddedRedis:
         return "\n".join(lines) + "\n"
 
     def _wait_ready(self) -> None:
-        assert self._proc is not None and self.port is not None
-        client = redis.Redis(
-            host=self.host, port=self.port, password=self.password,
-            socket_timeout=1.0, socket_connect_timeout=1.0,
-        )
+        assert self._proc is not None
+        client = connect(self.url, socket_timeout_s=1.0)
         deadline = time.monotonic() + self.startup_timeout_s
         try:
             while True:

@@ -57,6 +57,14 @@ def test_requires_generated_password_and_stops_on_exit() -> None:
         connect(f"redis://127.0.0.1:{port}/0", socket_timeout_s=1.0).ping()
 
 
+def test_port_held_by_another_redis_is_an_error() -> None:
+    first = EmbeddedRedis()
+    with first:
+        assert first.port is not None
+        with pytest.raises(RuntimeError, match=str(first.port)):
+            EmbeddedRedis(port=first.port).start()
+
+
 def test_loopback_without_auth_is_allowed(tmp_path: Path) -> None:
     with EmbeddedRedis(tmp_path, auth=False) as url:
         assert "@" not in url
