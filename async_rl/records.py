@@ -18,6 +18,7 @@ import array
 import sys
 import time
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import msgspec
 
@@ -44,8 +45,8 @@ def _pack(typecode: str, values: Iterable[float] | Iterable[int]) -> bytes:
     return arr.tobytes()
 
 
-def _unpack(typecode: str, data: bytes) -> array.array:
-    arr = array.array(typecode)
+def _unpack(typecode: str, data: bytes) -> array.array[Any]:
+    arr: array.array[Any] = array.array(typecode)
     arr.frombytes(data)
     if _BIG_ENDIAN:
         arr.byteswap()
@@ -62,12 +63,12 @@ def pack_f32(values: Iterable[float]) -> bytes:
     return _pack("f", values)
 
 
-def unpack_i32(data: bytes) -> array.array:
+def unpack_i32(data: bytes) -> array.array[int]:
     """Little-endian int32 bytes -> ``array.array('i')`` (a copy, host byte order)."""
     return _unpack("i", data)
 
 
-def unpack_f32(data: bytes) -> array.array:
+def unpack_f32(data: bytes) -> array.array[float]:
     """Little-endian float32 bytes -> ``array.array('f')`` (a copy, host byte order)."""
     return _unpack("f", data)
 
@@ -149,11 +150,11 @@ class Sample(msgspec.Struct, frozen=True):
         """Number of response tokens."""
         return len(self.token_ids) // 4
 
-    def token_array(self) -> array.array:
+    def token_array(self) -> array.array[int]:
         """Response token ids as ``array.array('i')``."""
         return unpack_i32(self.token_ids)
 
-    def logprob_array(self) -> array.array:
+    def logprob_array(self) -> array.array[float]:
         """Behaviour log-probabilities as ``array.array('f')``."""
         return unpack_f32(self.logprobs)
 
@@ -214,7 +215,7 @@ class RolloutGroup(msgspec.Struct, frozen=True, tag="rollout_group.v1", tag_fiel
             created_at=time.time() if created_at is None else created_at,
         )
 
-    def prompt_array(self) -> array.array:
+    def prompt_array(self) -> array.array[int]:
         """Prompt token ids as ``array.array('i')``."""
         return unpack_i32(self.prompt_token_ids)
 
