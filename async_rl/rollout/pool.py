@@ -1,0 +1,124 @@
+"""The pool of inference servers: Ray actors, placed and restarted.
+
+A server that dies (its process killed, its engine crashed) is replaced by a fresh actor
+the first time a request to it fails; the request is then retried by the rollout worker
+on the new server, so the group it belonged to is neither lost nor duplicated. The
+``on_start`` hook runs on every new server before it serves (the trainer uses it to
+push the current weights to a restarted server).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+import ray
+from ray.exceptions import RayActorError
+
+from async_rl.rollout.server import Completion, InferenceServer, Sampling, ServerHealth
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerSpec:
+    """How to start one server actor."""
+
+    engine_kwargs: dict[str, Any]
+    """``AsyncEngineArgs`` keyword arguments."""
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    env_vars: dict[str, str] = field(default_factory=dict)
+    """Environment of the actor (and so of the vLLM processes it starts)."""
+    start_timeout_s: float = 600.0
+    """Longest a server may take to build its engine, seconds."""
+    sender_address: str | None = None
+    """``WeightSender.address`` the servers register with for weight updates; None for none."""
+
+
+class ServerPool:
+    """``num_servers`` :class:`InferenceServer` actors, restarted when they die."""
+
+    def __init__(
+        self,
+        spec: ServerSpec,
+        num_servers: int,
+        version: Callable[[], int] = lambda: 0,
+        on_start: Callable[[int, Any], Awaitable[None]] | None = None,
+    ):
+        self.spec = spec
+        self.num_servers = num_servers
+        self.version = version
+        self.on_start = on_start
+        self.restarts = 0
+        self._handles: list[Any] = [None] * num_servers
+        self._locks = [asyncio.Lock() for _ in range(num_servers)]
+
+    async def start(self) -> list[ServerHealth]:
+        """Start every server (concurrently); returns their health."""
+        return list(await asyncio.gather(*(self._launch(i) for i in range(self.num_servers))))
+
+    def handle(self, i: int) -> Any:
+        """Ray actor handle of server ``i``."""
+        return self._handles[i]
+
+    async def _launch(self, i: int) -> ServerHealth:
+        actor_cls = ray.remote(InferenceServer).options(
+            num_cpus=self.spec.num_cpus,
+            num_gpus=self.spec.num_gpus,
+            runtime_env={"env_vars": dict(self.spec.env_vars)},
+            name=None,
+        )
+        handle = actor_cls.remote(f"server-{i}", self.spec.engine_kwargs, self.version())
+        health = await asyncio.wait_for(handle.start.remote(self.spec.sender_address), self.spec.start_timeout_s)
+        if self.on_start is not None:
+            await self.on_start(i, handle)
+        self._handles[i] = handle
+        return health
+
+    async def generate(self, i: int, prompt_token_ids: list[int], n: int, sampling: Sampling) -> list[Completion]:
+        """Generate on server ``i``; if it died, replace it before re-raising (the caller retries)."""
+        handle = self._handles[i]
+        try:
+            return await handle.generate.remote(prompt_token_ids, n, sampling)
+        except RayActorError:
+            await self.restart(i, handle)
+            raise
+
+    def generate_fn(self, i: int) -> Callable[[], Callable[[list[int], int, Sampling], Awaitable[list[Completion]]]]:
+        """What a rollout worker bound to server ``i`` calls to get its ``generate``."""
+        return lambda: (lambda prompt, n, sampling: self.generate(i, prompt, n, sampling))
+
+    async def restart(self, i: int, dead: Any) -> None:
+        """Replace server ``i`` if ``dead`` is still its handle (one restart however many callers saw it die)."""
+        async with self._locks[i]:
+            if self._handles[i] is not dead:
+                return
+            log.warning("server-%d died; starting a replacement", i)
+            ray.kill(dead, no_restart=True)
+            await self._launch(i)
+            self.restarts += 1
+
+    async def health(self, timeout_s: float = 30.0) -> list[ServerHealth | str]:
+        """Health of every server, or the error text for a dead one."""
+
+        async def one(h: Any) -> ServerHealth | str:
+            try:
+                return await asyncio.wait_for(h.health.remote(), timeout_s)
+            except (RayActorError, asyncio.TimeoutError) as exc:
+                return f"{type(exc).__name__}: {exc}"
+
+        return list(await asyncio.gather(*(one(h) for h in self._handles)))
+
+    async def shutdown(self) -> None:
+        """Stop every engine and actor."""
+        for h in self._handles:
+            if h is None:
+                continue
+            try:
+                await asyncio.wait_for(h.shutdown.remote(), 60)
+            except (RayActorError, asyncio.TimeoutError):
+                pass  # already dead: nothing to stop
+            ray.kill(h, no_restart=True)

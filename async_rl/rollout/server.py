@@ -1,0 +1,183 @@
+"""The inference server: one persistent vLLM async engine serving token-in/token-out requests.
+
+It runs as a Ray actor (``ray.remote(InferenceServer)``; its methods are async, so Ray
+runs them on the actor's event loop and many requests share the engine's continuous
+batching). Token versions come from vLLM itself: the engine core labels every sampled
+token with the weight version it held (``update_weight_version``), and the final output
+carries them as spans, so a generation that straddles a weight update is tagged exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+RECEIVER_EXTENSION = "async_rl.sync.receiver.WeightReceiverExtension"
+"""vLLM worker extension that receives weight broadcasts (see async_rl/sync/receiver.py)."""
+
+
+@dataclass
+class Sampling:
+    """Sampling settings of one request (mirrors ``rollout.*`` config keys)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 256
+    """Longest response in tokens."""
+
+
+@dataclass
+class Completion:
+    """One sampled response.
+
+    ``token_ids``, ``logprobs`` (natural log, behaviour policy after temperature/top-p,
+    i.e. the distribution actually sampled from) and ``versions`` (policy version of each
+    token) all have one entry per response token.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str
+    text: str = ""
+
+
+@dataclass
+class ServerHealth:
+    """What ``health()`` reports."""
+
+    server_id: str
+    version: int
+    running_requests: int
+    generated_tokens: int
+    uptime_s: float
+    pid: int = field(default_factory=os.getpid)
+
+
+class InferenceServer:
+    """Hosts one vLLM ``AsyncLLM`` for the whole run.
+
+    Args:
+        server_id: name used in records and metrics.
+        engine_kwargs: ``AsyncEngineArgs`` keyword arguments (see ``engine_args.engine_kwargs``).
+        version: policy version of the weights at ``engine_kwargs["model"]``.
+    """
+
+    def __init__(self, server_id: str, engine_kwargs: dict[str, Any], version: int = 0):
+        self.server_id = server_id
+        self.engine_kwargs = dict(engine_kwargs)
+        self._version = version
+        self._engine: Any = None
+        self._started = time.monotonic()
+        self._running = 0
+        self._generated = 0
+        self._sync: Any = None
+        self._sync_task: asyncio.Task | None = None
+        self._fatal: str | None = None
+        self.updates: list[Any] = []
+        """Outcomes of the successful weight updates (``async_rl.sync.server.UpdateOutcome``)."""
+
+    async def start(self, sender_address: str | None = None, control_timeout_s: float = 10.0) -> ServerHealth:
+        """Build the engine (about 15 s on CPU for the tiny model); idempotent.
+
+        With ``sender_address`` (a ``WeightSender``'s), the server registers for weight
+        updates and applies them in the background for the rest of its life.
+        """
+        if self._engine is None:
+            from vllm import AsyncEngineArgs
+            from vllm.v1.engine.async_llm import AsyncLLM
+
+            args = AsyncEngineArgs(logprobs_mode="processed_logprobs", worker_extension_cls=RECEIVER_EXTENSION, **self.engine_kwargs)
+            self._engine = AsyncLLM.from_engine_args(args)
+            await self._engine.update_weight_version(str(self._version))
+        if sender_address is not None and self._sync is None:
+            from async_rl.sync.server import WeightUpdateServer
+
+            self._sync = WeightUpdateServer(self._engine, sender_address, self.server_id, version=self._version, control_timeout_s=control_timeout_s)
+            await self._sync.start()
+            self._sync_task = asyncio.create_task(self._sync.serve(on_outcome=self._on_update))
+        return await self.health()
+
+    def _on_update(self, outcome: Any) -> None:
+        if outcome.ok:
+            self._version = outcome.version
+            self.updates.append(outcome)
+        elif outcome.fatal:
+            self._fatal = outcome.error  # weights undefined: health() fails, the pool replaces us
+        else:
+            log.warning("%s: weight update %d failed, still serving version %d: %s", self.server_id, outcome.update_id, self._version, outcome.error)
+
+    async def generate(self, prompt_token_ids: list[int], n: int, sampling: Sampling) -> list[Completion]:
+        """Sample ``n`` responses to one tokenised prompt; returns them in index order."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(
+            n=n,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            max_tokens=sampling.max_tokens,
+            logprobs=0,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        final = None
+        self._running += 1
+        try:
+            async for out in self._engine.generate({"prompt_token_ids": prompt_token_ids}, params, request_id=uuid.uuid4().hex):
+                final = out
+        finally:
+            self._running -= 1
+        assert final is not None and final.finished, "vLLM returned no final output"
+        completions = [self._completion(c) for c in sorted(final.outputs, key=lambda c: c.index)]
+        self._generated += sum(len(c.token_ids) for c in completions)
+        return completions
+
+    def _completion(self, out: Any) -> Completion:
+        token_ids = list(out.token_ids)
+        logprobs = [step[tok].logprob for step, tok in zip(out.logprobs, token_ids)]
+        versions = [self._version] * len(token_ids)
+        for span in out.weight_versions or []:
+            versions[span.start : span.end] = [int(span.version)] * (span.end - span.start)
+        return Completion(token_ids, logprobs, versions, out.finish_reason or "stop", out.text)
+
+    async def set_version(self, version: int) -> None:
+        """Label tokens sampled from now on with ``version`` (weight updates do this themselves)."""
+        self._version = version
+        await self._engine.update_weight_version(str(version))
+
+    async def pause(self) -> None:
+        """Stop scheduling without dropping requests (they resume on :meth:`resume`)."""
+        await self._engine.pause_generation(mode="keep", clear_cache=False)
+
+    async def resume(self) -> None:
+        """Resume scheduling after :meth:`pause`."""
+        await self._engine.resume_generation()
+
+    async def health(self) -> ServerHealth:
+        """Liveness and load; raises if the engine has died or a weight load broke it."""
+        if self._fatal is not None:
+            raise RuntimeError(f"{self.server_id} holds undefined weights after a failed load: {self._fatal}")
+        if self._sync_task is not None and self._sync_task.done() and not self._sync_task.cancelled():
+            raise RuntimeError(f"{self.server_id}: weight-update loop died: {self._sync_task.exception()!r}")
+        if self._engine is not None:
+            await self._engine.check_health()
+        return ServerHealth(self.server_id, self._version, self._running, self._generated, time.monotonic() - self._started)
+
+    async def shutdown(self) -> None:
+        """Stop the weight-update loop, the engine and its worker processes."""
+        if self._sync_task is not None:
+            self._sync_task.cancel()
+            self._sync.close()
+            self._sync_task = self._sync = None
+        if self._engine is not None:
+            self._engine.shutdown()
+            self._engine = None

@@ -1,0 +1,223 @@
+"""The rollout worker loop: prompts -> admission -> vLLM -> reward -> replay queue.
+
+One worker keeps up to ``max_inflight`` groups in flight against one inference server so
+that vLLM's continuous batching stays full. Each group:
+
+1. claims the next dataset index from the durable cursor (shared by all workers);
+2. formats the prompt; an overlong prompt is skipped (counted) or left-truncated;
+3. waits for admission under the staleness bound (AReaL's rule, ``queue.try_admit``);
+4. samples ``n`` responses, retrying on a new server handle if the server died;
+5. scores them (a raising reward function marks samples, never stops the loop);
+6. puts the ``RolloutGroup`` on the queue (blocking while the queue is full).
+
+A group that is admitted but never enqueued (dynamic-sampling filter, generation failed
+for good) gives its admission slot back, so the learner is never starved of a batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Protocol
+
+from async_rl.data.prompts import PromptRow
+from async_rl.queue import ReplayQueue
+from async_rl.records import RolloutGroup, Sample
+from async_rl.rewards.scoring import RewardScorer
+from async_rl.rollout.server import Completion, Sampling
+
+log = logging.getLogger(__name__)
+
+
+class GenerateFn(Protocol):
+    """``await generate(prompt_token_ids, n, sampling)`` on some inference server."""
+
+    def __call__(self, prompt_token_ids: list[int], n: int, sampling: Sampling) -> Awaitable[list[Completion]]: ...
+
+
+@dataclass
+class WorkerSettings:
+    """Static settings of one worker (from the ``rollout``, ``data`` and ``algorithm`` config)."""
+
+    run_id: str
+    server_id: str
+    n: int
+    sampling: Sampling
+    batch_size: int
+    """``B``: groups per learner step (admission rule)."""
+    max_staleness: int
+    """``eta`` (admission rule)."""
+    max_inflight: int = 32
+    max_prompt_length: int = 512
+    overlong_prompt: str = "skip"
+    dynamic_sampling: bool = False
+    shuffle: bool = True
+    seed: int = 1
+    put_timeout_s: float = 60.0
+    """How long ``put`` may block on a full queue before the group is retried."""
+    admit_poll_s: float = 0.02
+    """Polling interval while admission is closed, seconds."""
+    generate_retries: int = 3
+    """Attempts per group when the server fails (a restarted server gets the retries)."""
+
+
+@dataclass
+class WorkerCounters:
+    """Cumulative counts of one worker, for metrics."""
+
+    groups_put: int = 0
+    prompts_skipped_overlong: int = 0
+    prompts_truncated: int = 0
+    groups_filtered: int = 0
+    generate_failures: int = 0
+    groups_lost_to_failures: int = 0
+    tokens_generated: int = 0
+    admission_wait_s: float = 0.0
+
+
+class RolloutWorker:
+    """Continuously generates groups into the replay queue.
+
+    Args:
+        settings: see :class:`WorkerSettings`.
+        queue: the run's replay queue (cursor, admission, put).
+        rows: the training prompts (dataset order; shuffled per epoch when ``settings.shuffle``).
+        encode: prompt text -> chat-formatted token ids.
+        scorer: reward function wrapper.
+        server: returns the current ``generate`` of this worker's server; called again after a
+            failure, so a restarted server is picked up.
+    """
+
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        queue: ReplayQueue,
+        rows: list[PromptRow],
+        encode: Callable[[str], list[int]],
+        scorer: RewardScorer,
+        server: Callable[[], GenerateFn],
+    ):
+        if not rows:
+            raise ValueError("the rollout worker needs at least one training prompt (data.train_files has no usable rows)")
+        self.s = settings
+        self.queue = queue
+        self.rows = rows
+        self.encode = encode
+        self.scorer = scorer
+        self.server = server
+        self.counters = WorkerCounters()
+        self._orders: dict[int, list[int]] = {}
+
+    def row_for(self, index: int) -> PromptRow:
+        """The dataset row of global cursor ``index`` (a fresh seeded permutation per epoch)."""
+        epoch, pos = divmod(index, len(self.rows))
+        if not self.s.shuffle:
+            return self.rows[pos]
+        if epoch not in self._orders:
+            order = list(range(len(self.rows)))
+            random.Random(self.s.seed * 1_000_003 + epoch).shuffle(order)
+            self._orders = {epoch: order}  # keep one epoch's permutation only
+        return self.rows[self._orders[epoch][pos]]
+
+    async def run(self, stop: asyncio.Event, max_groups: int | None = None) -> WorkerCounters:
+        """Generate until ``stop`` is set (or ``max_groups`` were started); waits for groups in flight."""
+        inflight: set[asyncio.Task] = set()
+        started = 0
+        while not stop.is_set() and (max_groups is None or started < max_groups):
+            if len(inflight) >= self.s.max_inflight:
+                _, inflight = await asyncio.wait(inflight, return_when=asyncio.FIRST_COMPLETED)
+                continue
+            index = await asyncio.to_thread(self.queue.next_prompt_index)
+            prompt_ids = self._prompt_ids(self.row_for(index))
+            if prompt_ids is None:
+                continue
+            if not await self._admit(stop):
+                break
+            started += 1
+            task = asyncio.create_task(self._group(index, prompt_ids))
+            inflight.add(task)
+            inflight = {t for t in inflight if not t.done()}
+        if inflight:
+            await asyncio.gather(*inflight)
+        return self.counters
+
+    def _prompt_ids(self, row: PromptRow) -> list[int] | None:
+        ids = self.encode(row.prompt)
+        if len(ids) <= self.s.max_prompt_length:
+            return ids
+        if self.s.overlong_prompt == "truncate":
+            self.counters.prompts_truncated += 1
+            return ids[-self.s.max_prompt_length :]
+        self.counters.prompts_skipped_overlong += 1
+        log.info("skipped prompt of line %d: %d tokens > data.max_prompt_length=%d", row.line, len(ids), self.s.max_prompt_length)
+        return None
+
+    async def _admit(self, stop: asyncio.Event) -> bool:
+        t0 = time.monotonic()
+        try:
+            while not stop.is_set():
+                if await asyncio.to_thread(self.queue.try_admit, self.s.batch_size, self.s.max_staleness):
+                    return True
+                await asyncio.sleep(self.s.admit_poll_s)
+            return False
+        finally:
+            self.counters.admission_wait_s += time.monotonic() - t0
+
+    async def _group(self, index: int, prompt_ids: list[int]) -> None:
+        try:
+            group = await self._generate_group(index, prompt_ids)
+        except Exception:  # noqa: BLE001 - one group's failure must not stop the worker
+            log.exception("group for prompt index %d failed; giving its admission slot back", index)
+            group = None
+        if group is None:
+            await asyncio.to_thread(self.queue.release_admission)
+            return
+        while True:  # back-pressure: the group waits (never dropped) until the learner consumes
+            try:
+                await asyncio.to_thread(self.queue.put, group, self.s.put_timeout_s)
+                break
+            except TimeoutError:
+                log.warning("replay queue full for %.0f s; still holding group %s", self.s.put_timeout_s, group.group_id)
+        self.counters.groups_put += 1
+
+    async def _generate_group(self, index: int, prompt_ids: list[int]) -> RolloutGroup | None:
+        t0 = time.monotonic()
+        completions = await self._sample(prompt_ids)
+        if completions is None:
+            return None
+        row = self.row_for(index)
+        scores = self.scorer.score(
+            [{"response": c.text, "response_length": len(c.token_ids), "ground_truth": row.answer} for c in completions]
+        )
+        if self.s.dynamic_sampling and not self.scorer.keep_group([s.reward for s in scores]):
+            self.counters.groups_filtered += 1
+            return None
+        samples = [
+            Sample.from_lists(c.token_ids, c.logprobs, c.versions, s.reward, s.components, c.finish_reason, s.error)
+            for c, s in zip(completions, scores)
+        ]
+        self.counters.tokens_generated += sum(len(c.token_ids) for c in completions)
+        return RolloutGroup.from_lists(
+            run_id=self.s.run_id,
+            group_id=f"{self.s.run_id}:{index}",
+            prompt_id=index,
+            prompt_token_ids=prompt_ids,
+            samples=samples,
+            server_id=self.s.server_id,
+            generation_s=time.monotonic() - t0,
+        )
+
+    async def _sample(self, prompt_ids: list[int]) -> list[Completion] | None:
+        for attempt in range(1, self.s.generate_retries + 1):
+            try:
+                return await self.server()(prompt_ids, self.s.n, self.s.sampling)
+            except Exception as exc:  # noqa: BLE001 - server died or errored: retry on a fresh handle
+                self.counters.generate_failures += 1
+                log.warning("generation failed on %s (attempt %d/%d): %s", self.s.server_id, attempt, self.s.generate_retries, exc)
+                await asyncio.sleep(min(2.0**attempt, 10.0))
+        self.counters.groups_lost_to_failures += 1
+        return None
+
