@@ -21,7 +21,6 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
-from types import TracebackType
 from typing import Any, TypeVar, cast
 
 import redis
@@ -345,10 +344,5 @@ class ReplayQueue:
     def __enter__(self) -> ReplayQueue:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
