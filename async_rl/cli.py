@@ -122,6 +122,22 @@ def _run_eval(cfg, out_dir: Path, limit: int | None) -> None:
     )
 
 
+@app.command("export")
+def export_cmd(
+    checkpoint: Annotated[Path, typer.Argument(help="Learner checkpoint directory, e.g. runs/x/checkpoints/step_00000010.")],
+    out_dir: Annotated[Path, typer.Option("--out", help="Directory to write the Hugging Face model into.")],
+) -> None:
+    """Write a learner checkpoint as a Hugging Face safetensors directory with tokenizer (loads in transformers and vLLM)."""
+    from async_rl.learner.checkpoint import export_hf
+
+    try:
+        export_hf(checkpoint, out_dir)
+    except FileNotFoundError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    out.print(f"exported {checkpoint} -> {out_dir}", highlight=False)
+
+
 def main() -> None:
     """Console-script entry point."""
     app()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -28,13 +28,15 @@ from async_rl.learner.model import DistInfo, init_distributed, iter_full_paramet
 from async_rl.learner.train_step import Trainer, staleness_metrics
 from async_rl.queue import ReplayQueue
 from async_rl.records import RolloutGroup, decode, encode
+from async_rl.sync.buckets import TensorSpec, tensor_specs
+from async_rl.sync.sender import SendResult
 
 
 class WeightPublisher(Protocol):
-    """What rank 0 sends weights with (``async_rl.sync.WeightSender`` has this shape)."""
+    """What rank 0 sends weights with: :class:`async_rl.sync.sender.WeightSender`."""
 
-    def send(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
-        """Deliver every ``(name, full tensor)`` as policy ``version``; return once the servers have it."""
+    def send(self, named_tensors: Iterable[tuple[str, Tensor]], version: int, *, specs: Sequence[TensorSpec]) -> SendResult:
+        """Deliver every ``(name, full tensor)`` (in ``specs`` order) as policy ``version``."""
 
 
 @dataclass
@@ -198,16 +200,26 @@ class LearnerLoop:
         return keep
 
     def _publish(self) -> float:
-        """Gather full parameters bucket by bucket and send them (rank 0); return seconds."""
+        """Gather full parameters bucket by bucket and send them (rank 0); return seconds.
+
+        The version is published for admission only when every server acknowledged it
+        (ARCHITECTURE.md); a failed update is counted and the servers keep their weights.
+        """
         if not self.publishing:
             return 0.0
         start = time.perf_counter()
-        buckets = iter_full_parameters(self.trainer.policy, self.cfg.sync.bucket_mb << 20)
-        if self.info.rank == 0:
-            self.publisher.send((item for bucket in buckets for item in bucket), self.version)  # type: ignore[union-attr]
-            self.queue.publish_version(self.version)  # type: ignore[union-attr]
-        else:
-            for _ in buckets:  # every rank takes part in each gather
+        policy = self.trainer.policy
+        buckets = iter_full_parameters(policy, self.cfg.sync.bucket_mb << 20)
+        try:
+            if self.publisher is not None:
+                named = (item for bucket in buckets for item in bucket)
+                result = self.publisher.send(named, self.version, specs=tensor_specs(policy.named_parameters()))
+                if result.ok:
+                    self.queue.publish_version(self.version)  # type: ignore[union-attr]
+                else:
+                    self.counters["sync_failed"] += 1
+        finally:
+            for _ in buckets:  # every rank takes part in every gather, even if the send stopped early
                 pass
         return time.perf_counter() - start
 
