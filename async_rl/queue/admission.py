@@ -49,6 +49,10 @@ class AdmissionLedger:
             raise ValueError("need batch_size > 0 and max_staleness >= 0")
         return bool(self._admit(keys=[self._keys.counters], args=[batch_size, max_staleness]))
 
+    def release(self) -> None:
+        """Undo one successful :meth:`try_admit` (the group will never reach the queue)."""
+        self._client.hincrby(self._keys.counters, "groups_started", -1)
+
     def next_prompt_index(self) -> int:
         """Claim the next dataset index (0, 1, 2, ...) for this process, durably."""
         return int(self._client.hincrby(self._keys.counters, "prompt_cursor", 1)) - 1

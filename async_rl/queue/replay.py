@@ -154,6 +154,11 @@ class ReplayQueue:
             self._call("try_admit", lambda: self._ledger.try_admit(batch_size, max_staleness))
         )
 
+    def release_admission(self) -> None:
+        """Give back one admission slot: a group admitted by :meth:`try_admit` that will
+        never be put (filtered, or its generation failed for good)."""
+        self._call("release_admission", self._ledger.release)
+
     def next_prompt_index(self) -> int:
         """The next dataset index, unique across all producers and restarts."""
         return int(self._call("next_prompt_index", self._ledger.next_prompt_index))
@@ -296,6 +301,8 @@ class ReplayQueue:
         removed = [entry_id for entry_id, _, _ in dead] + stale
         if removed:
             self._ack_delete(pipe, removed)
+            # Their admission slots go back, or producers would stop short of the next batch.
+            pipe.hincrby(self.keys.counters, "groups_started", -len(removed))
         pipe.execute()
 
     # -- observability -------------------------------------------------------------

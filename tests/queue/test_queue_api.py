@@ -113,6 +113,17 @@ def test_admission_rule_single_producer(queue: ReplayQueue) -> None:
         queue.publish_version(-1)
 
 
+def test_released_and_dropped_groups_give_admission_slots_back(queue: ReplayQueue, run: str) -> None:
+    assert sum(queue.try_admit(batch_size=2, max_staleness=0) for _ in range(5)) == 2
+    queue.release_admission()  # e.g. the group was filtered by dynamic sampling
+    assert queue.try_admit(batch_size=2, max_staleness=0)
+    assert not queue.try_admit(batch_size=2, max_staleness=0)
+    queue.publish_version(3)
+    queue.put(make_group(0, version=0, run=run))  # 3 versions behind: dropped at eta = 0
+    assert queue.get(1, max_staleness=0, timeout=0.3) == []
+    assert queue.stats()["groups_started"] == 1  # the stale group's slot was given back
+
+
 def test_recover_takes_only_entries_idle_long_enough(
     queue: ReplayQueue, redis_url: str, run: str
 ) -> None:
