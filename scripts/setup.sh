@@ -7,12 +7,12 @@ VENV="${1:-.venv}"
 EXTRAS="${2:-cpu,test,math}"
 cd "$(dirname "$0")/.."
 
-# System packages: redis-server for the replay queue (embedded or tests).
-if ! command -v redis-server >/dev/null 2>&1; then
-  echo "[setup] installing redis-server (apt)"
+# System packages: redis-server for the replay queue (embedded or tests); openssl makes the TLS test certificate.
+if ! command -v redis-server >/dev/null 2>&1 || ! command -v openssl >/dev/null 2>&1; then
+  echo "[setup] installing redis-server and openssl (apt)"
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server openssl >/dev/null
 fi
 # The Debian package starts a system redis on 6379; we never use it (we start our own per run).
 if command -v systemctl >/dev/null 2>&1; then systemctl disable --now redis-server >/dev/null 2>&1 || true; fi
