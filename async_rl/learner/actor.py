@@ -1,0 +1,65 @@
+"""Ray actors of the learner job: one :class:`LearnerActor` per rank around :class:`LearnerLoop`.
+
+    actors = start_learners(cfg, redis_url)            # world_size actors, process group formed
+    address = ray.get(actors[0].sync_address.remote())  # give it to the inference servers
+    summaries = ray.get([a.run.remote() for a in actors])
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+
+from async_rl.config import Config
+from async_rl.learner.loop import LearnerLoop
+from async_rl.learner.model import free_port
+from async_rl.sync.sender import WeightSender
+
+
+class LearnerActor:
+    """One learner rank. Rank 0 owns the queue consumer and the :class:`WeightSender`."""
+
+    def __init__(self, cfg: Config, rank: int, world_size: int, redis_url: str) -> None:
+        self.cfg, self.rank, self.world_size, self.redis_url = cfg, rank, world_size, redis_url
+        self.loop: LearnerLoop | None = None
+        self.sender: WeightSender | None = None
+
+    def rendezvous(self) -> tuple[str, int]:
+        """Address and a free port of this actor's node, for the rank-0 TCP store."""
+        return ray.util.get_node_ip_address(), free_port()
+
+    def setup(self, master_addr: str, master_port: int) -> None:
+        """Join the process group, load and shard the model, resume (collective: call on all ranks at once)."""
+        if self.rank == 0:
+            s = self.cfg.sync
+            self.sender = WeightSender(host=master_addr, bucket_mb=s.bucket_mb, backend=s.backend, timeout_s=s.timeout_s)
+        self.loop = LearnerLoop(self.cfg, self.rank, self.world_size, master_addr, master_port, self.redis_url, self.sender)
+
+    def sync_address(self) -> str | None:
+        """ZeroMQ control endpoint of the weight sender (rank 0), for the inference servers."""
+        return None if self.sender is None else self.sender.address
+
+    def run(self, max_steps: int | None = None) -> dict[str, Any]:
+        """Run the loop (see :meth:`LearnerLoop.run`); returns ``{"version", "steps"}``."""
+        assert self.loop is not None, "call setup() first"
+        summary = self.loop.run(max_steps)
+        return {"version": summary.version, "steps": summary.steps}
+
+    def close(self) -> None:
+        """Leave the process group and close the sender."""
+        if self.loop is not None:
+            self.loop.close()
+        if self.sender is not None:
+            self.sender.close()
+
+
+def start_learners(cfg: Config, redis_url: str) -> list[Any]:
+    """Start ``learner.world_size`` actors (resources from ``learner.cpus_per_rank`` and
+    ``gpus_per_rank``), form their process group and return the handles, rank 0 first."""
+    lrn = cfg.learner
+    remote = ray.remote(num_cpus=lrn.cpus_per_rank, num_gpus=lrn.gpus_per_rank)(LearnerActor)
+    actors = [remote.remote(cfg, rank, lrn.world_size, redis_url) for rank in range(lrn.world_size)]
+    addr, port = ray.get(actors[0].rendezvous.remote())
+    ray.get([a.setup.remote(addr, port) for a in actors], timeout=cfg.sync.timeout_s)
+    return actors
