@@ -1,0 +1,186 @@
+"""Learner throughput and weight-publishing bandwidth against plain baselines.
+
+    .venv/bin/python benchmarks/learner_throughput.py --json benchmarks/results/learner_throughput.json
+
+1. Training: the learner (groups decoded from queue records -> ``batching.prepare`` ->
+   ``Trainer.step`` on an FSDP2 model) against a plain PyTorch loop doing the same
+   forward/backward/AdamW step on the same model, the same micro-batches and tokens
+   (``ratio_vs_plain``; target >= 0.9). One rank, float32, on this machine's CPU.
+2. Publishing: gathering full parameters from the FSDP shards bucket by bucket
+   (``iter_full_parameters``), packing each bucket (``sync.buckets.pack_bucket``) and
+   broadcasting it on a ``sync.group.WeightGroup`` to a receiving process, against a
+   raw broadcast of the same bytes in the same bucket sizes on the same group
+   (``sync_ratio_vs_raw``; target >= 0.8). The ZeroMQ control round trips of a real
+   ``WeightSender`` update are not included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import multiprocessing as mp
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from async_rl.config import load_config
+from async_rl.learner.batching import plan_micro_batches, prepare
+from async_rl.learner.model import DistInfo, free_port, iter_full_parameters, load_sharded, token_logprobs
+from async_rl.learner.train_step import Trainer
+from async_rl.records import RolloutGroup, Sample, decode, encode
+from async_rl.sync.buckets import pack_bucket, plan_buckets, tensor_specs
+from async_rl.sync.group import Rendezvous, WeightGroup, connect_store, host_store
+
+VOCAB, MAX_TOKENS = 4096, 2048
+
+
+def build_model(out: Path) -> None:
+    """A random Qwen2 of about 10 M parameters (hidden 256, 4 layers, vocab 4096)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4,
+                         intermediate_size=768, vocab_size=VOCAB, max_position_embeddings=512, tie_word_embeddings=False)
+    Qwen2ForCausalLM(config).save_pretrained(out)
+
+
+def make_records(groups: int, samples: int, seed: int) -> list[bytes]:
+    """Queue records (msgspec bytes): prompts of 32-64 tokens, responses of 64-192 tokens."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(groups):
+        prompt = torch.randint(2, VOCAB, (int(torch.randint(32, 65, (1,), generator=g)),), generator=g).tolist()
+        members = []
+        for _ in range(samples):
+            n = int(torch.randint(64, 193, (1,), generator=g))
+            members.append(Sample.from_lists(torch.randint(2, VOCAB, (n,), generator=g).tolist(), [-2.0] * n, 0, float(torch.rand(1, generator=g))))
+        out.append(encode(RolloutGroup.from_lists("bench", f"g{i}", i, prompt, members, "s", 0.0)))
+    return out
+
+
+def learner_rate(model_dir: Path, records: list[bytes], steps: int) -> tuple[float, list[list[int]], int]:
+    """Tokens/s of prepare + Trainer.step; also the micro-batch plan and token count of a step."""
+    cfg = load_config(None, [f"learner.model_path={model_dir}", "learner.batch_size=8", "rollout.n=4",
+                             f"learner.max_tokens_per_microbatch={MAX_TOKENS}", "data.max_prompt_length=64",
+                             "rollout.max_response_length=192", "queue.max_depth=256", "learner.optim.lr=1e-5"])
+    info = DistInfo(0, 1, torch.device("cpu"))
+    policy = load_sharded(str(model_dir), cfg.learner.fsdp, info.device, trainable=True)
+    trainer = Trainer(policy, None, cfg.learner, cfg.algorithm, info, steps + 1, 1)
+    batch = prepare([decode(r) for r in records], MAX_TOKENS, VOCAB).batch
+    trainer.step(batch, 0)  # warm-up
+    tokens, start = 0, time.perf_counter()
+    for step in range(steps):
+        batch = prepare([decode(r) for r in records], MAX_TOKENS, VOCAB).batch
+        tokens += trainer.step(batch, step + 1).tokens
+    rate = tokens / (time.perf_counter() - start)
+    plan = plan_micro_batches(batch.lengths.tolist(), range(batch.size), 1, MAX_TOKENS)[0]
+    return rate, plan, int(batch.lengths.sum())
+
+
+def plain_rate(model_dir: Path, records: list[bytes], plan: list[list[int]], steps: int) -> float:
+    """Tokens/s of a plain HF model + AdamW loop on the same micro-batches (REINFORCE-style loss)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    batch = prepare([decode(r) for r in records], MAX_TOKENS, VOCAB).batch
+    micro = [batch.select(rows) for rows in plan]
+    total = float(batch.response_mask.sum())
+
+    def step() -> None:
+        for mb in micro:
+            logp, _ = token_logprobs(model, mb.input_ids, mb.attention_mask, mb.response_positions)
+            (-(logp * mb.response_mask * (mb.rewards[:, None] - 0.5)).sum() / total).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return steps * int(batch.lengths.sum()) / (time.perf_counter() - start)
+
+
+def _receiver(rv: Rendezvous, sizes: list[int], rounds: int) -> None:
+    group = WeightGroup.join(rv, 1, connect_store(rv, 60.0), 60.0)
+    bufs = [torch.empty(n, dtype=torch.uint8) for n in sizes]
+    for _ in range(rounds):
+        for buf in bufs:
+            group.broadcast(buf, 60.0)
+
+
+def sync_rates(model_dir: Path, bucket_bytes: int, rounds: int) -> tuple[float, float, int]:
+    """(publishing GB/s, raw broadcast GB/s, bytes per update) over a gloo WeightGroup of 2."""
+    from async_rl.config import FsdpConfig
+
+    policy = load_sharded(str(model_dir), FsdpConfig(), torch.device("cpu"), trainable=True)
+    specs = tensor_specs(policy.named_parameters())
+    buckets = plan_buckets(specs, bucket_bytes)
+    sizes = [b.nbytes for b in buckets]
+    store = host_store("127.0.0.1", 60.0)
+    rv = Rendezvous("127.0.0.1", store.port, 0, 2, "gloo")
+    proc = mp.get_context("spawn").Process(target=_receiver, args=(rv, sizes, 2 * rounds + 2))
+    proc.start()
+    group = WeightGroup.join(rv, 0, store, 60.0)
+    out = torch.empty(max(sizes), dtype=torch.uint8)
+
+    def publish() -> None:
+        named = iter(item for bucket in iter_full_parameters(policy, bucket_bytes) for item in bucket)
+        for bucket in buckets:
+            tensors = [next(named)[1] for _ in bucket.entries]
+            group.broadcast(pack_bucket(bucket, specs, tensors, out), 60.0)
+
+    raw = [torch.zeros(n, dtype=torch.uint8) for n in sizes]
+
+    def broadcast_raw() -> None:
+        for buf in raw:
+            group.broadcast(buf, 60.0)
+
+    timings = {}
+    for name, fn in (("publish", publish), ("raw", broadcast_raw)):
+        fn()  # warm-up
+        start = time.perf_counter()
+        for _ in range(rounds):
+            fn()
+        timings[name] = (time.perf_counter() - start) / rounds
+    proc.join(60)
+    total = sum(sizes)
+    return total / timings["publish"] / 1e9, total / timings["raw"] / 1e9, total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, required=True, help="write the results here")
+    parser.add_argument("--steps", type=int, default=3, help="timed learner steps")
+    parser.add_argument("--sync-rounds", type=int, default=5, help="timed weight updates")
+    parser.add_argument("--bucket-mb", type=int, default=8, help="bucket size in MiB")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=datetime.timedelta(seconds=300))
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp)
+        build_model(model_dir)
+        records = make_records(8, 4, seed=0)
+        learner, plan, tokens = learner_rate(model_dir, records, args.steps)
+        plain = plain_rate(model_dir, records, plan, args.steps)
+        sync, raw, nbytes = sync_rates(model_dir, args.bucket_mb << 20, args.sync_rounds)
+    result = {
+        "learner_tokens_per_s": learner, "plain_tokens_per_s": plain, "ratio_vs_plain": learner / plain,
+        "sync_gb_per_s": sync, "raw_broadcast_gb_per_s": raw, "sync_ratio_vs_raw": sync / raw,
+        "setup": {"device": "cpu", "threads": torch.get_num_threads(), "ranks": 1, "params_m": round(nbytes / 4 / 1e6, 2),
+                  "tokens_per_step": tokens, "micro_batches": len(plan), "steps": args.steps, "update_bytes": nbytes,
+                  "bucket_mb": args.bucket_mb, "sync_backend": "gloo", "sync_rounds": args.sync_rounds},
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
