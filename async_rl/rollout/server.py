@@ -59,6 +59,10 @@ class ServerHealth:
     running_requests: int
     generated_tokens: int
     uptime_s: float
+    weight_updates: int = 0
+    """Weight updates applied since start."""
+    last_update_pause_s: float | None = None
+    """Seconds generation was paused by the last weight update."""
     pid: int = field(default_factory=os.getpid)
 
 
@@ -170,7 +174,8 @@ class InferenceServer:
             raise RuntimeError(f"{self.server_id}: weight-update loop died: {self._sync_task.exception()!r}")
         if self._engine is not None:
             await self._engine.check_health()
-        return ServerHealth(self.server_id, self._version, self._running, self._generated, time.monotonic() - self._started)
+        last = self.updates[-1].pause_s if self.updates else None
+        return ServerHealth(self.server_id, self._version, self._running, self._generated, time.monotonic() - self._started, len(self.updates), last)
 
     async def shutdown(self) -> None:
         """Stop the weight-update loop, the engine and its worker processes."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 
 import msgspec
+import numpy as np
 import torch
 
 ALIGN_BYTES = 16
@@ -109,8 +110,14 @@ def pack_bucket(
     buf = out[: bucket.nbytes]
     for entry, tensor in zip(bucket.entries, tensors, strict=True):
         spec = specs[entry.index]
-        view = buf[entry.offset : entry.offset + spec.nbytes].view(spec.torch_dtype)
-        view.view(spec.shape).copy_(tensor)
+        dst = buf[entry.offset : entry.offset + spec.nbytes]
+        if dst.is_cpu and tensor.is_cpu:
+            # A plain single-threaded memcpy: torch's OpenMP copy of MB-sized tensors runs
+            # several times slower when the cores are busy (measured 0.6 vs 3.7 GB/s).
+            src = tensor.detach().contiguous().view(-1).view(torch.uint8)
+            np.copyto(dst.numpy(), src.numpy())
+        else:
+            dst.view(spec.torch_dtype).view(spec.shape).copy_(tensor)
     return buf
 
 

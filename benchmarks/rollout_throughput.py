@@ -1,0 +1,167 @@
+"""Rollout pool throughput against raw vLLM, and the cost of an in-flight weight update.
+
+Same model, same prompts, same sampling, one run:
+
+* raw: ``vllm.LLM.generate`` of all prompts (``n`` samples each) in this process;
+* pool: a Ray-hosted inference server + a rollout worker (cursor, admission, reward,
+  msgspec records, Redis ``put``) producing the same number of groups;
+* update: while the pool generates, the weights are sent once from this process through
+  ``WeightSender``; the server reports how long generation was paused.
+
+    python benchmarks/rollout_throughput.py --json benchmarks/results/rollout_throughput.json
+
+Prints a table and writes JSON with keys ``pool_tokens_per_s``, ``raw_vllm_tokens_per_s``,
+``ratio_vs_raw``, ``update_pause_s``, ``update_total_s`` (plus the settings).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--assets", type=Path, default=Path("runs/bench/assets"), help="tiny assets dir (built if absent)")
+    ap.add_argument("--prompts", type=int, default=96)
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+
+    from async_rl.data.tiny_assets import build_tiny_assets
+
+    if not (args.assets / "assets.json").is_file():
+        build_tiny_assets(args.assets, seed=0)
+    from async_rl.config import load_config
+
+    cfg = load_config(
+        None,
+        [
+            f"learner.model_path={args.assets / 'model'}",
+            f"data.train_files={args.assets / 'data' / 'train.jsonl'}",
+            "data.max_prompt_length=64",
+            f"rollout.max_response_length={args.max_tokens}",
+            f"rollout.n={args.n}",
+            f"learner.batch_size={args.prompts}",
+            f"queue.max_depth={args.prompts}",
+            "data.shuffle=false",
+        ],
+    )
+    prompts = _prompts(cfg, args.prompts)
+    raw_tps = _raw(cfg, prompts)
+    pool_tps, pause_s, total_s = asyncio.run(_pool(cfg, args.prompts))
+    result = {
+        "pool_tokens_per_s": pool_tps,
+        "raw_vllm_tokens_per_s": raw_tps,
+        "ratio_vs_raw": pool_tps / raw_tps,
+        "update_pause_s": pause_s,
+        "update_total_s": total_s,
+        "prompts": args.prompts,
+        "n": args.n,
+        "max_tokens": args.max_tokens,
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {'cuda' if torch.cuda.is_available() else 'cpu'}",
+    }
+    width = max(map(len, result))
+    for k, v in result.items():
+        print(f"{k:<{width}}  {v:.4g}" if isinstance(v, float) else f"{k:<{width}}  {v}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+
+
+def _prompts(cfg, count: int) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    from async_rl.data.prompts import PromptFormatter, read_prompt_rows
+
+    rows, _ = read_prompt_rows(cfg.data.train_files)
+    fmt = PromptFormatter(AutoTokenizer.from_pretrained(cfg.learner.model_path))
+    return [fmt.token_ids(r.prompt) for r in rows[:count]]
+
+
+def _raw(cfg, prompts: list[list[int]]) -> float:
+    from vllm import LLM, SamplingParams
+
+    from async_rl.rollout.engine_args import engine_kwargs
+
+    llm = LLM(logprobs_mode="processed_logprobs", **engine_kwargs(cfg))
+    params = SamplingParams(n=cfg.rollout.n, temperature=1.0, max_tokens=cfg.rollout.max_response_length, logprobs=0)
+    llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], params, use_tqdm=False)  # warm-up
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    return tokens / elapsed
+
+
+async def _pool(cfg, count: int) -> tuple[float, float, float]:
+    import ray
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from async_rl.data.prompts import PromptFormatter, read_prompt_rows
+    from async_rl.queue import EmbeddedRedis, ReplayQueue
+    from async_rl.rewards import load_reward_function
+    from async_rl.rewards.scoring import RewardScorer
+    from async_rl.rollout.engine_args import engine_kwargs
+    from async_rl.rollout.pool import ServerPool, ServerSpec
+    from async_rl.rollout.server import Sampling
+    from async_rl.rollout.worker import RolloutWorker, WorkerSettings
+    from async_rl.sync.buckets import tensor_specs
+    from async_rl.sync.sender import WeightSender
+
+    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+    sender = WeightSender(bucket_mb=cfg.sync.bucket_mb, timeout_s=120.0)
+    env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    pool = ServerPool(ServerSpec(engine_kwargs(cfg), num_cpus=1, env_vars=env, sender_address=sender.address), 1)
+    await pool.start()
+    rows, _ = read_prompt_rows(cfg.data.train_files)
+    fmt = PromptFormatter(AutoTokenizer.from_pretrained(cfg.learner.model_path))
+    settings = WorkerSettings(
+        run_id="bench", server_id="server-0", n=cfg.rollout.n,
+        sampling=Sampling(temperature=1.0, max_tokens=cfg.rollout.max_response_length),
+        batch_size=count, max_staleness=0, max_inflight=count, max_prompt_length=cfg.data.max_prompt_length, shuffle=False,
+    )
+    model = AutoModelForCausalLM.from_pretrained(cfg.learner.model_path, dtype=torch.float32)
+    with EmbeddedRedis() as url, ReplayQueue(url, run="bench", max_depth=count) as queue:
+        worker = RolloutWorker(settings, queue, rows, fmt.token_ids, RewardScorer(load_reward_function("exact_match")), pool.generate_fn(0))
+        await worker.run(asyncio.Event(), max_groups=4)  # warm-up, same as raw
+        queue.get(4, timeout=5)
+        queue.publish_version(1)
+        sender.wait_for_servers(1, timeout_s=60)
+        sent: dict = {}
+        update = threading.Thread(target=_send_later, args=(sender, model, sent))
+        t0 = time.perf_counter()
+        tokens0 = worker.counters.tokens_generated
+        update.start()
+        await worker.run(asyncio.Event(), max_groups=count)
+        elapsed = time.perf_counter() - t0
+        update.join()
+        tokens = worker.counters.tokens_generated - tokens0
+    health = await pool.handle(0).health.remote()
+    await pool.shutdown()
+    sender.close()
+    ray.shutdown()
+    assert health.version == 1 and health.last_update_pause_s is not None, "the weight update did not reach the server"
+    return tokens / elapsed, health.last_update_pause_s, sent["result"].total_s
+
+
+def _send_later(sender, model, sent: dict) -> None:
+    """Send the weights once, a moment after generation started (an in-flight update)."""
+    time.sleep(0.5)
+    named = list(model.named_parameters())
+    sent["result"] = sender.send(iter(named), 1, specs=tensor_specs(named))
+
+
+if __name__ == "__main__":
+    main()
