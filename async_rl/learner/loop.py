@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -35,8 +35,15 @@ from async_rl.sync.sender import SendResult
 class WeightPublisher(Protocol):
     """What rank 0 sends weights with: :class:`async_rl.sync.sender.WeightSender`."""
 
-    def send(self, named_tensors: Iterable[tuple[str, Tensor]], version: int, *, specs: Sequence[TensorSpec]) -> SendResult:
-        """Deliver every ``(name, full tensor)`` (in ``specs`` order) as policy ``version``."""
+    def send(
+        self, named_tensors: Iterable[tuple[str, Tensor]], version: int, *, specs: Sequence[TensorSpec],
+        servers: Collection[str] | None = None,
+    ) -> SendResult:
+        """Deliver every ``(name, full tensor)`` (in ``specs`` order) as policy ``version``
+        to ``servers`` (None: all registered)."""
+
+    def behind(self, version: int) -> list[str]:
+        """Registered servers that do not hold ``version``."""
 
 
 @dataclass
@@ -77,7 +84,8 @@ class LearnerLoop:
         policy = load_sharded(lrn.model_path, lrn.fsdp, self.info.device, trainable=True)
         reference = load_sharded(lrn.model_path, lrn.fsdp, self.info.device, trainable=False) if cfg.algorithm.loss.kl_coef > 0 else None
         self.vocab_size = int(policy.config.vocab_size)
-        self.trainer = Trainer(policy, reference, lrn, cfg.algorithm, self.info, cfg.trainer.total_steps, cfg.trainer.seed)
+        self.trainer = Trainer(policy, reference, lrn, cfg.algorithm, self.info, cfg.trainer.total_steps, cfg.trainer.seed,
+                               temperature=cfg.rollout.temperature)
         self.publisher = publisher
         # Every rank must know whether rank 0 publishes: the gathers are collective.
         self.publishing = bool(_broadcast_bytes(b"1" if publisher is not None else b"", self.info))
@@ -173,6 +181,7 @@ class LearnerLoop:
         size = self.cfg.learner.batch_size
         entries: list[tuple[str, RolloutGroup]] = []
         while True:
+            self._catch_up()
             if self.queue is not None:
                 entries.extend(self._screen(self._read(size - len(entries))))
             received = _broadcast_groups([g for _, g in entries] if len(entries) >= size else [], self.info)
@@ -183,7 +192,8 @@ class LearnerLoop:
         """Up to ``n`` entries: recovered ones first, then new ones (one bounded queue read)."""
         take, self.backlog = self.backlog[:n], self.backlog[n:]
         if len(take) < n:
-            take += self.queue.get(n - len(take), self.cfg.algorithm.max_staleness, self.cfg.queue.timeout_s)  # type: ignore[union-attr]
+            # Short reads: between them the ranks exchange a wait beat and catch up late servers.
+            take += self.queue.get(n - len(take), self.cfg.algorithm.max_staleness, min(self.cfg.queue.timeout_s, 2.0))  # type: ignore[union-attr]
         return take
 
     def _screen(self, entries: list[tuple[str, RolloutGroup]]) -> list[tuple[str, RolloutGroup]]:
@@ -195,14 +205,27 @@ class LearnerLoop:
             if self.version - group.behaviour_version > self.cfg.algorithm.max_staleness:
                 self.counters["dropped/stale"] += 1
                 self.uncommitted.append(entry_id)
+                self.queue.release_admission()  # type: ignore[union-attr]  # or producers stop short of a batch
             else:
                 keep.append((entry_id, group))
         return keep
 
-    def _publish(self) -> float:
+    def _catch_up(self) -> None:
+        """Send the current weights to servers that do not hold them: a restarted or newly
+        added server, or one whose last update failed (collective: rank 0 decides)."""
+        if not self.publishing:
+            return
+        behind = self.publisher.behind(self.version) if self.publisher is not None else []
+        names = _broadcast_bytes("\n".join(behind).encode(), self.info)
+        if names:
+            self.counters["sync_catch_up"] += 1
+            self._publish(servers=behind)
+
+    def _publish(self, servers: list[str] | None = None) -> float:
         """Gather full parameters bucket by bucket and send them (rank 0); return seconds.
 
-        The version is published for admission only when every server acknowledged it
+        With ``servers`` only those get them (a catch-up); otherwise every server does and the
+        version is published for admission only when every server acknowledged it
         (ARCHITECTURE.md); a failed update is counted and the servers keep their weights.
         """
         if not self.publishing:
@@ -213,8 +236,10 @@ class LearnerLoop:
         try:
             if self.publisher is not None:
                 named = (item for bucket in buckets for item in bucket)
-                result = self.publisher.send(named, self.version, specs=tensor_specs(policy.named_parameters()))
-                if result.ok:
+                result = self.publisher.send(named, self.version, specs=tensor_specs(policy.named_parameters()), servers=servers)
+                if servers is not None:
+                    self.counters["sync_failed"] += not result.ok
+                elif result.ok:
                     self.queue.publish_version(self.version)  # type: ignore[union-attr]
                 else:
                     self.counters["sync_failed"] += 1

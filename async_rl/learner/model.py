@@ -82,7 +82,8 @@ def _decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 
 def token_logprobs(
-    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, positions: Tensor, with_entropy: bool = False
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, positions: Tensor, with_entropy: bool = False,
+    temperature: float = 1.0,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probability of the tokens at ``positions`` under ``model`` (natural log).
 
@@ -91,10 +92,14 @@ def token_logprobs(
     caller). Returns ``logp`` ``[n, T]`` float32 and, if ``with_entropy``, the entropy ``[n, T]``
     of the predicted distribution at each position. Token ``t`` is predicted by the logits at
     ``t - 1``; only the ``T`` needed rows of the ``[n, L, V]`` logits are normalised.
+    ``temperature`` divides the logits first, matching the distribution the servers sampled
+    from (their behaviour log-probs are vLLM's processed, temperature-scaled ones).
     """
     logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
     rows = (positions - 1).clamp_min(0)
     picked = logits.gather(1, rows.unsqueeze(-1).expand(-1, -1, logits.shape[-1])).float()  # [n, T, V]
+    if temperature != 1.0:
+        picked = picked / temperature
     targets = input_ids.gather(1, positions)
     log_norm = torch.logsumexp(picked, dim=-1)
     logp = picked.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_norm

@@ -88,7 +88,10 @@ class Trainer:
         info: DistInfo,
         total_steps: int,
         seed: int,
+        temperature: float = 1.0,
     ) -> None:
+        """``temperature`` is the servers' sampling temperature (``rollout.temperature``):
+        log-probs are computed from logits divided by it, like the behaviour log-probs."""
         if algorithm.advantage.name == "gae":
             raise ValueError("algorithm.advantage.name='gae' needs a critic, which the learner does not train; use grpo, rloo, reinforce_pp, ...")
         if (algorithm.loss.kl_coef > 0) != (reference is not None):
@@ -96,6 +99,7 @@ class Trainer:
         self.policy, self.reference = policy, reference
         self.learner, self.algorithm, self.info = learner, algorithm, info
         self.seed = seed
+        self.temperature = temperature
         self.optimizer, self.scheduler = build_optimizer(policy, learner, total_steps)
         # tis anchors on mu and ignores old_logp; with one update per step pi_prox is the
         # current policy, so logp.detach() of the loss pass is exactly the recomputed value.
@@ -179,7 +183,7 @@ class Trainer:
         plan = plan_micro_batches(batch.lengths.tolist(), range(batch.size), self.info.world_size, self.learner.max_tokens_per_microbatch)
         for rows in plan[self.info.rank]:
             micro = _micro(batch, rows)
-            logp, _ = token_logprobs(model, *self._inputs(micro))
+            logp, _ = token_logprobs(model, *self._inputs(micro), temperature=self.temperature)
             if rows:
                 table[rows] = logp.cpu() * micro.response_mask
         dist.all_reduce(table)
@@ -200,7 +204,7 @@ class Trainer:
             micro = _micro(batch, micro_rows)
             share = self._weight(batch, micro_rows) / total
             index = micro_rows or [0]  # a filler pass reads row 0 under a zero mask
-            logp, entropy = token_logprobs(self.policy, *self._inputs(micro), with_entropy=True)
+            logp, entropy = token_logprobs(self.policy, *self._inputs(micro), with_entropy=True, temperature=self.temperature)
             device = logp.device
             mask = micro.response_mask.to(device)
             behav = micro.behav_logp.to(device)

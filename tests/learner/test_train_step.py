@@ -99,3 +99,21 @@ def test_lr_schedule_warmup_then_cosine(tmp_path: Path) -> None:
     assert factors[:3] == [0.5, 1.0, 1.0]
     assert factors[-1] == pytest.approx(0.1)
     assert all(b <= a for a, b in zip(factors[2:], factors[3:]))
+
+
+def test_token_logprobs_apply_the_sampling_temperature(tiny_model: Path) -> None:
+    """Learner log-probs use logits / T, the distribution vLLM sampled from (processed_logprobs)."""
+    from transformers import AutoModelForCausalLM
+
+    from async_rl.learner.model import token_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    ids = torch.tensor([[5, 9, 17, 33, 2, 8]])
+    positions = torch.tensor([[3, 4, 5]])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0]
+        got, _ = token_logprobs(model, ids, torch.ones_like(ids), positions, temperature=0.7)
+        plain, _ = token_logprobs(model, ids, torch.ones_like(ids), positions)
+    expected = torch.log_softmax(logits[2:5] / 0.7, -1).gather(1, ids[0, 3:6, None])[:, 0]
+    torch.testing.assert_close(got[0], expected, atol=1e-5, rtol=0)
+    assert not torch.allclose(got, plain)
