@@ -40,11 +40,16 @@ class LearnerActor:
         """ZeroMQ control endpoint of the weight sender (rank 0), for the inference servers."""
         return None if self.sender is None else self.sender.address
 
-    def run(self, max_steps: int | None = None) -> dict[str, Any]:
+    def run(self, max_steps: int | None = None, wait_s: float | None = None) -> dict[str, Any]:
         """Run the loop (see :meth:`LearnerLoop.run`); returns ``{"version", "steps"}``."""
         assert self.loop is not None, "call setup() first"
-        summary = self.loop.run(max_steps)
+        summary = self.loop.run(max_steps, wait_s)
         return {"version": summary.version, "steps": summary.steps}
+
+    def finish(self) -> int:
+        """Checkpoint and commit what the last checkpoint does not hold (collective); the version."""
+        assert self.loop is not None, "call setup() first"
+        return self.loop.finish()
 
     def close(self) -> None:
         """Leave the process group and close the sender."""

@@ -117,19 +117,35 @@ class LearnerLoop:
             # Entries read but not in the checkpoint: train them first, in their original order.
             self.backlog = self.queue.recover(max_staleness=None, include_own=True)
 
-    def run(self, max_steps: int | None = None) -> LoopSummary:
+    def run(self, max_steps: int | None = None, wait_s: float | None = None) -> LoopSummary:
         """Train until ``trainer.total_steps`` (then save a final checkpoint), or for at most
-        ``max_steps`` steps (no final save: the caller will continue or the run is cut short)."""
+        ``max_steps`` steps (no final save: the caller will continue or the run is cut short).
+
+        ``wait_s`` bounds the wait for one batch: if it does not fill in time, the call returns
+        without that step (the groups read so far are kept for the next call). The driver
+        uses it to stay in control (progress, shutdown) while the learner waits for data.
+        """
         summary = LoopSummary(self.version)
         steps = 0
         while self.version < self.cfg.trainer.total_steps and (max_steps is None or steps < max_steps):
-            metrics = self._step()
+            deadline = None if wait_s is None else time.monotonic() + wait_s
+            metrics = self._step(deadline)
+            if metrics is None:
+                break
             steps += 1
             summary.steps.append(metrics)
-        if self.version >= self.cfg.trainer.total_steps and not checkpoint.checkpoint_dir(self.output_dir, self.version).exists():
-            self._save()
+        if self.version >= self.cfg.trainer.total_steps:
+            self.finish()
         summary.version = self.version
         return summary
+
+    def finish(self) -> int:
+        """Checkpoint (and commit) whatever was trained or consumed since the last checkpoint;
+        returns the version. Collective. Called at the end of a run and on shutdown."""
+        if self.uncommitted or not checkpoint.checkpoint_dir(self.output_dir, self.version).exists():
+            if self.version > 0 or self.uncommitted:
+                self._save()
+        return self.version
 
     def close(self) -> None:
         """Release the queue connection and leave the process group."""
@@ -140,9 +156,11 @@ class LearnerLoop:
 
     # -- one step -----------------------------------------------------------------
 
-    def _step(self) -> dict[str, float]:
+    def _step(self, deadline: float | None = None) -> dict[str, float] | None:
         start = time.perf_counter()
-        entries = self._next_batch()
+        entries = self._next_batch(deadline)
+        if entries is None:
+            return None
         wait_s = time.perf_counter() - start
         groups = [group for _, group in entries]
         prepared = prepare(groups, self.cfg.learner.max_tokens_per_microbatch, self.vocab_size)
@@ -173,11 +191,12 @@ class LearnerLoop:
         self._log(metrics, [entry_id for entry_id, _ in entries])
         return metrics
 
-    def _next_batch(self) -> list[tuple[str, RolloutGroup]]:
+    def _next_batch(self, deadline: float | None = None) -> list[tuple[str, RolloutGroup]] | None:
         """Rank 0 collects ``B`` fresh-enough groups and broadcasts them; returns them on every
         rank (entry ids only on rank 0). After each bounded queue read that leaves the batch
         short, rank 0 broadcasts a wait beat, so no rank sits in one collective for longer
-        than a queue timeout."""
+        than a queue timeout. Past ``deadline`` (monotonic seconds) rank 0 gives up: every
+        rank returns None and the groups read so far go back to the backlog."""
         size = self.cfg.learner.batch_size
         entries: list[tuple[str, RolloutGroup]] = []
         while True:
@@ -187,6 +206,10 @@ class LearnerLoop:
             received = _broadcast_groups([g for _, g in entries] if len(entries) >= size else [], self.info)
             if received is not None:
                 return entries if self.queue is not None else [("", g) for g in received]
+            give_up = self.info.rank == 0 and deadline is not None and time.monotonic() >= deadline
+            if _broadcast_bytes(b"1" if give_up else b"", self.info):
+                self.backlog = entries + self.backlog
+                return None
 
     def _read(self, n: int) -> list[tuple[str, RolloutGroup]]:
         """Up to ``n`` entries: recovered ones first, then new ones (one bounded queue read)."""

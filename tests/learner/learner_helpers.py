@@ -81,3 +81,27 @@ def gather_main(rank: int, world_size: int, port: int, model_dir: str, bucket_by
     buckets = list(iter_full_parameters(model, bucket_bytes))
     if rank == 0:
         torch.save([[(name, t.clone()) for name, t in bucket] for bucket in buckets], out)
+
+
+def bounded_wait_main(port: int, cfg: Config, redis_url: str, out: str) -> None:
+    """One rank: a bounded wait on an empty queue returns without a step and keeps the groups
+    read so far; once the batch is complete a step runs; ``finish`` checkpoints and commits."""
+    from async_rl.learner.loop import LearnerLoop
+    from async_rl.queue import ReplayQueue
+
+    loop = LearnerLoop(cfg, 0, 1, "127.0.0.1", port, redis_url)
+    report: dict = {}
+    with ReplayQueue(redis_url, cfg.trainer.run_name, max_depth=64) as q:
+        groups = make_groups(4, seed=3, run=cfg.trainer.run_name)
+        q.put(groups[0])  # 1 of 4: not a batch
+        start = time.monotonic()
+        report["empty"] = loop.run(max_steps=1, wait_s=1.0).steps
+        report["waited_s"] = time.monotonic() - start
+        report["held"] = len(loop.backlog)
+        for g in groups[1:]:
+            q.put(g)
+        report["version"] = loop.run(max_steps=1, wait_s=30.0).version
+        report["finished"] = loop.finish()
+        report["pending_after_finish"] = q.stats()["pending"]
+    loop.close()
+    Path(out).write_text(json.dumps(report))

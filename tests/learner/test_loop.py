@@ -96,3 +96,22 @@ def test_resume_after_sigkill_equals_an_uninterrupted_run(tiny_model: Path, redi
     with ReplayQueue(redis_url, run) as q:
         stats = q.stats()
     assert stats["pending"] == 0 and stats["depth"] == 0
+
+
+def test_bounded_wait_returns_keeps_groups_and_finish_commits(tiny_model: Path, redis_url: str, tmp_path: Path) -> None:
+    from learner_helpers import SPAWN, bounded_wait_main
+
+    from async_rl.learner.model import free_port
+
+    run = f"wait-{uuid.uuid4().hex[:8]}"
+    cfg = learner_config(tiny_model, tmp_path, run, "trainer.save_every=100")
+    out = tmp_path / "report.json"
+    proc = SPAWN.Process(target=bounded_wait_main, args=(free_port(), cfg, redis_url, str(out)))
+    proc.start()
+    _wait([proc])
+    report = json.loads(out.read_text())
+    assert report["empty"] == [] and report["waited_s"] < 10.0
+    assert report["held"] == 1  # the group read before giving up is kept, not lost
+    assert report["version"] == 1 and report["finished"] == 1
+    assert report["pending_after_finish"] == 0  # checkpoint written, entries committed
+    assert [c.name for c in list_checkpoints(tmp_path)] == [checkpoint_dir(tmp_path, 1).name]
