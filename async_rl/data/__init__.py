@@ -1,0 +1,1 @@
+"""Datasets, prompt formatting and the tiny task/model assets used by tests and quickstart."""

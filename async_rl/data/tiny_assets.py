@@ -1,0 +1,418 @@
+"""Tiny model and task assets: tokenizer, Qwen2 model, task data, supervised warm-start.
+
+``build_tiny_assets(out_dir)`` writes, deterministically and without network::
+
+    out_dir/
+      assets.json               manifest (seed, accuracy, hashes, sizes, versions, timings)
+      model/                    Hugging Face directory that transformers and vLLM load:
+        config.json generation_config.json model.safetensors
+        tokenizer.json tokenizer_config.json   (byte-level BPE, Qwen-style chat template)
+      data/train.jsonl data/val.jsonl          (EasyR1 rows: problem, answer; disjoint)
+
+The model is a ~0.5M-parameter Qwen2 (hidden 128, 2 heads of head_dim 64 as vLLM-CPU
+requires, 1 KV head, 2 layers). It is warm-started by SFT on the training split until
+its greedy validation accuracy enters the band [10%, 60%] (target 25%), so RL starts
+from a model that solves some problems, not all. On 2-digit addition the SFT stops after
+about 300-400 steps of batch 32 (~20 s on 2 free cores); continuing the same SFT reaches
+well above the band, which shows the task is learnable from there.
+
+Same seed -> byte-identical tokenizer.json and identical weights hash: every random
+choice flows from ``seed`` (Python RNG for data, torch RNG forked for init and sampling),
+the data order is fixed, and the build runs with a fixed torch thread count (CPU
+reductions depend on it), restoring the caller's setting afterwards.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import platform
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import safetensors.torch
+import tokenizers
+import torch
+import transformers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    AutoTokenizer,
+    GenerationConfig,
+    PreTrainedTokenizerBase,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from async_rl.data.tiny_task import AdditionTask, Row, is_correct, make_splits, write_jsonl
+
+ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+# Qwen's chat format without a default system prompt; generation prompt ends in
+# "<|im_start|>assistant\n" and the assistant turn ends with <|im_end|> (= eos).
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+# Qwen2's pre-tokenizer split: digits stay single tokens (\p{N}), which keeps numbers
+# learnable digit by digit; the rest is the GPT-2 style word/punctuation split.
+_SPLIT_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+TASK = AdditionTask(a_digits=2, b_digits=2)
+N_TRAIN, N_VAL = 3000, 200
+VOCAB_CAP = 512  # BPE stops earlier when the task corpus has no more pairs to merge
+MAX_MODEL_LEN = 512  # max_position_embeddings; prompts are ~17 tokens, answers ~4
+NUM_THREADS = 2  # fixed so CPU reductions, hence weights, are reproducible
+MAX_NEW_TOKENS = 8  # room for a 3-digit answer, <|im_end|> and some junk
+PASS_AT_K = 8  # samples per validation problem for the headroom estimate
+
+
+@dataclass(frozen=True)
+class WarmStart:
+    """Supervised warm-start schedule (AdamW, linear warmup then constant lr)."""
+
+    lr: float = 1e-3
+    warmup_steps: int = 50
+    batch_size: int = 32  # sequences per optimizer step
+    eval_every: int = 10  # steps between greedy validation evaluations
+    band: tuple[float, float] = (0.10, 0.60)  # accepted greedy val accuracy
+    target: float = 0.25  # stop at the first evaluation at or above this
+    max_steps: int = 3000
+
+
+WARM_START = WarmStart()
+
+
+@dataclass(frozen=True)
+class TinyAssetsReport:
+    """What ``build_tiny_assets`` produced. Accuracies are fractions in [0, 1] of the
+    validation split; timings are wall-clock seconds."""
+
+    out_dir: Path
+    model_dir: Path
+    train_path: Path
+    val_path: Path
+    manifest_path: Path
+    seed: int
+    base_accuracy: float  # greedy exact match after the warm-start
+    sampled_accuracy: float  # mean exact match of samples at temperature 1
+    pass_at_k: float  # fraction of problems with >= 1 correct of PASS_AT_K samples
+    sft_steps: int
+    weights_sha256: str
+    tokenizer_sha256: str
+    vocab_size: int
+    num_parameters: int
+    timings_s: dict[str, float] = field(default_factory=dict)
+
+
+def build_tiny_assets(
+    out_dir: str | Path, seed: int = 0, progress: Callable[[str], None] = print
+) -> TinyAssetsReport:
+    """Build all tiny assets into ``out_dir`` (created; existing files overwritten)."""
+    out = Path(out_dir)
+    model_dir, data_dir = out / "model", out / "data"
+    model_dir.mkdir(parents=True, exist_ok=True)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    timings: dict[str, float] = {}
+    t_start = time.perf_counter()
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(NUM_THREADS)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            train, val = make_splits(TASK, seed, N_TRAIN, N_VAL)
+            train_path, val_path = data_dir / "train.jsonl", data_dir / "val.jsonl"
+            write_jsonl(train, train_path)
+            write_jsonl(val, val_path)
+
+            t0 = time.perf_counter()
+            tokenizer = _build_tokenizer(train, model_dir)
+            timings["tokenizer"] = time.perf_counter() - t0
+            progress(f"[assets] tokenizer: {len(tokenizer)} tokens -> {model_dir}")
+
+            torch.manual_seed(seed)
+            model = Qwen2ForCausalLM(_model_config(tokenizer))
+            num_params = sum(p.numel() for p in model.parameters())
+            progress(f"[assets] model: Qwen2, {num_params / 1e6:.2f}M parameters")
+
+            t0 = time.perf_counter()
+            steps, base_acc = _warm_start(model, tokenizer, train, val, seed, progress)
+            timings["warm_start"] = time.perf_counter() - t0
+
+            t0 = time.perf_counter()
+            samples = generate_completions(
+                model, tokenizer, [r.problem for r in val], num_samples=PASS_AT_K
+            )
+            hits = [
+                [is_correct(s, row.answer) for s in samples[i * PASS_AT_K : (i + 1) * PASS_AT_K]]
+                for i, row in enumerate(val)
+            ]
+            sampled_acc = sum(map(sum, hits)) / (len(val) * PASS_AT_K)
+            pass_at_k = sum(map(any, hits)) / len(val)
+            timings["pass_at_k"] = time.perf_counter() - t0
+
+            model.generation_config = _generation_config(tokenizer)
+            model.save_pretrained(model_dir)
+    finally:
+        torch.set_num_threads(threads_before)
+    timings["total"] = time.perf_counter() - t_start
+
+    report = TinyAssetsReport(
+        out_dir=out,
+        model_dir=model_dir,
+        train_path=train_path,
+        val_path=val_path,
+        manifest_path=out / "assets.json",
+        seed=seed,
+        base_accuracy=base_acc,
+        sampled_accuracy=sampled_acc,
+        pass_at_k=pass_at_k,
+        sft_steps=steps,
+        weights_sha256=weights_sha256(model_dir),
+        tokenizer_sha256=hashlib.sha256((model_dir / "tokenizer.json").read_bytes()).hexdigest(),
+        vocab_size=len(tokenizer),
+        num_parameters=num_params,
+        timings_s={k: round(v, 2) for k, v in timings.items()},
+    )
+    _write_manifest(report)
+    progress(
+        f"[assets] base greedy val accuracy {base_acc:.1%} after {steps} SFT steps "
+        f"(T=1 sample accuracy {sampled_acc:.1%}, pass@{PASS_AT_K} {pass_at_k:.1%}); "
+        f"{timings['total']:.1f}s total -> {out}"
+    )
+    return report
+
+
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, problem: str) -> list[int]:
+    """Token ids of the chat-templated generation prompt for one problem."""
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": problem}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
+    return list(ids)
+
+
+@torch.no_grad()
+def generate_completions(
+    model: Qwen2ForCausalLM,
+    tokenizer: PreTrainedTokenizerBase,
+    problems: Sequence[str],
+    num_samples: int = 0,
+    max_new_tokens: int = MAX_NEW_TOKENS,
+) -> list[str]:
+    """Decode completions for all problems in one left-padded batch.
+
+    ``num_samples == 0``: one greedy completion per problem. Otherwise ``num_samples``
+    completions per problem sampled at temperature 1 from torch's global RNG, grouped
+    by problem (problem 0's samples first).
+    """
+    prompts = [prompt_ids(tokenizer, p) for p in problems]
+    width = max(map(len, prompts))
+    pad = tokenizer.pad_token_id
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    attention_mask = (input_ids != pad).long()
+    sampling = (
+        dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, num_return_sequences=num_samples)
+        if num_samples
+        else dict(do_sample=False)
+    )
+    was_training = model.training
+    model.eval()
+    out = model.generate(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=pad,
+        **sampling,
+    )
+    model.train(was_training)
+    return tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+
+
+def greedy_accuracy(
+    model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerBase, rows: Sequence[Row]
+) -> float:
+    """Fraction of rows whose greedy completion is an exact match."""
+    completions = generate_completions(model, tokenizer, [r.problem for r in rows])
+    return sum(is_correct(c, r.answer) for c, r in zip(completions, rows)) / len(rows)
+
+
+def weights_sha256(model_dir: str | Path) -> str:
+    """SHA-256 over the tensors of ``model.safetensors`` (name, dtype, shape, bytes, in
+    name order): independent of the file's header layout."""
+    tensors = safetensors.torch.load_file(Path(model_dir) / "model.safetensors")
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}\n".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _build_tokenizer(train: Sequence[Row], model_dir: Path) -> PreTrainedTokenizerBase:
+    """Train a byte-level BPE on the training split, save it as a HF tokenizer (written
+    by hand so the files load in transformers 4.x and 5.x alike) and load it back."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_SPLIT_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_CAP,
+        special_tokens=[ENDOFTEXT, IM_START, IM_END],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    # The text the model will see, minus the special tokens (added whole, not merged).
+    corpus = (f"user\n{r.problem}\nassistant\n{r.answer}\n" for r in train)
+    tok.train_from_iterator(corpus, trainer, length=len(train))
+    tok.save(str(model_dir / "tokenizer.json"))
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": IM_END,
+        "pad_token": ENDOFTEXT,
+        "chat_template": CHAT_TEMPLATE,
+        "model_max_length": MAX_MODEL_LEN,
+        "clean_up_tokenization_spaces": False,
+    }
+    (model_dir / "tokenizer_config.json").write_text(
+        json.dumps(tokenizer_config, indent=2, sort_keys=True) + "\n", encoding="utf-8"
+    )
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def _model_config(tokenizer: PreTrainedTokenizerBase) -> Qwen2Config:
+    return Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=2,  # head_dim = 128 / 2 = 64, the smallest vLLM-CPU accepts
+        num_key_value_heads=1,
+        max_position_embeddings=MAX_MODEL_LEN,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype="float32",
+    )
+
+
+def _generation_config(tokenizer: PreTrainedTokenizerBase) -> GenerationConfig:
+    # Stop on <|im_end|> (end of turn) and <|endoftext|>, like Qwen's instruct models.
+    return GenerationConfig(
+        eos_token_id=[tokenizer.eos_token_id, tokenizer.pad_token_id],
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def _warm_start(
+    model: Qwen2ForCausalLM,
+    tokenizer: PreTrainedTokenizerBase,
+    train: Sequence[Row],
+    val: Sequence[Row],
+    seed: int,
+    progress: Callable[[str], None],
+    cfg: WarmStart = WARM_START,
+) -> tuple[int, float]:
+    """SFT on (chat prompt, answer + <|im_end|>) with loss on completion tokens only,
+    until greedy val accuracy reaches ``cfg.target``; returns (steps, accuracy).
+
+    Should an evaluation overshoot the band, the last in-band weights are restored.
+    """
+    examples = [
+        (prompt_ids(tokenizer, r.problem), tokenizer.encode(r.answer, add_special_tokens=False))
+        for r in train
+    ]
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    low, high = cfg.band
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / cfg.warmup_steps)
+    )
+    order_rng = torch.Generator().manual_seed(seed)
+    order: list[int] = []
+    in_band: tuple[int, float, dict[str, torch.Tensor]] | None = None
+    model.train()
+    for step in range(1, cfg.max_steps + 1):
+        if len(order) < cfg.batch_size:  # new epoch: fresh permutation of the train split
+            order = torch.randperm(len(examples), generator=order_rng).tolist()
+        batch = [examples[i] for i in order[: cfg.batch_size]]
+        del order[: cfg.batch_size]
+        loss = _sft_loss(model, batch, eos, pad)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if step % cfg.eval_every:
+            continue
+        acc = greedy_accuracy(model, tokenizer, val)
+        done = acc >= cfg.target
+        if done or step % 50 == 0:
+            progress(f"[assets] SFT step {step}: loss {loss.item():.3f}, greedy val acc {acc:.1%}")
+        if acc > high:
+            break
+        if acc >= low:
+            in_band = (step, acc, copy.deepcopy(model.state_dict()))
+        if done:
+            break
+    if in_band is None:
+        raise RuntimeError(
+            f"warm-start never reached greedy val accuracy in [{low:.0%}, {high:.0%}] "
+            f"within {cfg.max_steps} steps (last: {acc:.1%} at step {step})"
+        )
+    step, acc, state = in_band
+    model.load_state_dict(state)
+    return step, acc
+
+
+def _sft_loss(
+    model: Qwen2ForCausalLM, batch: Sequence[tuple[list[int], list[int]]], eos: int, pad: int
+) -> torch.Tensor:
+    """Mean next-token cross-entropy over completion tokens (answer + eos) of a
+    right-padded batch of shape [len(batch), longest prompt+completion]."""
+    seqs = [(p, c + [eos]) for p, c in batch]
+    width = max(len(p) + len(c) for p, c in seqs)
+    input_ids = torch.full((len(seqs), width), pad)
+    labels = torch.full((len(seqs), width), -100)
+    attention_mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, (p, c) in enumerate(seqs):
+        n = len(p) + len(c)
+        input_ids[i, :n] = torch.tensor(p + c)
+        labels[i, len(p) : n] = torch.tensor(c)
+        attention_mask[i, :n] = 1
+    return model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+
+
+def _write_manifest(report: TinyAssetsReport) -> None:
+    out = report.out_dir
+    manifest = {
+        key: (str(value.relative_to(out)) if isinstance(value, Path) else value)
+        for key, value in asdict(report).items()
+        if key not in ("out_dir", "manifest_path")
+    }
+    manifest.update(
+        task={"name": "addition", **asdict(TASK)},
+        sizes={"train": N_TRAIN, "val": N_VAL},
+        warm_start=asdict(WARM_START),
+        versions={
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "tokenizers": tokenizers.__version__,
+        },
+    )
+    report.manifest_path.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
