@@ -75,16 +75,20 @@ def make_splits(
 
 
 def extract_answer(text: str) -> str | None:
-    """The last integer in a completion, canonicalised (``"0432"`` -> ``"432"``), or
-    None when the text holds no integer."""
-    found = _INT.findall(text)
-    return str(int(found[-1])) if found else None
+    """The integer a completion states, or None when the completion (surrounding
+    whitespace aside) is anything but one integer.
+
+    Strict on purpose: the tiny model answers with the bare number, and an RL reward
+    that accepted a number buried in other text would reward junk around it.
+    """
+    stripped = text.strip()
+    return stripped if _INT.fullmatch(stripped) else None
 
 
 def is_correct(completion: str, answer: str) -> bool:
-    """Exact match of the extracted integer with the reference answer."""
+    """Exact match of the completion's integer with the reference answer."""
     got = extract_answer(completion)
-    return got is not None and got == extract_answer(answer)
+    return got is not None and got == answer.strip()
 
 
 def write_jsonl(rows: Iterable[Row], path: Path) -> None:

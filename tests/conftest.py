@@ -1,0 +1,15 @@
+"""Session-wide fixtures shared by every test package."""
+
+from __future__ import annotations
+
+import pytest
+
+from async_rl.data.tiny_assets import TinyAssetsReport, build_tiny_assets
+
+
+@pytest.fixture(scope="session")
+def tiny_assets(tmp_path_factory: pytest.TempPathFactory) -> TinyAssetsReport:
+    """The tiny assets (tokenizer, warm-started Qwen2, addition train/val JSONL) built once
+    per test session with seed 0 (about a minute on 2 cores). Treat the files as read-only:
+    other test modules share them."""
+    return build_tiny_assets(tmp_path_factory.mktemp("tiny_assets"), seed=0)

@@ -1,0 +1,124 @@
+"""Tiny assets on real parts: the build's files, determinism, transformers loading, and
+the base model's accuracy band recomputed here without the build's decoding code."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from async_rl.data.tiny_assets import (
+    N_TRAIN,
+    N_VAL,
+    WARM_START,
+    TinyAssetsReport,
+    build_tiny_assets,
+    weights_sha256,
+)
+from async_rl.data.tiny_task import AdditionTask, extract_answer, is_correct, make_splits, read_jsonl
+
+ACCURACY_SLACK = 0.02
+"""|recomputed - manifest| greedy accuracy allowed: the build decodes in one padded
+batch, this test one problem at a time, and float32 kernels differ between the two."""
+
+
+def test_extract_answer_is_strict() -> None:
+    assert extract_answer("432") == "432"
+    assert extract_answer(" -7\n") == "-7"
+    assert extract_answer("") is None
+    assert extract_answer("43 2") is None
+    assert extract_answer("The answer is 432") is None
+    assert is_correct("132 ", "132")
+    assert not is_correct("0132", "132")
+    assert not is_correct("13", "132")
+
+
+def test_splits_are_deterministic_disjoint_and_correct() -> None:
+    task = AdditionTask(a_digits=2, b_digits=3)
+    train, val = make_splits(task, seed=3, n_train=500, n_val=50)
+    assert (train, val) == make_splits(task, seed=3, n_train=500, n_val=50)
+    assert (train, val) != make_splits(task, seed=4, n_train=500, n_val=50)
+    assert len({r.problem for r in train + val}) == 550
+    for row in train + val:
+        a, b = row.problem.removeprefix("What is ").removesuffix("?").split("+")
+        assert (len(a), len(b)) == (2, 3)
+        assert int(row.answer) == int(a) + int(b)
+    with pytest.raises(ValueError, match="has only 81"):
+        make_splits(AdditionTask(1, 1), seed=0, n_train=80, n_val=1)
+
+
+def test_files_and_manifest(tiny_assets: TinyAssetsReport) -> None:
+    model_dir = tiny_assets.model_dir
+    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert (model_dir / name).is_file(), name
+    train, val = read_jsonl(tiny_assets.train_path), read_jsonl(tiny_assets.val_path)
+    assert (len(train), len(val)) == (N_TRAIN, N_VAL)
+    assert not {r.problem for r in train} & {r.problem for r in val}
+    for line in tiny_assets.val_path.read_text().splitlines():
+        assert set(json.loads(line)) == {"problem", "answer"}
+    manifest = json.loads(tiny_assets.manifest_path.read_text())
+    assert manifest["seed"] == 0
+    assert manifest["weights_sha256"] == weights_sha256(model_dir) == tiny_assets.weights_sha256
+    assert manifest["base_accuracy"] == tiny_assets.base_accuracy
+    assert manifest["model_dir"] == "model" and manifest["val_path"] == "data/val.jsonl"
+    assert {"torch", "transformers", "tokenizers"} <= set(manifest["versions"])
+
+
+def test_same_seed_rebuilds_identical_assets(tiny_assets: TinyAssetsReport, tmp_path: Path) -> None:
+    threads = torch.get_num_threads()
+    again = build_tiny_assets(tmp_path, seed=0, progress=lambda _: None)
+    assert torch.get_num_threads() == threads  # the build restores the caller's setting
+    tokenizer_json = (tiny_assets.model_dir / "tokenizer.json").read_bytes()
+    assert (again.model_dir / "tokenizer.json").read_bytes() == tokenizer_json
+    assert weights_sha256(again.model_dir) == weights_sha256(tiny_assets.model_dir)
+    for split in ("train.jsonl", "val.jsonl"):
+        assert (again.data_dir / split).read_bytes() == (tiny_assets.data_dir / split).read_bytes()
+    assert (again.base_accuracy, again.sft_steps) == (tiny_assets.base_accuracy, tiny_assets.sft_steps)
+
+
+def test_loads_in_transformers_with_chat_template(tiny_assets: TinyAssetsReport) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_assets.model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_assets.model_dir)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 47+38?"}], add_generation_prompt=True, tokenize=False
+    )
+    assert text == "<|im_start|>user\nWhat is 47+38?<|im_end|>\n<|im_start|>assistant\n"
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 47+38?"}], add_generation_prompt=True, return_dict=False
+    )
+    assert tokenizer.decode(ids) == text
+    # digits are single tokens, so every number is spelt digit by digit
+    assert tokenizer.convert_ids_to_tokens(tokenizer.encode("85", add_special_tokens=False)) == ["8", "5"]
+    assert (tokenizer.eos_token, tokenizer.pad_token) == ("<|im_end|>", "<|endoftext|>")
+    cfg = model.config
+    assert cfg.model_type == "qwen2" and cfg.hidden_size // cfg.num_attention_heads == 64
+    assert cfg.vocab_size == len(tokenizer) == tiny_assets.vocab_size
+    assert cfg.eos_token_id == tokenizer.eos_token_id
+    assert set(model.generation_config.eos_token_id) == {tokenizer.eos_token_id, tokenizer.pad_token_id}
+    assert sum(p.numel() for p in model.parameters()) == tiny_assets.num_parameters
+
+
+def test_base_accuracy_in_band(tiny_assets: TinyAssetsReport) -> None:
+    """Greedy decoding written out here (full forward per token, no KV cache, no padding)."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_assets.model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_assets.model_dir).eval()
+    eos = tokenizer.eos_token_id
+    rows = read_jsonl(tiny_assets.val_path)
+    correct = 0
+    with torch.no_grad():
+        for row in rows:
+            ids = tokenizer.apply_chat_template(
+                [{"role": "user", "content": row.problem}], add_generation_prompt=True, return_dict=False
+            )
+            completion: list[int] = []
+            while len(completion) < 8 and (not completion or completion[-1] != eos):
+                logits = model(torch.tensor([list(ids) + completion])).logits
+                completion.append(int(logits[0, -1].argmax()))
+            correct += is_correct(tokenizer.decode(completion, skip_special_tokens=True), row.answer)
+    accuracy = correct / len(rows)
+    low, high = WARM_START.band
+    assert low <= accuracy <= high
+    assert accuracy == pytest.approx(tiny_assets.base_accuracy, abs=ACCURACY_SLACK)
