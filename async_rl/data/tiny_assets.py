@@ -14,7 +14,11 @@ requires, 1 KV head, 2 layers). It is warm-started by SFT on the training split 
 its greedy validation accuracy enters the band [10%, 60%] (target 25%), so RL starts
 from a model that solves some problems, not all. On 2-digit addition the SFT stops after
 about 300-700 steps of batch 32 (~45 s on one core); continuing the same SFT reaches
-well above the band, which shows the task is learnable from there.
+~90% by step 850, so the task is learnable from there. RL headroom, measured from the
+seed-0 assets (greedy 26%, T=1 sample accuracy 15%, pass@8 58%) with a plain on-policy
+GRPO loop in transformers (32 prompts x 8 samples per step, group-mean baseline, AdamW
+lr 1e-4, one core): greedy val accuracy 51% after 50 steps (~26 s), 84% after 200
+(~100 s). At lr 1e-3 the same loop collapses to 0% within 10 steps.
 
 Same seed -> byte-identical tokenizer.json and identical weights hash: every random
 choice flows from ``seed`` (Python RNG for data, torch RNG forked for init and sampling),
