@@ -32,7 +32,7 @@ err = Console(stderr=True)
 
 ConfigArg = Annotated[Path, typer.Argument(help="YAML config file, e.g. configs/quickstart.yaml.")]
 OverridesArg = Annotated[Optional[list[str]], typer.Argument(help="Dotted overrides, e.g. learner.optim.lr=1e-6.")]
-QUICKSTART_CONFIG = Path("configs/quickstart.yaml")
+QUICKSTART_CONFIG = Path("configs/quickstart.yaml")  # relative: run from the repository root
 QUICKSTART_ASSETS = Path("runs/quickstart/assets")
 
 
@@ -71,7 +71,7 @@ def assets_tiny(
     """Build the tiny tokenizer, Qwen2 model, arithmetic task and warm-start (about a minute on 2 cores)."""
     from async_rl.data.tiny_assets import build_tiny_assets
 
-    report = build_tiny_assets(out_dir, seed=seed, progress=lambda msg: err.print(msg, highlight=False))
+    report = build_tiny_assets(out_dir, seed=seed, progress=lambda msg: err.print(msg, highlight=False, markup=False))
     out.print(f"tiny assets in {out_dir}: base greedy accuracy {report.base_accuracy:.1%}", highlight=False)
 
 
@@ -87,17 +87,47 @@ def eval_cmd(
     _run_eval(cfg, out_dir or Path(cfg.trainer.output_dir) / "eval", limit)
 
 
+@app.command("train")
+def train_cmd(
+    config: ConfigArg,
+    overrides: OverridesArg = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate config and resources, print the plan, start nothing.")] = False,
+) -> None:
+    """Train: Ray, Redis, inference servers, rollout workers and the FSDP2 learner, until trainer.total_steps."""
+    cfg = _load(config, overrides)
+    _train(cfg, dry_run)
+
+
 @app.command("quickstart")
 def quickstart(
-    out_dir: Annotated[Path, typer.Option("--out", help="Run directory.")] = Path("runs/quickstart"),
+    overrides: OverridesArg = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan only.")] = False,
 ) -> None:
-    """Build the tiny assets if absent, then evaluate the base model with vLLM (configs/quickstart.yaml)."""
+    """Build the tiny assets if absent, then train configs/quickstart.yaml (CPU, about 10 minutes)."""
     from async_rl.data.tiny_assets import build_tiny_assets
 
     if not (QUICKSTART_ASSETS / "assets.json").is_file():
-        build_tiny_assets(QUICKSTART_ASSETS, seed=0, progress=lambda msg: err.print(msg, highlight=False))
-    cfg = _load(QUICKSTART_CONFIG, [])
-    _run_eval(cfg, out_dir / "eval", None)
+        build_tiny_assets(QUICKSTART_ASSETS, seed=0, progress=lambda msg: err.print(msg, highlight=False, markup=False))
+    _train(_load(QUICKSTART_CONFIG, overrides), dry_run)
+
+
+def _train(cfg, dry_run: bool) -> None:
+    from async_rl.launch.driver import StartupError, train
+    from async_rl.launch.plan import make_plan, render
+    from async_rl.queue import RedisNotInstalledError
+
+    if dry_run:
+        plan = make_plan(cfg)
+        typer.echo(render(plan))
+        raise typer.Exit(2 if plan.errors else 0)
+    try:
+        result = train(cfg)
+    except (StartupError, RedisNotInstalledError, FileNotFoundError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    if result.interrupted:
+        typer.echo(f"interrupted at version {result.version}; final checkpoint in {result.run_dir}", err=True)
+        raise typer.Exit(130)
 
 
 def _run_eval(cfg, out_dir: Path, limit: int | None) -> None:
@@ -107,7 +137,7 @@ def _run_eval(cfg, out_dir: Path, limit: int | None) -> None:
         if not Path(path).exists():
             typer.echo(f"error: {key}={path!r} does not exist (build the tiny assets with `async-rl assets tiny --out DIR`)", err=True)
             raise typer.Exit(2)
-    result = evaluate(cfg, out_dir, limit=limit, progress=lambda msg: err.print(msg, highlight=False))
+    result = evaluate(cfg, out_dir, limit=limit, progress=lambda msg: err.print(msg, highlight=False, markup=False))
     table = Table(title="examples")
     for col in ("prompt", "response", "answer", "reward"):
         table.add_column(col)

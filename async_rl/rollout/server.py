@@ -32,6 +32,8 @@ class Sampling:
     top_k: int = -1
     max_tokens: int = 256
     """Longest response in tokens."""
+    ignore_eos: bool = False
+    """Keep generating past end-of-sequence (fixed-length responses: benchmarks, tests)."""
 
 
 @dataclass
@@ -130,6 +132,7 @@ class InferenceServer:
             top_p=sampling.top_p,
             top_k=sampling.top_k,
             max_tokens=sampling.max_tokens,
+            ignore_eos=sampling.ignore_eos,
             logprobs=0,
             output_kind=RequestOutputKind.FINAL_ONLY,
         )

