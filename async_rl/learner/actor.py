@@ -7,9 +7,11 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import ray
+import torch
 
 from async_rl.config import Config
 from async_rl.learner.loop import LearnerLoop
@@ -20,8 +22,12 @@ from async_rl.sync.sender import WeightSender
 class LearnerActor:
     """One learner rank. Rank 0 owns the queue consumer and the :class:`WeightSender`."""
 
-    def __init__(self, cfg: Config, rank: int, world_size: int, redis_url: str) -> None:
+    def __init__(self, cfg: Config, rank: int, world_size: int, redis_url: str, cpu_cores: list[int] | None = None) -> None:
+        """``cpu_cores``: pin this rank to these cores, with one torch thread each (CPU runs)."""
         self.cfg, self.rank, self.world_size, self.redis_url = cfg, rank, world_size, redis_url
+        if cpu_cores:
+            os.sched_setaffinity(0, cpu_cores)
+            torch.set_num_threads(len(cpu_cores))
         self.loop: LearnerLoop | None = None
         self.sender: WeightSender | None = None
 
@@ -59,12 +65,13 @@ class LearnerActor:
             self.sender.close()
 
 
-def start_learners(cfg: Config, redis_url: str) -> list[Any]:
+def start_learners(cfg: Config, redis_url: str, cpu_cores: list[list[int]] | None = None) -> list[Any]:
     """Start ``learner.world_size`` actors (resources from ``learner.cpus_per_rank`` and
-    ``gpus_per_rank``), form their process group and return the handles, rank 0 first."""
+    ``gpus_per_rank``; ``cpu_cores[rank]`` pins a rank), form their process group and return
+    the handles, rank 0 first."""
     lrn = cfg.learner
     remote = ray.remote(num_cpus=lrn.cpus_per_rank, num_gpus=lrn.gpus_per_rank)(LearnerActor)
-    actors = [remote.remote(cfg, rank, lrn.world_size, redis_url) for rank in range(lrn.world_size)]
+    actors = [remote.remote(cfg, rank, lrn.world_size, redis_url, cpu_cores[rank] if cpu_cores else None) for rank in range(lrn.world_size)]
     addr, port = ray.get(actors[0].rendezvous.remote())
     ray.get([a.setup.remote(addr, port) for a in actors], timeout=cfg.sync.timeout_s)
     return actors

@@ -172,8 +172,11 @@ class LearnerLoop:
             step_s = time.perf_counter() - start
         else:
             metrics.update(staleness_metrics(prepared.batch, self.version))
+            metrics["reward/mean"] = float(prepared.batch.rewards.float().mean())
+            metrics["response_length/mean"] = float(prepared.batch.response_mask.sum(1).float().mean())
             result = self.trainer.step(prepared.batch, self.version)
             self.version += 1
+            metrics["version"] = float(self.version)  # the version this step produced
             sync_s = self._publish() if self.version % self.cfg.sync.every == 0 else 0.0
             step_s = time.perf_counter() - start
             metrics.update(result.metrics)

@@ -47,8 +47,11 @@ class ServerPool:
         num_servers: int,
         version: Callable[[], int] = lambda: 0,
         on_start: Callable[[int, Any], Awaitable[None]] | None = None,
+        env_per_server: list[dict[str, str]] | None = None,
     ):
+        """``env_per_server[i]`` adds to ``spec.env_vars`` for server ``i`` (e.g. its CPU cores)."""
         self.spec = spec
+        self.env_per_server = env_per_server or [{} for _ in range(num_servers)]
         self.num_servers = num_servers
         self.version = version
         self.on_start = on_start
@@ -68,7 +71,7 @@ class ServerPool:
         actor_cls = ray.remote(InferenceServer).options(
             num_cpus=self.spec.num_cpus,
             num_gpus=self.spec.num_gpus,
-            runtime_env={"env_vars": dict(self.spec.env_vars)},
+            runtime_env={"env_vars": {**self.spec.env_vars, **self.env_per_server[i]}},
             name=None,
         )
         handle = actor_cls.remote(f"server-{i}", self.spec.engine_kwargs, self.version())

@@ -65,6 +65,8 @@ class ServerHealth:
     """Weight updates applied since start."""
     last_update_pause_s: float | None = None
     """Seconds generation was paused by the last weight update."""
+    busy_s: float = 0.0
+    """Seconds with at least one request running since start (for busy fractions)."""
     pid: int = field(default_factory=os.getpid)
 
 
@@ -85,6 +87,8 @@ class InferenceServer:
         self._started = time.monotonic()
         self._running = 0
         self._generated = 0
+        self._busy_s = 0.0
+        self._busy_since = 0.0
         self._sync: Any = None
         self._sync_task: asyncio.Task | None = None
         self._fatal: str | None = None
@@ -137,12 +141,16 @@ class InferenceServer:
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
         final = None
+        if self._running == 0:
+            self._busy_since = time.monotonic()
         self._running += 1
         try:
             async for out in self._engine.generate({"prompt_token_ids": prompt_token_ids}, params, request_id=uuid.uuid4().hex):
                 final = out
         finally:
             self._running -= 1
+            if self._running == 0:
+                self._busy_s += time.monotonic() - self._busy_since
         assert final is not None and final.finished, "vLLM returned no final output"
         completions = [self._completion(c) for c in sorted(final.outputs, key=lambda c: c.index)]
         self._generated += sum(len(c.token_ids) for c in completions)
@@ -178,7 +186,9 @@ class InferenceServer:
         if self._engine is not None:
             await self._engine.check_health()
         last = self.updates[-1].pause_s if self.updates else None
-        return ServerHealth(self.server_id, self._version, self._running, self._generated, time.monotonic() - self._started, len(self.updates), last)
+        busy = self._busy_s + (time.monotonic() - self._busy_since if self._running else 0.0)
+        return ServerHealth(self.server_id, self._version, self._running, self._generated, time.monotonic() - self._started,
+                            len(self.updates), last, busy)
 
     async def shutdown(self) -> None:
         """Stop the weight-update loop, the engine and its worker processes."""

@@ -1,0 +1,1 @@
+"""Orchestration of a training run: plan, driver, tracking."""

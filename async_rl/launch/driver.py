@@ -1,0 +1,293 @@
+"""``async-rl train``: start every process, drive the learner, validate, log, and shut down.
+
+The driver (this process) owns the run's lifecycle. It starts, in order: the embedded
+redis-server (unless ``queue.redis_url``), Ray, the learner ranks (their rank 0 hosts the
+weight sender), the inference servers (registered with that sender) and the rollout
+workers (asyncio tasks here, feeding the servers). It then calls the learner one step at
+a time with a bounded wait, so it can log progress, start validation and react to Ctrl-C
+/ SIGTERM. Shutdown (normal end or signal) runs in reverse: workers stop, the learner
+writes a final checkpoint and commits its queue entries, servers and learner actors stop,
+Ray stops, the embedded Redis stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from async_rl.config import Config, save_resolved
+from async_rl.data.prompts import PromptFormatter, read_prompt_rows, write_rejected
+from async_rl.launch.plan import make_plan
+from async_rl.launch.tracking import Tracker
+from async_rl.learner.actor import start_learners
+from async_rl.queue import EmbeddedRedis, ReplayQueue
+from async_rl.rewards import load_reward_function
+from async_rl.rewards.scoring import RewardScorer
+from async_rl.rollout.engine_args import engine_kwargs, on_gpu
+from async_rl.rollout.pool import ServerPool, ServerSpec
+from async_rl.rollout.server import Sampling
+from async_rl.rollout.validation import ValidationResult, validate
+from async_rl.rollout.worker import RolloutWorker, WorkerSettings
+
+log = logging.getLogger(__name__)
+
+LEARNER_WAIT_S = 2.0
+"""Longest one learner call waits for a batch before control returns to the driver, seconds."""
+WORKER_GRACE_S = 10.0
+"""How long stopping workers may finish their groups in flight before they are cancelled, seconds."""
+
+
+class StartupError(RuntimeError):
+    """The run cannot start; the message is the one-line reason."""
+
+
+@dataclass
+class RunResult:
+    """What a finished (or interrupted) run reports."""
+
+    version: int
+    run_dir: Path
+    interrupted: bool
+    validations: list[ValidationResult] = field(default_factory=list)
+    train_wall_s: float = 0.0
+    """Seconds from the rollout workers' start to the learner's last step (start-up excluded)."""
+    server_busy_s: list[float] = field(default_factory=list)
+    """Per server, seconds with requests running during the run."""
+
+
+def train(cfg: Config) -> RunResult:
+    """Run training as configured; raises :class:`StartupError` for problems found before starting."""
+    plan = make_plan(cfg)
+    if plan.errors:
+        raise StartupError("; ".join(plan.errors))
+    return asyncio.run(_Run(cfg).main())
+
+
+class _Run:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.run_dir = Path(cfg.trainer.output_dir)
+        self.stop = asyncio.Event()
+        self.interrupted = False
+        self.version = 0
+        self.validations: list[ValidationResult] = []
+        self._validating: asyncio.Task | None = None
+        self.train_wall_s = 0.0
+        self.server_busy_s: list[float] = []
+
+    # -- lifecycle ------------------------------------------------------------------
+
+    async def main(self) -> RunResult:
+        cfg = self.cfg
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        save_resolved(cfg, self.run_dir)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                await self._start(stack)
+                await self._train()
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+        return RunResult(self.version, self.run_dir, self.interrupted, self.validations, self.train_wall_s, self.server_busy_s)
+
+    def _on_signal(self, sig: int) -> None:
+        if not self.stop.is_set():
+            log.warning("%s: stopping generation, writing a final checkpoint, shutting down", signal.Signals(sig).name)
+            self.interrupted = True
+            self.stop.set()
+
+    async def _start(self, stack: contextlib.AsyncExitStack) -> None:
+        cfg = self.cfg
+        redis_url = cfg.queue.redis_url or stack.enter_context(EmbeddedRedis(self.run_dir / "redis"))
+        self.queue = stack.enter_context(ReplayQueue(redis_url, cfg.trainer.run_name, cfg.queue.max_depth, op_timeout_s=cfg.queue.timeout_s))
+
+        ray.init(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus if cfg.ray.address is None else None,
+                 include_dashboard=False, log_to_driver=False, configure_logging=False)
+        stack.callback(ray.shutdown)
+        layout = cpu_layout(cfg)
+        self.learners = await asyncio.to_thread(start_learners, cfg, redis_url, layout[1] if layout else None)
+        stack.callback(self._kill_learners)
+        starts = await asyncio.gather(*(a.run.remote(0) for a in self.learners))
+        self.version = starts[0]["version"]  # > 0 after a resume
+        sender_address = await self.learners[0].sync_address.remote()
+
+        env = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, round(cfg.rollout.vllm.kv_cache_space_gb)))} if not on_gpu() else {}
+        spec = ServerSpec(engine_kwargs(cfg), cfg.rollout.cpus_per_server, cfg.rollout.gpus_per_server, env, sender_address=sender_address)
+        self.pool = ServerPool(spec, cfg.rollout.num_servers, on_start=self._await_current_weights,
+                               env_per_server=[{"VLLM_CPU_OMP_THREADS_BIND": cores} for cores in layout[0]] if layout else None)
+        stack.push_async_callback(self.pool.shutdown)
+        self.tracker = Tracker(cfg, self.run_dir, cfg.trainer.total_steps)
+        stack.callback(self.tracker.close)
+
+        from transformers import AutoTokenizer
+
+        self.formatter = PromptFormatter(AutoTokenizer.from_pretrained(cfg.learner.model_path), cfg.data.system_prompt, cfg.data.format_prompt)
+        self.rows = self._read_rows(cfg.data.train_files)
+        self.val_prompts = [(self.formatter.token_ids(r.prompt), r.answer) for r in self._read_rows(cfg.data.val_files)] if cfg.data.val_files else []
+        self.reward_fn = load_reward_function(cfg.rollout.reward.function)
+
+    def _read_rows(self, path: str) -> list:
+        rows, rejected = read_prompt_rows(path, self.cfg.data.prompt_key, self.cfg.data.answer_key)
+        if rejected:
+            write_rejected(rejected, self.run_dir / "rejected_rows.jsonl")
+            log.warning("%s: %d malformed rows skipped (first: %s); see %s", path, len(rejected), rejected[0].reason, self.run_dir / "rejected_rows.jsonl")
+        if not rows:
+            raise StartupError(f"{path} has no usable rows ({len(rejected)} rejected)")
+        return rows
+
+    def _kill_learners(self) -> None:
+        for actor in self.learners:
+            with contextlib.suppress(Exception):
+                ray.get(actor.close.remote(), timeout=30)
+            ray.kill(actor, no_restart=True)
+
+    async def _await_current_weights(self, index: int, handle: Any) -> None:
+        """A (re)started server serves only once it holds the learner's current version (the
+        learner's catch-up sends it while waiting for data)."""
+        deadline = time.monotonic() + self.cfg.sync.timeout_s
+        while (await handle.health.remote()).version < self.version:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"server-{index} did not receive version {self.version} within sync.timeout_s={self.cfg.sync.timeout_s}")
+            await asyncio.sleep(0.5)
+
+    # -- the run --------------------------------------------------------------------
+
+    async def _train(self) -> None:
+        learner = asyncio.create_task(self._drive_learner())
+        try:
+            await self.pool.start()
+            self.workers = self._make_workers()
+            started = time.monotonic()
+            worker_tasks = [asyncio.create_task(w.run(self.stop)) for w in self.workers]
+            self._maybe_validate(force=True)
+            await learner
+            self.train_wall_s = time.monotonic() - started
+        finally:
+            self.stop.set()
+            if not learner.done():
+                await learner
+        await self._stop_workers(worker_tasks)
+        self.server_busy_s = [h.busy_s for h in await self.pool.health() if not isinstance(h, str)]
+        if self._validating is not None:
+            await self._validating
+        self._maybe_validate(force=True, final=True)
+        if self._validating is not None:
+            await self._validating
+
+    def _make_workers(self) -> list[RolloutWorker]:
+        cfg, r = self.cfg, self.cfg.rollout
+        workers = []
+        for i in range(r.num_servers):
+            for _ in range(r.workers_per_server):
+                settings = WorkerSettings(
+                    run_id=cfg.trainer.run_name, server_id=f"server-{i}", n=r.n,
+                    sampling=Sampling(r.temperature, r.top_p, r.top_k, r.max_response_length),
+                    batch_size=cfg.learner.batch_size, max_staleness=cfg.algorithm.max_staleness,
+                    max_inflight=r.max_inflight, max_prompt_length=cfg.data.max_prompt_length,
+                    overlong_prompt=cfg.data.overlong_prompt, dynamic_sampling=r.reward.dynamic_sampling,
+                    shuffle=cfg.data.shuffle, seed=cfg.data.seed, put_timeout_s=cfg.queue.timeout_s,
+                )
+                o = r.reward.overlong_penalty
+                scorer = RewardScorer(self.reward_fn, r.reward.fallback_reward, r.max_response_length,
+                                      o.buffer_length if o.enable else 0, o.penalty_factor)
+                workers.append(RolloutWorker(settings, self.queue, self.rows, self.formatter.token_ids, scorer, self.pool.generate_fn(i)))
+        return workers
+
+    async def _stop_workers(self, tasks: list[asyncio.Task]) -> None:
+        _, pending = await asyncio.wait(tasks, timeout=WORKER_GRACE_S) if tasks else (set(), set())
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _drive_learner(self) -> None:
+        total = self.cfg.trainer.total_steps
+        last_tokens, last_time = 0, time.monotonic()
+        while self.version < total and not self.stop.is_set():
+            results = await asyncio.gather(*(a.run.remote(1, LEARNER_WAIT_S) for a in self.learners))
+            self.version = results[0]["version"]
+            for metrics in results[0]["steps"]:
+                tokens = sum(w.counters.tokens_generated for w in getattr(self, "workers", []))
+                now = time.monotonic()
+                metrics.update(self._rollout_metrics(tokens - last_tokens, now - last_time))
+                last_tokens, last_time = tokens, now
+                self.tracker.log(metrics)
+                self._maybe_validate()
+        self.version = (await asyncio.gather(*(a.finish.remote() for a in self.learners)))[0]
+
+    def _rollout_metrics(self, new_tokens: int, seconds: float) -> dict[str, float]:
+        stats = self.queue.stats()
+        workers = getattr(self, "workers", [])
+        out = {
+            "rollout/tokens_per_s": new_tokens / max(seconds, 1e-9),
+            "queue/depth": float(stats["depth"]),
+            "queue/pending": float(stats["pending"]),
+            "queue/dropped_stale": float(stats["dropped_stale"]),
+            "queue/dead_lettered": float(stats["dead_lettered"]),
+            "queue/oldest_age_s": float(stats["oldest_age_s"]),
+            "rollout/server_restarts": float(self.pool.restarts),
+        }
+        for name in ("groups_put", "prompts_skipped_overlong", "prompts_truncated", "groups_filtered", "generate_failures",
+                     "groups_lost_to_failures", "admission_wait_s"):
+            out[f"rollout/{name}"] = float(sum(getattr(w.counters, name) for w in workers))
+        out["rollout/reward_errors"] = float(sum(w.scorer.counters.errors for w in workers))
+        return out
+
+    # -- validation -----------------------------------------------------------------
+
+    def _maybe_validate(self, force: bool = False, final: bool = False) -> None:
+        every = self.cfg.trainer.val_every
+        if not self.val_prompts or every == 0 or (self._validating is not None and not self._validating.done()):
+            return
+        if final and self.validations and self.validations[-1].version == self.version:
+            return  # the periodic validation already measured these weights
+        if force or self.version % every == 0:
+            self._validating = asyncio.create_task(self._validate(final))
+
+    async def _validate(self, final: bool) -> None:
+        cfg = self.cfg
+        result = await validate(
+            self.pool.generate_fn(0)(), self.val_prompts, RewardScorer(self.reward_fn, cfg.rollout.reward.fallback_reward),
+            n=cfg.trainer.val_n, temperature=cfg.rollout.temperature, max_tokens=cfg.rollout.max_response_length,
+        )
+        self.validations.append(result)
+        self.tracker.log({
+            "version": float(result.version), "val/greedy_accuracy": result.greedy_accuracy, "val/mean_at_n": result.mean_at_n,
+            "val/pass_at_n": result.pass_at_n, "val/seconds": result.seconds, "val/final": float(final),
+        })
+
+
+
+def cpu_layout(cfg: Config) -> tuple[list[str], list[list[int]]] | None:
+    """Disjoint CPU cores for each server's vLLM threads and each learner rank, or None.
+
+    On a local CPU run whose actors fit on this machine, servers get the first cores and
+    learner ranks the next ones (``rollout.cpus_per_server`` / ``learner.cpus_per_rank``
+    each, rounded up), so the two pools never fight over a core (vLLM's OpenMP threads spin).
+    Returns (``VLLM_CPU_OMP_THREADS_BIND`` value per server, core list per rank).
+    """
+    import math
+
+    if on_gpu() or cfg.ray.address is not None:
+        return None
+    per_server = math.ceil(cfg.rollout.cpus_per_server)
+    per_rank = math.ceil(cfg.learner.cpus_per_rank)
+    available = sorted(os.sched_getaffinity(0))
+    needed = per_server * cfg.rollout.num_servers + per_rank * cfg.learner.world_size
+    if needed > len(available) or per_server < 1 or per_rank < 1:
+        return None
+    cores = iter(available)
+    servers = [",".join(str(next(cores)) for _ in range(per_server)) for _ in range(cfg.rollout.num_servers)]
+    ranks = [[next(cores) for _ in range(per_rank)] for _ in range(cfg.learner.world_size)]
+    return servers, ranks

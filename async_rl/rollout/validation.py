@@ -1,0 +1,78 @@
+"""Validation through the inference servers: greedy accuracy, mean@n and pass@n.
+
+It runs on the same servers as the rollouts (their current weights), concurrently with
+generation, and reports the policy version the servers held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Awaitable, Callable
+
+from async_rl.rewards.scoring import RewardScorer, Score
+from async_rl.rollout.server import Completion, Sampling
+
+Generate = Callable[[list[int], int, Sampling], Awaitable[list[Completion]]]
+
+
+@dataclass
+class ValidationResult:
+    """Scores on the validation prompts."""
+
+    version: int
+    """Lowest policy version among the validation tokens (the servers' weights)."""
+    greedy_accuracy: float
+    """Fraction of prompts whose greedy answer is correct."""
+    mean_at_n: float
+    """Mean correctness over ``n`` sampled answers per prompt."""
+    pass_at_n: float
+    """Fraction of prompts with at least one correct answer among ``n`` samples."""
+    n: int
+    prompts: int
+    seconds: float
+
+
+def _correct(score: Score) -> bool:
+    # Rewards with an accuracy component (math: 0.9*acc + 0.1*format) are judged on it.
+    return score.components.get("accuracy", score.reward) >= 0.5
+
+
+async def validate(
+    generate: Generate,
+    prompts: list[tuple[list[int], str]],
+    scorer: RewardScorer,
+    *,
+    n: int,
+    temperature: float,
+    max_tokens: int,
+    concurrency: int = 32,
+) -> ValidationResult:
+    """Greedy and ``n``-sample evaluation of ``(prompt_token_ids, answer)`` pairs."""
+    t0 = time.monotonic()
+    limit = asyncio.Semaphore(concurrency)
+    greedy = Sampling(temperature=0.0, max_tokens=max_tokens)
+    sampled = Sampling(temperature=temperature, max_tokens=max_tokens)
+
+    async def one(prompt: list[int], answer: str) -> tuple[bool, list[bool], int]:
+        async with limit:
+            best, samples = await asyncio.gather(generate(prompt, 1, greedy), generate(prompt, n, sampled))
+        completions = best + samples
+        scores = scorer.score(
+            [{"response": c.text, "response_length": len(c.token_ids), "ground_truth": answer} for c in completions]
+        )
+        version = min((min(c.versions) for c in completions if c.versions), default=0)
+        return _correct(scores[0]), [_correct(s) for s in scores[1:]], version
+
+    results = await asyncio.gather(*(one(p, a) for p, a in prompts))
+    count = max(len(results), 1)
+    return ValidationResult(
+        version=min((r[2] for r in results), default=0),
+        greedy_accuracy=sum(r[0] for r in results) / count,
+        mean_at_n=sum(sum(r[1]) / n for r in results) / count,
+        pass_at_n=sum(any(r[1]) for r in results) / count,
+        n=n,
+        prompts=len(results),
+        seconds=time.monotonic() - t0,
+    )

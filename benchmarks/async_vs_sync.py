@@ -1,0 +1,217 @@
+"""Asynchronous (eta = 2) against synchronous (eta = 0) training, same everything else.
+
+One run, same machine, same config (the quickstart's, tiny model) except
+``algorithm.max_staleness``; the same number of trained groups; the same split of CPU
+cores between the rollout pool and the learner in both modes (the driver pins the vLLM
+server to one core and the learner rank to the other). It also measures each stage
+alone on the same groups — generation only, then learning only — for the overlap limit
+``(T_gen + T_train) / max(T_gen, T_train)``: the best speedup overlapping can give.
+
+    python benchmarks/async_vs_sync.py --json benchmarks/results/async_vs_sync.json \\
+        --plot benchmarks/results/async_vs_sync.png
+
+JSON keys: sync_wall_s, async_wall_s, speedup, overlap_limit, efficiency (= speedup /
+overlap_limit), sync_val_acc, async_val_acc, learner_busy_async, staleness_hist, plus the
+stage timings, busy fractions and settings. Wall times exclude start-up (engine load),
+which is the same in both modes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import time
+from collections import Counter
+from pathlib import Path
+
+QUICKSTART = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--assets", type=Path, default=Path("runs/bench/assets"), help="tiny assets dir (built if absent)")
+    ap.add_argument("--out", type=Path, default=Path("runs/bench"), help="run directories")
+    ap.add_argument("--steps", type=int, default=60, help="learner steps per mode")
+    ap.add_argument("--eta", type=int, default=2, help="max_staleness of the asynchronous mode")
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--plot", type=Path, default=None)
+    args = ap.parse_args()
+
+    from async_rl.config import load_config
+    from async_rl.data.tiny_assets import build_tiny_assets
+
+    if not (args.assets / "assets.json").is_file():
+        build_tiny_assets(args.assets, seed=0)
+
+    def config(name: str, eta: int):
+        return load_config(QUICKSTART, [
+            f"learner.model_path={args.assets / 'model'}",
+            f"data.train_files={args.assets / 'data' / 'train.jsonl'}",
+            f"data.val_files={args.assets / 'data' / 'val.jsonl'}",
+            f"algorithm.max_staleness={eta}",
+            f"trainer.total_steps={args.steps}",
+            f"trainer.val_every={max(1, args.steps // 3)}",
+            f"trainer.save_every={args.steps}",
+            f"trainer.output_dir={args.out / name}",
+            f"trainer.run_name=bench-{name}-{os.getpid()}",
+            "trainer.resume=off",
+            "logging.wandb.enable=false",
+            "logging.console=false",
+        ])
+
+    import shutil
+
+    shutil.rmtree(args.out / "alone", ignore_errors=True)
+    t_gen, t_train, groups = stage_alone(config("alone", args.steps))  # eta: the learner trains on all of them
+    modes = {}
+    for name, eta in (("sync", 0), ("async", args.eta)):
+        shutil.rmtree(args.out / name, ignore_errors=True)
+        modes[name] = run_mode(config(name, eta))
+        print(f"{name}: {modes[name]['wall_s']:.1f} s, final greedy val {modes[name]['val_acc']:.1%}", flush=True)
+
+    overlap = (t_gen + t_train) / max(t_gen, t_train)
+    speedup = modes["sync"]["wall_s"] / modes["async"]["wall_s"]
+    result = {
+        "sync_wall_s": modes["sync"]["wall_s"],
+        "async_wall_s": modes["async"]["wall_s"],
+        "speedup": speedup,
+        "overlap_limit": overlap,
+        "efficiency": speedup / overlap,
+        "sync_val_acc": modes["sync"]["val_acc"],
+        "async_val_acc": modes["async"]["val_acc"],
+        "base_val_acc": modes["sync"]["base_val_acc"],
+        "learner_busy_async": modes["async"]["learner_busy"],
+        "learner_busy_sync": modes["sync"]["learner_busy"],
+        "generation_busy_async": modes["async"]["generation_busy"],
+        "generation_busy_sync": modes["sync"]["generation_busy"],
+        "staleness_hist": modes["async"]["staleness_hist"],
+        "staleness_hist_sync": modes["sync"]["staleness_hist"],
+        "gen_alone_s": t_gen,
+        "train_alone_s": t_train,
+        "groups_per_mode": groups,
+        "steps": args.steps,
+        "eta_async": args.eta,
+        "cores": "vLLM server pinned to 1 core, learner rank to 1 core, in every mode",
+        "machine": f"{os.cpu_count()} cores, cpu",
+    }
+    width = max(map(len, result))
+    for k, v in result.items():
+        print(f"{k:<{width}}  {v:.4g}" if isinstance(v, float) else f"{k:<{width}}  {v}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    if args.plot:
+        plot({name: m["curve"] for name, m in modes.items()}, args.plot)
+
+
+def run_mode(cfg) -> dict:
+    """Train one mode; read its metrics back."""
+    from async_rl.launch.driver import train
+
+    result = train(cfg)
+    records = [json.loads(line) for line in (Path(cfg.trainer.output_dir) / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "perf/tokens_per_s" in r]
+    vals = [r for r in records if "val/greedy_accuracy" in r]
+    first = min(r["time/elapsed_s"] - r["time/step"] for r in steps)
+    hist: Counter[int] = Counter()
+    for r in steps:
+        for key, count in r.items():
+            if key.startswith("staleness/hist/"):
+                hist[int(key.rsplit("/", 1)[1])] += int(count)
+    busy = sum(r["time/step"] - r["time/wait"] for r in steps)
+    return {
+        "wall_s": result.train_wall_s,
+        "val_acc": vals[-1]["val/greedy_accuracy"],
+        "base_val_acc": vals[0]["val/greedy_accuracy"],
+        "learner_busy": busy / result.train_wall_s,
+        "generation_busy": sum(result.server_busy_s) / len(result.server_busy_s) / result.train_wall_s,
+        "staleness_hist": dict(sorted(hist.items())),
+        "curve": [(max(0.0, r["time/elapsed_s"] - first), r["val/greedy_accuracy"]) for r in vals],
+    }
+
+
+def stage_alone(cfg) -> tuple[float, float, int]:
+    """(seconds to generate the groups of all steps, seconds to train on them, groups)."""
+    import ray
+
+    from async_rl.launch.driver import cpu_layout
+    from async_rl.learner.actor import start_learners
+    from async_rl.queue import EmbeddedRedis
+
+    groups = cfg.trainer.total_steps * cfg.learner.batch_size
+    layout = cpu_layout(cfg)
+    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+    try:
+        with EmbeddedRedis(Path(cfg.trainer.output_dir) / "redis") as url:
+            t_gen = asyncio.run(_generate_alone(cfg, url, groups, layout[0][0] if layout else None))
+            learners = start_learners(cfg, url, layout[1] if layout else None)
+            ray.get([a.run.remote(0) for a in learners])
+            start = time.monotonic()
+            ray.get([a.run.remote(cfg.trainer.total_steps) for a in learners])
+            t_train = time.monotonic() - start
+            for a in learners:
+                ray.get(a.close.remote())
+                ray.kill(a)
+    finally:
+        ray.shutdown()
+    print(f"alone: generation {t_gen:.1f} s, learning {t_train:.1f} s for {groups} groups", flush=True)
+    return t_gen, t_train, groups
+
+
+async def _generate_alone(cfg, url: str, groups: int, cores: str | None) -> float:
+    from transformers import AutoTokenizer
+
+    from async_rl.data.prompts import PromptFormatter, read_prompt_rows
+    from async_rl.queue import ReplayQueue
+    from async_rl.rewards import load_reward_function
+    from async_rl.rewards.scoring import RewardScorer
+    from async_rl.rollout.engine_args import engine_kwargs
+    from async_rl.rollout.pool import ServerPool, ServerSpec
+    from async_rl.rollout.server import Sampling
+    from async_rl.rollout.worker import RolloutWorker, WorkerSettings
+
+    r = cfg.rollout
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", **({"VLLM_CPU_OMP_THREADS_BIND": cores} if cores else {})}
+    pool = ServerPool(ServerSpec(engine_kwargs(cfg), r.cpus_per_server, 0, env), 1)
+    await pool.start()
+    rows, _ = read_prompt_rows(cfg.data.train_files)
+    fmt = PromptFormatter(AutoTokenizer.from_pretrained(cfg.learner.model_path))
+    settings = WorkerSettings(
+        run_id=cfg.trainer.run_name, server_id="server-0", n=r.n,
+        sampling=Sampling(r.temperature, r.top_p, r.top_k, r.max_response_length),
+        batch_size=groups, max_staleness=0, max_inflight=r.max_inflight,
+        max_prompt_length=cfg.data.max_prompt_length, seed=cfg.data.seed,
+    )
+    with ReplayQueue(url, cfg.trainer.run_name, max_depth=groups) as queue:
+        worker = RolloutWorker(settings, queue, rows, fmt.token_ids, RewardScorer(load_reward_function(r.reward.function)), pool.generate_fn(0))
+        start = time.monotonic()
+        await worker.run(asyncio.Event(), max_groups=groups)
+        elapsed = time.monotonic() - start
+    await pool.shutdown()
+    return elapsed
+
+
+def plot(curves: dict[str, list[tuple[float, float]]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, points in curves.items():
+        xs, ys = zip(*points)
+        ax.plot(xs, [100 * y for y in ys], marker="o", label=name)
+    ax.set_xlabel("wall time since the first learner step (s)")
+    ax.set_ylabel("greedy validation accuracy (%)")
+    ax.set_title("async-rl: asynchronous vs synchronous (tiny CPU task)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
