@@ -53,6 +53,7 @@ def test_train_runs_the_whole_pipeline(tiny_assets, tmp_path):
     config = _config(tiny_assets, tmp_path, steps=4)
     run_dir = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "async_rl.cli", "train", str(config)], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    (tmp_path / "train.log").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "run summary" in proc.stdout
 

@@ -91,8 +91,7 @@ class _Run:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         save_resolved(cfg, self.run_dir)
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, self._on_signal, sig)
+        self._install_signal_handlers()
         try:
             async with contextlib.AsyncExitStack() as stack:
                 await self._start(stack)
@@ -101,6 +100,13 @@ class _Run:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
         return RunResult(self.version, self.run_dir, self.interrupted, self.validations, self.train_wall_s, self.server_busy_s)
+
+    def _install_signal_handlers(self) -> None:
+        # Called again right after ray.init: Ray installs its own C++ SIGTERM handler,
+        # which would otherwise run too and abort the process at exit.
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._on_signal, sig)
 
     def _on_signal(self, sig: int) -> None:
         if not self.stop.is_set():
@@ -116,6 +122,7 @@ class _Run:
         ray.init(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus if cfg.ray.address is None else None,
                  include_dashboard=False, log_to_driver=False, configure_logging=False)
         stack.callback(ray.shutdown)
+        self._install_signal_handlers()
         layout = cpu_layout(cfg)
         self.learners = await asyncio.to_thread(start_learners, cfg, redis_url, layout[1] if layout else None)
         stack.callback(self._kill_learners)
