@@ -386,6 +386,9 @@ class Config:
     """Tracking."""
 
 
+#: String fields whose documented words YAML reads as booleans (``resume: off``).
+_BOOL_WORDS = {"trainer.resume": {False: "off", True: "auto"}}
+
 #: Estimators whose baseline comes from the other samples of the same prompt.
 GROUP_ESTIMATORS = ("grpo", "rloo", "grpo_passk", "reinforce_pp_baseline", "opo")
 
@@ -509,6 +512,10 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
             _wrong_type(key, value, "float")
         return float(value)
     if tp is str:
+        if isinstance(value, bool) and key in _BOOL_WORDS:
+            return _BOOL_WORDS[key][value]
+        if isinstance(value, bool):  # YAML 1.1 reads off/on/yes/no as booleans
+            _wrong_type(key, value, f"str (quote it if you meant the word, e.g. {key}='off')")
         if not isinstance(value, str):
             _wrong_type(key, value, "str")
         return value

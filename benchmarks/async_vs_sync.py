@@ -26,6 +26,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from _report import report
+
 QUICKSTART = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 
 
@@ -96,12 +98,7 @@ def main() -> None:
         "cores": "vLLM server pinned to 1 core, learner rank to 1 core, in every mode",
         "machine": f"{os.cpu_count()} cores, cpu",
     }
-    width = max(map(len, result))
-    for k, v in result.items():
-        print(f"{k:<{width}}  {v:.4g}" if isinstance(v, float) else f"{k:<{width}}  {v}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    report(result, args.json)
     if args.plot:
         plot({name: m["curve"] for name, m in modes.items()}, args.plot)
 

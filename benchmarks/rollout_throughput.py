@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import threading
@@ -26,6 +25,7 @@ import time
 from pathlib import Path
 
 import torch
+from _report import report
 
 
 def main() -> None:
@@ -70,12 +70,7 @@ def main() -> None:
         "max_tokens": args.max_tokens,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {'cuda' if torch.cuda.is_available() else 'cpu'}",
     }
-    width = max(map(len, result))
-    for k, v in result.items():
-        print(f"{k:<{width}}  {v:.4g}" if isinstance(v, float) else f"{k:<{width}}  {v}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    report(result, args.json)
 
 
 def _prompts(cfg, count: int) -> list[list[int]]:

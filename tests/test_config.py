@@ -168,3 +168,9 @@ def test_cli_show_and_exit_codes():
     res = _cli("config", "show", str(QUICKSTART), "rollout.n=1")
     assert res.returncode == 2 and "rollout.n > 1" in res.stderr
 
+
+
+def test_yaml_boolean_words_in_string_fields():
+    assert load_config(None, ["trainer.resume=off"]).trainer.resume == "off"
+    msg = _error(["data.prompt_key=no"])
+    assert "data.prompt_key=False has type bool" in msg and "quote it" in msg

@@ -1,0 +1,17 @@
+"""Shared output of the benchmark scripts: an aligned table on stdout and a JSON file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def report(result: dict[str, Any], json_path: Path | None) -> None:
+    """Print ``result`` as a two-column table; write it as JSON to ``json_path`` if given."""
+    width = max(map(len, result))
+    for key, value in result.items():
+        print(f"{key:<{width}}  {value:.4g}" if isinstance(value, float) else f"{key:<{width}}  {value}")
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(result, indent=2) + "\n")
