@@ -112,7 +112,6 @@ async def _pool(cfg, count: int) -> tuple[float, float, float]:
     from async_rl.rollout.pool import ServerPool, ServerSpec
     from async_rl.rollout.server import Sampling
     from async_rl.rollout.worker import RolloutWorker, WorkerSettings
-    from async_rl.sync.buckets import tensor_specs
     from async_rl.sync.sender import WeightSender
 
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
@@ -153,6 +152,8 @@ async def _pool(cfg, count: int) -> tuple[float, float, float]:
 
 def _send_later(sender, model, sent: dict) -> None:
     """Send the weights once, a moment after generation started (an in-flight update)."""
+    from async_rl.sync.buckets import tensor_specs
+
     time.sleep(0.5)
     named = list(model.named_parameters())
     sent["result"] = sender.send(iter(named), 1, specs=tensor_specs(named))
