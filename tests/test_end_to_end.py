@@ -73,6 +73,30 @@ def test_train_runs_the_whole_pipeline(tiny_assets, tmp_path):
     assert json.loads((final / "state.json").read_text())["version"] == 4
     assert _wait_gone(run_dir) == []
     assert _pending_entries(run_dir, config) == 0  # every consumed entry was committed
+    _export_serves_in_vllm(final, tmp_path / "export")
+
+
+def _export_serves_in_vllm(checkpoint: Path, out: Path) -> None:
+    """`async-rl export` of the trained checkpoint loads in vLLM with the log-probs transformers gives it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from vllm import LLM, SamplingParams
+
+    res = subprocess.run([sys.executable, "-m", "async_rl.cli", "export", str(checkpoint), "--out", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    llm = LLM(model=str(out), dtype="float32", max_model_len=128, seed=0)
+    prompt = [1, 5, 9, 13, 2]
+    got = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=6, logprobs=0, ignore_eos=True))[0].outputs[0]
+    llm.llm_engine.engine_core.shutdown()
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt + list(got.token_ids)])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0, len(prompt) - 1 : -1], -1)
+    expected = logp.gather(1, ids[0, len(prompt) :, None])[:, 0]
+    served = torch.tensor([step[t].logprob for step, t in zip(got.logprobs, got.token_ids)])
+    torch.testing.assert_close(served, expected, rtol=0, atol=1e-3)
 
 
 def _pending_entries(run_dir: Path, config: Path) -> int:
