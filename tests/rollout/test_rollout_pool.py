@@ -85,10 +85,9 @@ def _worker(cfg, pool, queue, reward=None, **overrides):
         run_id="rollout-test",
         server_id="server-0",
         n=cfg.rollout.n,
-        sampling=Sampling(temperature=1.0, max_tokens=cfg.rollout.max_response_length),
         batch_size=cfg.learner.batch_size,
         max_prompt_length=cfg.data.max_prompt_length,
-        **{"max_staleness": 4, "max_inflight": 4, **overrides},
+        **{"max_staleness": 4, "max_inflight": 4, "sampling": Sampling(temperature=1.0, max_tokens=cfg.rollout.max_response_length), **overrides},
     )
     scorer = RewardScorer(reward or load_reward_function("exact_match"), fallback_reward=-1.0)
     return RolloutWorker(settings, queue, rows, fmt.token_ids, scorer, pool.generate_fn(0))
@@ -184,20 +183,24 @@ def test_request_across_version_change_has_both_versions(cfg, pool):
 def test_killed_server_is_restarted_and_no_group_lost_or_duplicated(cfg, pool, queue):
     pool_, loop = pool
     pid = loop.run_until_complete(pool_.handle(0).health.remote()).pid
-    worker = _worker(cfg, pool_, queue)
+    # Fixed-length responses, so generation is still running when the server is killed.
+    long = Sampling(temperature=1.0, max_tokens=48, ignore_eos=True)
+    worker = _worker(cfg, pool_, queue, sampling=long, max_staleness=20)
+    groups = 24
 
     async def go():
         stop = asyncio.Event()
-        run = asyncio.ensure_future(worker.run(stop, max_groups=8))
-        await asyncio.sleep(1.0)
+        run = asyncio.ensure_future(worker.run(stop, max_groups=groups))
+        while worker.counters.groups_put < 2:
+            await asyncio.sleep(0.01)
         os.kill(pid, signal.SIGKILL)
         return await run
 
     counters = loop.run_until_complete(go())
     assert pool_.restarts == 1
     assert counters.generate_failures >= 1 and counters.groups_lost_to_failures == 0
-    ids = [g.group_id for _, g in queue.get(8, timeout=10)]
-    assert len(ids) == 8 and len(set(ids)) == 8
+    ids = [g.group_id for _, g in queue.get(groups, timeout=10)]
+    assert len(ids) == groups and len(set(ids)) == groups
     assert loop.run_until_complete(pool_.handle(0).health.remote()).pid != pid
 
 
@@ -220,7 +223,14 @@ def test_weight_update_into_running_server(cfg, pool, sender):
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     sender.wait_for_servers(1, timeout_s=60)
-    result = sender.send(model.named_parameters(), 1, specs=tensor_specs(model.named_parameters()))
+    # After the previous test's restart the sender may still address the killed server's
+    # socket: that update fails ("unreachable"), the replacement's Hello re-registers it,
+    # and the next update reaches it (the learner's catch-up does the same).
+    for _ in range(3):
+        result = sender.send(model.named_parameters(), 1, specs=tensor_specs(model.named_parameters()))
+        if result.servers["server-0"].ok:
+            break
+        sender.poll(6.0)  # longer than the servers' Hello heartbeat (5 s)
     assert result.servers["server-0"].ok, result.servers
     health = loop.run_until_complete(handle.health.remote())
     assert health.version == 1
