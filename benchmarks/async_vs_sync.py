@@ -134,12 +134,13 @@ def stage_alone(cfg) -> tuple[float, float, int]:
     import ray
 
     from async_rl.launch.driver import cpu_layout
+    from async_rl.launch.ray_cluster import init_ray
     from async_rl.learner.actor import start_learners
     from async_rl.queue import EmbeddedRedis
 
     groups = cfg.trainer.total_steps * cfg.learner.batch_size
     layout = cpu_layout(cfg)
-    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+    init_ray(num_cpus=os.cpu_count())
     try:
         with EmbeddedRedis(Path(cfg.trainer.output_dir) / "redis") as url:
             t_gen = asyncio.run(_generate_alone(cfg, url, groups, layout[0][0] if layout else None))

@@ -5,6 +5,9 @@ Same model, same prompts, same sampling, one run:
 * raw: ``vllm.LLM.generate`` of all prompts (``n`` samples each) in this process;
 * pool: a Ray-hosted inference server + a rollout worker (cursor, admission, reward,
   msgspec records, Redis ``put``) producing the same number of groups;
+* responses have a fixed length (``ignore_eos``) in both, so the numbers measure steady
+  generation throughput rather than the start-up of a sub-second batch (the tiny model
+  answers in 3-4 tokens, which made a 96-prompt run last under one second);
 * update: while the pool generates, the weights are sent once from this process through
   ``WeightSender``; the server reports how long generation was paused.
 
@@ -31,9 +34,9 @@ from _report import report
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--assets", type=Path, default=Path("runs/bench/assets"), help="tiny assets dir (built if absent)")
-    ap.add_argument("--prompts", type=int, default=96)
+    ap.add_argument("--prompts", type=int, default=192)
     ap.add_argument("--n", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
 
@@ -57,8 +60,8 @@ def main() -> None:
         ],
     )
     prompts = _prompts(cfg, args.prompts)
-    raw_tps = _raw(cfg, prompts)
-    pool_tps, pause_s, total_s = asyncio.run(_pool(cfg, args.prompts))
+    raw_tps, raw_s = _raw(cfg, prompts)
+    pool_tps, pool_s, pause_s, total_s = asyncio.run(_pool(cfg, args.prompts))
     result = {
         "pool_tokens_per_s": pool_tps,
         "raw_vllm_tokens_per_s": raw_tps,
@@ -68,6 +71,7 @@ def main() -> None:
         "prompts": args.prompts,
         "n": args.n,
         "max_tokens": args.max_tokens,
+        "seconds": {"raw": raw_s, "pool": pool_s},
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {'cuda' if torch.cuda.is_available() else 'cpu'}",
     }
     report(result, args.json)
@@ -83,13 +87,14 @@ def _prompts(cfg, count: int) -> list[list[int]]:
     return [fmt.token_ids(r.prompt) for r in rows[:count]]
 
 
-def _raw(cfg, prompts: list[list[int]]) -> float:
+def _raw(cfg, prompts: list[list[int]]) -> tuple[float, float]:
+    """Tokens/s and seconds of one ``LLM.generate`` over all prompts."""
     from vllm import LLM, SamplingParams
 
     from async_rl.rollout.engine_args import engine_kwargs
 
     llm = LLM(logprobs_mode="processed_logprobs", **engine_kwargs(cfg))
-    params = SamplingParams(n=cfg.rollout.n, temperature=1.0, max_tokens=cfg.rollout.max_response_length, logprobs=0)
+    params = SamplingParams(n=cfg.rollout.n, temperature=1.0, max_tokens=cfg.rollout.max_response_length, logprobs=0, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], params, use_tqdm=False)  # warm-up
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -97,14 +102,16 @@ def _raw(cfg, prompts: list[list[int]]) -> float:
     tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
     llm.llm_engine.engine_core.shutdown()
     del llm
-    return tokens / elapsed
+    return tokens / elapsed, elapsed
 
 
-async def _pool(cfg, count: int) -> tuple[float, float, float]:
+async def _pool(cfg, count: int) -> tuple[float, float, float, float]:
+    """Tokens/s and seconds through the pool, update pause and total seconds."""
     import ray
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from async_rl.data.prompts import PromptFormatter, read_prompt_rows
+    from async_rl.launch.ray_cluster import init_ray
     from async_rl.queue import EmbeddedRedis, ReplayQueue
     from async_rl.rewards import load_reward_function
     from async_rl.rewards.scoring import RewardScorer
@@ -114,7 +121,7 @@ async def _pool(cfg, count: int) -> tuple[float, float, float]:
     from async_rl.rollout.worker import RolloutWorker, WorkerSettings
     from async_rl.sync.sender import WeightSender
 
-    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+    init_ray(num_cpus=os.cpu_count())
     sender = WeightSender(bucket_mb=cfg.sync.bucket_mb, timeout_s=120.0)
     env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
     pool = ServerPool(ServerSpec(engine_kwargs(cfg), num_cpus=1, env_vars=env, sender_address=sender.address), 1)
@@ -123,7 +130,7 @@ async def _pool(cfg, count: int) -> tuple[float, float, float]:
     fmt = PromptFormatter(AutoTokenizer.from_pretrained(cfg.learner.model_path))
     settings = WorkerSettings(
         run_id="bench", server_id="server-0", n=cfg.rollout.n,
-        sampling=Sampling(temperature=1.0, max_tokens=cfg.rollout.max_response_length),
+        sampling=Sampling(temperature=1.0, max_tokens=cfg.rollout.max_response_length, ignore_eos=True),
         batch_size=count, max_staleness=0, max_inflight=count, max_prompt_length=cfg.data.max_prompt_length, shuffle=False,
     )
     model = AutoModelForCausalLM.from_pretrained(cfg.learner.model_path, dtype=torch.float32)
@@ -147,7 +154,7 @@ async def _pool(cfg, count: int) -> tuple[float, float, float]:
     sender.close()
     ray.shutdown()
     assert health.version == 1 and health.last_update_pause_s is not None, "the weight update did not reach the server"
-    return tokens / elapsed, health.last_update_pause_s, sent["result"].total_s
+    return tokens / elapsed, elapsed, health.last_update_pause_s, sent["result"].total_s
 
 
 def _send_later(sender, model, sent: dict) -> None:

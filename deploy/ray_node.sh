@@ -7,6 +7,9 @@ set -euo pipefail
 VENV="${VENV:-.venv}"
 RAY="$VENV/bin/ray"
 PORT="${RAY_PORT:-6379}"
+# Ray starts workers at nice 15; our actors (vLLM servers, learner ranks) need normal
+# priority or the driver and Redis take their CPU (async_rl/launch/ray_cluster.py).
+export RAY_worker_niceness="${RAY_worker_niceness:-0}"
 case "${1:-}" in
   head)
     "$RAY" start --head --port="$PORT" --include-dashboard=false

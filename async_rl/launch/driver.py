@@ -27,6 +27,7 @@ import ray
 from async_rl.config import Config, save_resolved
 from async_rl.data.prompts import PromptFormatter, read_prompt_rows, write_rejected
 from async_rl.launch.plan import make_plan
+from async_rl.launch.ray_cluster import init_ray
 from async_rl.launch.tracking import Tracker
 from async_rl.learner.actor import start_learners
 from async_rl.queue import EmbeddedRedis, ReplayQueue
@@ -119,8 +120,7 @@ class _Run:
         redis_url = cfg.queue.redis_url or stack.enter_context(EmbeddedRedis(self.run_dir / "redis"))
         self.queue = stack.enter_context(ReplayQueue(redis_url, cfg.trainer.run_name, cfg.queue.max_depth, op_timeout_s=cfg.queue.timeout_s))
 
-        ray.init(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus if cfg.ray.address is None else None,
-                 include_dashboard=False, log_to_driver=False, configure_logging=False)
+        init_ray(cfg.ray.address, cfg.ray.num_cpus, configure_logging=False)
         stack.callback(ray.shutdown)
         self._install_signal_handlers()
         layout = cpu_layout(cfg)

@@ -9,6 +9,7 @@ import pytest
 import ray
 from learner_helpers import learner_config, make_groups
 
+from async_rl.launch.ray_cluster import init_ray
 from async_rl.learner.actor import start_learners
 from async_rl.learner.checkpoint import list_checkpoints
 from async_rl.queue import ReplayQueue
@@ -21,7 +22,7 @@ def test_two_rank_actors_train_checkpoint_and_commit(tiny_model: Path, redis_url
         for group in make_groups(8, seed=11, run=run):
             q.put(group)
     cfg = learner_config(tiny_model, tmp_path, run, "learner.world_size=2", "trainer.total_steps=2", "learner.cpus_per_rank=0.5")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    init_ray(num_cpus=2)
     try:
         actors = start_learners(cfg, redis_url)
         assert ray.get(actors[0].sync_address.remote()).startswith("tcp://")

@@ -15,6 +15,7 @@ import torch
 
 from async_rl.config import load_config
 from async_rl.data.prompts import PromptFormatter, read_prompt_rows
+from async_rl.launch.ray_cluster import init_ray
 from async_rl.queue import EmbeddedRedis, ReplayQueue
 from async_rl.rewards import load_reward_function
 from async_rl.rewards.scoring import RewardScorer
@@ -56,7 +57,7 @@ def sender():
 
 @pytest.fixture(scope="module")
 def pool(cfg, sender):
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    init_ray(num_cpus=2)
     kwargs = engine_kwargs(cfg)
     env = {"VLLM_CPU_KVCACHE_SPACE": os.environ["VLLM_CPU_KVCACHE_SPACE"]}
     pool = ServerPool(ServerSpec(kwargs, num_cpus=1, env_vars=env, sender_address=sender.address), num_servers=1)

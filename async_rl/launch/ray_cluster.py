@@ -1,0 +1,31 @@
+"""Starting or joining the Ray cluster the run's actors live in.
+
+Ray starts its worker processes with ``nice 15``, so every actor (inference servers and
+their vLLM processes, learner ranks) would lose the CPU to anything at normal priority:
+the driver, Redis, Ray's own daemons. On a small CPU machine that cost the rollout pool
+about a quarter of vLLM's throughput. A cluster we start ourselves runs its workers at
+normal priority; ``deploy/ray_node.sh`` does the same for clusters started by hand.
+"""
+
+from __future__ import annotations
+
+WORKER_NICENESS = 0
+"""Niceness of Ray worker processes in a cluster started here (Ray's default is 15)."""
+
+
+def init_ray(address: str | None = None, num_cpus: int | None = None, **kwargs) -> None:
+    """``ray.init`` for async-rl: join ``address`` if given, else start a local cluster.
+
+    Args:
+        address: an existing cluster (``ray.address``); its nodes set their own niceness.
+        num_cpus: CPUs of a local cluster (ignored when joining).
+        kwargs: passed to ``ray.init`` (``log_to_driver`` etc.).
+    """
+    import ray
+
+    kwargs.setdefault("include_dashboard", False)
+    kwargs.setdefault("log_to_driver", False)
+    if address is None:
+        ray.init(num_cpus=num_cpus, _system_config={"worker_niceness": WORKER_NICENESS}, **kwargs)
+    else:
+        ray.init(address=address, **kwargs)
