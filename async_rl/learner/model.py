@@ -121,7 +121,7 @@ def iter_full_parameters(model: nn.Module, bucket_bytes: int, dtype: torch.dtype
     bucket: list[tuple[str, Tensor]] = []
     size = 0
     for name, param in model.named_parameters():
-        full = param.full_tensor() if hasattr(param, "full_tensor") else param.detach()
+        full = _full(param)
         full = full.detach().to(dtype) if dtype is not None else full.detach()
         if bucket and size + full.numel() * full.element_size() > bucket_bytes:
             yield bucket
@@ -130,6 +130,15 @@ def iter_full_parameters(model: nn.Module, bucket_bytes: int, dtype: torch.dtype
         size += full.numel() * full.element_size()
     if bucket:
         yield bucket
+
+
+def _full(param: Tensor) -> Tensor:
+    """The whole parameter: all-gathered from its shards, or (one shard) the local tensor itself."""
+    if not hasattr(param, "full_tensor"):
+        return param.detach()
+    if param.device_mesh.size() == 1 and all(p.is_shard() or p.is_replicate() for p in param.placements):
+        return param.to_local()  # a single rank holds everything: no gather, no copy
+    return param.full_tensor()
 
 
 def free_port() -> int:

@@ -3,8 +3,9 @@
 A weight update is described by a list of :class:`TensorSpec` (the model's tensors, in
 the order the sender yields them) and a bucket layout planned from those specs alone, so
 both sides agree on every byte offset before any tensor flows. One bucket is a flat
-``uint8`` tensor of at most ``bucket_bytes`` bytes; a tensor larger than a bucket gets a
-bucket of its own.
+``uint8`` tensor of at most ``bucket_bytes`` bytes; a tensor larger than a bucket, or of
+at least ``SOLO_BYTES``, gets a bucket of its own and is broadcast from its own memory
+(no packing copy: on CPU a copy costs as much as the broadcast itself).
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ import torch
 ALIGN_BYTES = 16
 """Every tensor starts at a multiple of this offset inside its bucket, so a byte slice
 can be reinterpreted as any dtype (``Tensor.view(dtype)`` requires aligned offsets)."""
+
+SOLO_BYTES = 512 << 10
+"""Tensors of at least this many bytes travel alone, straight from their own memory.
+Packing small tensors saves collective calls; copying large ones only costs bandwidth."""
 
 
 class TensorSpec(msgspec.Struct, frozen=True, array_like=True):
@@ -75,12 +80,12 @@ def _align(n: int) -> int:
     return (n + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
 
 
-def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int) -> list[Bucket]:
+def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int, solo_bytes: int = SOLO_BYTES) -> list[Bucket]:
     """Greedily pack consecutive specs into buckets of at most ``bucket_bytes`` bytes.
 
     Order is preserved (the sender yields tensors in spec order and can release each
-    bucket's tensors as soon as it is broadcast); a tensor larger than ``bucket_bytes``
-    goes alone into a bucket of its own size.
+    bucket's tensors as soon as it is broadcast); a tensor of at least
+    ``min(solo_bytes, bucket_bytes)`` bytes goes alone into a bucket of its own size.
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
@@ -88,6 +93,12 @@ def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int) -> list[Bucket]
     entries: list[BucketEntry] = []
     used = 0
     for i, spec in enumerate(specs):
+        if spec.nbytes >= min(solo_bytes, bucket_bytes):
+            if entries:
+                buckets.append(Bucket(used, tuple(entries)))
+                entries, used = [], 0
+            buckets.append(Bucket(spec.nbytes, (BucketEntry(i, 0),)))
+            continue
         offset = _align(used)
         if entries and offset + spec.nbytes > bucket_bytes:
             buckets.append(Bucket(used, tuple(entries)))
@@ -105,8 +116,15 @@ def pack_bucket(
     """Copy ``tensors`` (one per entry, in entry order) into the flat ``uint8`` ``out``.
 
     ``out`` needs at least ``bucket.nbytes`` bytes and may live on another device than
-    the tensors (the copy moves them). Returns the ``[bucket.nbytes]`` prefix of ``out``.
+    the tensors (the copy moves them). Returns the ``[bucket.nbytes]`` prefix of ``out``,
+    or, for a single contiguous tensor of the spec's dtype already on ``out``'s device,
+    that tensor's own bytes (no copy; the caller must not modify it while they are used).
     """
+    if len(bucket.entries) == 1:
+        (tensor,) = tensors
+        spec = specs[bucket.entries[0].index]
+        if tensor.is_contiguous() and tensor.device == out.device and tensor.dtype == spec.torch_dtype:
+            return tensor.detach().reshape(-1).view(torch.uint8)
     buf = out[: bucket.nbytes]
     for entry, tensor in zip(bucket.entries, tensors, strict=True):
         spec = specs[entry.index]

@@ -55,6 +55,26 @@ def test_one_bucket_when_everything_fits():
     assert bucket.nbytes >= sum(s.nbytes for s in specs)
 
 
+def test_large_tensors_travel_alone_without_a_copy():
+    named = _tensors()
+    specs = tensor_specs(named)
+    buckets = plan_buckets(specs, 2**20, solo_bytes=1024)  # only "big" (16 KiB) is large
+    assert [len(b.entries) for b in buckets] == [5, 1, 2]
+    out = torch.empty(max(b.nbytes for b in buckets), dtype=torch.uint8)
+    for bucket, tensors in iter_bucket_tensors(named, specs, buckets):
+        buf = pack_bucket(bucket, specs, tensors, out)
+        if len(bucket.entries) == 1:
+            assert buf.data_ptr() == tensors[0].data_ptr()  # the tensor's own bytes
+        else:
+            assert buf.data_ptr() == out.data_ptr()
+        assert all(torch.equal(dict(unpack_bucket(bucket, specs, buf))[specs[e.index].name], t)
+                   for e, t in zip(bucket.entries, tensors))
+    transposed = named[5][1].t()  # not contiguous: must be copied into the bucket
+    (bucket,) = plan_buckets(tensor_specs([("t", transposed)]), 2**20, solo_bytes=1024)
+    buf = pack_bucket(bucket, tensor_specs([("t", transposed)]), [transposed], out)
+    assert buf.data_ptr() == out.data_ptr() and torch.equal(unpack_bucket(bucket, tensor_specs([("t", transposed)]), buf)[0][1], transposed)
+
+
 def test_tensors_are_consumed_one_bucket_at_a_time():
     named = _tensors()
     specs = tensor_specs(named)
