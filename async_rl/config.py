@@ -85,8 +85,6 @@ class VllmConfig:
     """KV-cache size in GiB on CPU (``VLLM_CPU_KVCACHE_SPACE``); ignored on GPU."""
     enforce_eager: bool = False
     """Disable CUDA graphs (faster start, slower decoding)."""
-    http_port: Optional[int] = None
-    """Port of the OpenAI-compatible HTTP API of server 0 (server i uses port + i); null picks free ports."""
 
 
 @dataclass
@@ -139,6 +137,14 @@ class RolloutConfig:
     """CPU cores reserved for each server's Ray actor."""
     gpus_per_server: float = 0.0
     """GPUs reserved for each server's Ray actor (0 on CPU machines)."""
+    openai_api: bool = True
+    """Each server also serves vLLM's OpenAI-compatible HTTP API from its engine (same weights); URLs go to ``servers.json`` in the run directory."""
+    openai_host: str = "127.0.0.1"
+    """Address the HTTP API binds to; ``0.0.0.0`` for every interface (the reported URL then names the node's IP)."""
+    openai_port: int = 0
+    """TCP port of server 0's HTTP API (server i uses port + i); 0 picks a free port per server."""
+    openai_model_name: Optional[str] = None
+    """Model name the HTTP API serves (the ``model`` of requests); null is the basename of ``learner.model_path``."""
     vllm: VllmConfig = field(default_factory=VllmConfig)
     """vLLM engine arguments."""
     reward: RewardConfig = field(default_factory=RewardConfig)
@@ -565,6 +571,12 @@ def validate(cfg: Config) -> None:
     need(0 < r.top_p <= 1, f"rollout.top_p={r.top_p} must be in (0, 1]")
     need(r.top_k == -1 or r.top_k >= 1, f"rollout.top_k={r.top_k} must be -1 (off) or >= 1")
     need(0 < r.vllm.gpu_memory_utilization <= 1, f"rollout.vllm.gpu_memory_utilization={r.vllm.gpu_memory_utilization} must be in (0, 1]")
+    need(
+        r.openai_port == 0 or 1 <= r.openai_port <= 65536 - r.num_servers,
+        f"rollout.openai_port={r.openai_port} must be 0 (free ports) or in [1, {65536 - r.num_servers}] "
+        f"(server i uses port + i, rollout.num_servers={r.num_servers})",
+    )
+    need(bool(r.openai_host), "rollout.openai_host must not be empty (0.0.0.0 binds every interface)")
     need(r.vllm.kv_cache_space_gb > 0, f"rollout.vllm.kv_cache_space_gb={r.vllm.kv_cache_space_gb} must be > 0")
     need(lrn.optim.lr > 0, f"learner.optim.lr={lrn.optim.lr} must be > 0")
     need(lrn.optim.grad_clip >= 0, f"learner.optim.grad_clip={lrn.optim.grad_clip} must be >= 0 (0 disables clipping)")

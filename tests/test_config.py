@@ -92,6 +92,13 @@ def test_cross_field_rules_name_both_keys():
     assert "rollout.vllm.max_model_len=100" in msg and "data.max_prompt_length + rollout.max_response_length" in msg
 
 
+def test_openai_port_range_counts_every_server():
+    msg = _error(["rollout.num_servers=4", "rollout.openai_port=65534"])
+    assert "rollout.openai_port=65534 must be 0 (free ports) or in [1, 65532]" in msg and "rollout.num_servers=4" in msg
+    assert "rollout.openai_port=-1" in _error(["rollout.openai_port=-1"])
+    assert load_config(None, ["rollout.num_servers=4", "rollout.openai_port=65532"]).rollout.openai_port == 65532
+
+
 def test_rloo_needs_group_but_reinforce_pp_does_not():
     assert "rollout.n" in _error(["algorithm.advantage.name=rloo", "rollout.n=1"])
     cfg = load_config(None, ["algorithm.advantage.name=reinforce_pp", "rollout.n=1"])

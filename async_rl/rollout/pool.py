@@ -17,6 +17,7 @@ from typing import Any, Awaitable, Callable
 import ray
 from ray.exceptions import RayActorError
 
+from async_rl.rollout.openai_api import OpenAIApiSettings
 from async_rl.rollout.server import Completion, InferenceServer, Sampling, ServerHealth
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,8 @@ class ServerSpec:
     """Longest a server may take to build its engine, seconds."""
     sender_address: str | None = None
     """``WeightSender.address`` the servers register with for weight updates; None for none."""
+    openai_api: OpenAIApiSettings | None = None
+    """Where the servers serve vLLM's OpenAI-compatible HTTP API (server ``i`` on port + i if fixed); None for none."""
 
 
 class ServerPool:
@@ -57,6 +60,8 @@ class ServerPool:
         self.on_start = on_start
         self.restarts = 0
         self._handles: list[Any] = [None] * num_servers
+        self.started: list[ServerHealth | None] = [None] * num_servers
+        """Health each server reported at its (latest) start, before ``on_start`` runs."""
         self._locks = [asyncio.Lock() for _ in range(num_servers)]
 
     async def start(self) -> list[ServerHealth]:
@@ -74,12 +79,20 @@ class ServerPool:
             runtime_env={"env_vars": {**self.spec.env_vars, **self.env_per_server[i]}},
             name=None,
         )
-        handle = actor_cls.remote(f"server-{i}", self.spec.engine_kwargs, self.version())
+        openai_api = self.spec.openai_api.for_server(i) if self.spec.openai_api is not None else None
+        handle = actor_cls.remote(f"server-{i}", self.spec.engine_kwargs, self.version(), openai_api)
         health = await asyncio.wait_for(handle.start.remote(self.spec.sender_address), self.spec.start_timeout_s)
+        self.started[i] = health
+        if health.openai_url is not None:
+            log.info("server-%d (pid %d) serves the OpenAI API at %s", i, health.pid, health.openai_url)
         if self.on_start is not None:
             await self.on_start(i, handle)
         self._handles[i] = handle
         return health
+
+    def openai_urls(self) -> list[str | None]:
+        """Per server, the base URL of its OpenAI-compatible API (None: not served or not started)."""
+        return [h.openai_url if h is not None else None for h in self.started]
 
     async def generate(self, i: int, prompt_token_ids: list[int], n: int, sampling: Sampling) -> list[Completion]:
         """Generate on server ``i``; if it died, replace it before re-raising (the caller retries)."""

@@ -17,6 +17,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from async_rl.rollout.openai_api import OpenAIApi, OpenAIApiSettings
+
 log = logging.getLogger(__name__)
 
 RECEIVER_EXTENSION = "async_rl.sync.receiver.WeightReceiverExtension"
@@ -68,6 +70,8 @@ class ServerHealth:
     busy_s: float = 0.0
     """Seconds with at least one request running since start (for busy fractions)."""
     pid: int = field(default_factory=os.getpid)
+    openai_url: str | None = None
+    """Base URL of the server's OpenAI-compatible HTTP API (``http://HOST:PORT/v1``); None when not served."""
 
 
 class InferenceServer:
@@ -77,11 +81,14 @@ class InferenceServer:
         server_id: name used in records and metrics.
         engine_kwargs: ``AsyncEngineArgs`` keyword arguments (see ``engine_args.engine_kwargs``).
         version: policy version of the weights at ``engine_kwargs["model"]``.
+        openai_api: where to serve vLLM's OpenAI-compatible HTTP API from the same engine; None serves none.
     """
 
-    def __init__(self, server_id: str, engine_kwargs: dict[str, Any], version: int = 0):
+    def __init__(self, server_id: str, engine_kwargs: dict[str, Any], version: int = 0, openai_api: OpenAIApiSettings | None = None):
         self.server_id = server_id
         self.engine_kwargs = dict(engine_kwargs)
+        self.openai_api = openai_api
+        self._http: OpenAIApi | None = None
         self._version = version
         self._engine: Any = None
         self._started = time.monotonic()
@@ -96,7 +103,7 @@ class InferenceServer:
         """Outcomes of the successful weight updates (``async_rl.sync.server.UpdateOutcome``)."""
 
     async def start(self, sender_address: str | None = None, control_timeout_s: float = 10.0) -> ServerHealth:
-        """Build the engine (about 15 s on CPU for the tiny model); idempotent.
+        """Build the engine (about 15 s on CPU for the tiny model) and its HTTP API; idempotent.
 
         With ``sender_address`` (a ``WeightSender``'s), the server registers for weight
         updates and applies them in the background for the rest of its life.
@@ -108,6 +115,8 @@ class InferenceServer:
             args = AsyncEngineArgs(logprobs_mode="processed_logprobs", worker_extension_cls=RECEIVER_EXTENSION, **self.engine_kwargs)
             self._engine = AsyncLLM.from_engine_args(args)
             await self._engine.update_weight_version(str(self._version))
+        if self.openai_api is not None and self._http is None:
+            self._http = await OpenAIApi.start(self._engine, self.engine_kwargs["model"], self.openai_api)
         if sender_address is not None and self._sync is None:
             from async_rl.sync.server import WeightUpdateServer
 
@@ -183,15 +192,20 @@ class InferenceServer:
             raise RuntimeError(f"{self.server_id} holds undefined weights after a failed load: {self._fatal}")
         if self._sync_task is not None and self._sync_task.done() and not self._sync_task.cancelled():
             raise RuntimeError(f"{self.server_id}: weight-update loop died: {self._sync_task.exception()!r}")
+        if self._http is not None and self._http.stopped:
+            raise RuntimeError(f"{self.server_id}: the OpenAI API server stopped")
         if self._engine is not None:
             await self._engine.check_health()
         last = self.updates[-1].pause_s if self.updates else None
         busy = self._busy_s + (time.monotonic() - self._busy_since if self._running else 0.0)
         return ServerHealth(self.server_id, self._version, self._running, self._generated, time.monotonic() - self._started,
-                            len(self.updates), last, busy)
+                            len(self.updates), last, busy, openai_url=self._http.url if self._http else None)
 
     async def shutdown(self) -> None:
-        """Stop the weight-update loop, the engine and its worker processes."""
+        """Stop the HTTP API, the weight-update loop, the engine and its worker processes."""
+        if self._http is not None:
+            await self._http.stop()
+            self._http = None
         if self._sync_task is not None:
             self._sync_task.cancel()
             self._sync.close()

@@ -8,7 +8,9 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from pathlib import Path
 
+import httpx
 import pytest
 import ray
 import torch
@@ -19,7 +21,7 @@ from async_rl.launch.ray_cluster import init_ray
 from async_rl.queue import EmbeddedRedis, ReplayQueue
 from async_rl.rewards import load_reward_function
 from async_rl.rewards.scoring import RewardScorer
-from async_rl.rollout.engine_args import engine_kwargs
+from async_rl.rollout.engine_args import engine_kwargs, openai_api_settings
 from async_rl.rollout.pool import ServerPool, ServerSpec
 from async_rl.rollout.server import Sampling
 from async_rl.rollout.worker import RolloutWorker, WorkerSettings
@@ -60,7 +62,8 @@ def pool(cfg, sender):
     init_ray(num_cpus=2)
     kwargs = engine_kwargs(cfg)
     env = {"VLLM_CPU_KVCACHE_SPACE": os.environ["VLLM_CPU_KVCACHE_SPACE"]}
-    pool = ServerPool(ServerSpec(kwargs, num_cpus=1, env_vars=env, sender_address=sender.address), num_servers=1)
+    spec = ServerSpec(kwargs, num_cpus=1, env_vars=env, sender_address=sender.address, openai_api=openai_api_settings(cfg))
+    pool = ServerPool(spec, num_servers=1)
     loop = asyncio.new_event_loop()
     loop.run_until_complete(pool.start())
     yield pool, loop
@@ -243,3 +246,35 @@ def test_weight_update_into_running_server(cfg, pool, sender):
     assert served.versions == [1] * len(served.token_ids)
     expected = _greedy(model, prompt, 8)
     assert served.token_ids == expected[: len(served.token_ids)]
+
+
+def test_openai_api_serves_the_same_engine(cfg, pool):
+    """The HTTP API of the (restarted, updated) server answers with the engine's own greedy tokens."""
+    from transformers import AutoTokenizer
+
+    pool_, loop = pool
+    handle = pool_.handle(0)
+    health = loop.run_until_complete(handle.health.remote())
+    url = health.openai_url
+    assert url is not None and url.startswith("http://127.0.0.1:") and url.endswith("/v1")
+    assert pool_.openai_urls() == [url]
+    name = Path(cfg.learner.model_path).name
+
+    models = httpx.get(f"{url}/models", timeout=30.0)
+    assert models.status_code == 200, models.text
+    assert [m["id"] for m in models.json()["data"]] == [name]
+
+    prompt = PromptFormatter(AutoTokenizer.from_pretrained(cfg.learner.model_path)).token_ids("What is 12+34?")
+    body = {"model": name, "prompt": prompt, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
+    res = httpx.post(f"{url}/completions", json=body, timeout=60.0)
+    assert res.status_code == 200, res.text
+    data = res.json()
+    choice = data["choices"][0]
+    assert data["model"] == name and choice["finish_reason"] == "length"
+    assert len(choice["token_ids"]) == 8 and isinstance(choice["text"], str) and choice["text"]
+    usage = data["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (len(prompt), 8, len(prompt) + 8)
+
+    served = loop.run_until_complete(handle.generate.remote(prompt, 1, Sampling(temperature=0.0, max_tokens=8, ignore_eos=True)))[0]
+    assert choice["token_ids"] == served.token_ids
+    assert choice["text"] == served.text
