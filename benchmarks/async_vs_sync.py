@@ -165,14 +165,14 @@ async def _generate_alone(cfg, url: str, groups: int, cores: str | None) -> floa
     from async_rl.queue import ReplayQueue
     from async_rl.rewards import load_reward_function
     from async_rl.rewards.scoring import RewardScorer
-    from async_rl.rollout.engine_args import engine_kwargs
+    from async_rl.rollout.engine_args import engine_kwargs, openai_api_settings
     from async_rl.rollout.pool import ServerPool, ServerSpec
     from async_rl.rollout.server import Sampling
     from async_rl.rollout.worker import RolloutWorker, WorkerSettings
 
     r = cfg.rollout
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", **({"VLLM_CPU_OMP_THREADS_BIND": cores} if cores else {})}
-    pool = ServerPool(ServerSpec(engine_kwargs(cfg), r.cpus_per_server, 0, env), 1)
+    pool = ServerPool(ServerSpec(engine_kwargs(cfg), r.cpus_per_server, 0, env, openai_api=openai_api_settings(cfg)), 1)
     await pool.start()
     rows, _ = read_prompt_rows(cfg.data.train_files)
     fmt = PromptFormatter(AutoTokenizer.from_pretrained(cfg.learner.model_path))

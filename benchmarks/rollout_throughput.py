@@ -115,7 +115,7 @@ async def _pool(cfg, count: int) -> tuple[float, float, float, float]:
     from async_rl.queue import EmbeddedRedis, ReplayQueue
     from async_rl.rewards import load_reward_function
     from async_rl.rewards.scoring import RewardScorer
-    from async_rl.rollout.engine_args import engine_kwargs
+    from async_rl.rollout.engine_args import engine_kwargs, openai_api_settings
     from async_rl.rollout.pool import ServerPool, ServerSpec
     from async_rl.rollout.server import Sampling
     from async_rl.rollout.worker import RolloutWorker, WorkerSettings
@@ -124,7 +124,8 @@ async def _pool(cfg, count: int) -> tuple[float, float, float, float]:
     init_ray(num_cpus=os.cpu_count())
     sender = WeightSender(bucket_mb=cfg.sync.bucket_mb, timeout_s=120.0)
     env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
-    pool = ServerPool(ServerSpec(engine_kwargs(cfg), num_cpus=1, env_vars=env, sender_address=sender.address), 1)
+    pool = ServerPool(ServerSpec(engine_kwargs(cfg), num_cpus=1, env_vars=env, sender_address=sender.address,
+                                 openai_api=openai_api_settings(cfg)), 1)
     await pool.start()
     rows, _ = read_prompt_rows(cfg.data.train_files)
     fmt = PromptFormatter(AutoTokenizer.from_pretrained(cfg.learner.model_path))

@@ -54,7 +54,7 @@ def make_plan(cfg: Config) -> Plan:
     r, lrn = cfg.rollout, cfg.learner
     processes = [
         ProcessPlan(f"inference-server-{i}", r.cpus_per_server, r.gpus_per_server,
-                    f"vLLM engine, {r.workers_per_server} worker loop(s), up to {r.max_inflight} groups in flight each")
+                    f"vLLM engine, {r.workers_per_server} worker loop(s), up to {r.max_inflight} groups in flight each{_openai_api(cfg, i)}")
         for i in range(r.num_servers)
     ] + [
         ProcessPlan(f"learner-rank-{i}", lrn.cpus_per_rank, lrn.gpus_per_rank,
@@ -83,6 +83,14 @@ def make_plan(cfg: Config) -> Plan:
         if plan.gpus_needed > plan.gpus_here:
             plan.warnings.append(f"needs {plan.gpus_needed:g} GPUs, this machine has {plan.gpus_here}: run it on a GPU node or set ray.address")
     return plan
+
+
+def _openai_api(cfg: Config, index: int) -> str:
+    """Where server ``index`` serves the OpenAI-compatible API, as a detail suffix ("" when off)."""
+    r = cfg.rollout
+    if not r.openai_api:
+        return ""
+    return f", OpenAI API on {r.openai_host}:{r.openai_port + index if r.openai_port else '(free port)'}"
 
 
 def _check_files(cfg: Config, plan: Plan) -> None:
@@ -115,7 +123,8 @@ def render(plan: Plan) -> str:
         f"resources: {plan.cpus_needed:g} CPUs, {plan.gpus_needed:g} GPUs for actors (this machine: {plan.cpus_here} CPUs, {plan.gpus_here} GPUs)",
         "processes:",
         *(f"  {p.role:<22} cpus={p.cpus:g} gpus={p.gpus:g}  {p.detail}" for p in plan.processes),
-        "ports: chosen free at start (redis, weight-sync control, process-group store, vLLM workers)",
+        "ports: chosen free at start (redis, weight-sync control, process-group store, vLLM workers, OpenAI API unless "
+        "rollout.openai_port is set); the servers' API URLs are written to servers.json in the output directory",
     ]
     lines += [f"warning: {w}" for w in plan.warnings]
     lines += [f"error: {e}" for e in plan.errors]

@@ -10,7 +10,7 @@ import pytest
 
 from async_rl.config import load_config
 from async_rl.launch.driver import cpu_layout
-from async_rl.launch.plan import is_hub_id, make_plan
+from async_rl.launch.plan import is_hub_id, make_plan, render
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU_CONFIGS = sorted((ROOT / "configs" / "gpu").glob("*.yaml"))
@@ -75,3 +75,11 @@ def test_cpu_layout_gives_disjoint_cores():
     assert servers[0] != str(ranks[0][0])
     too_big = load_config(None, [f"rollout.cpus_per_server={cores}", "learner.cpus_per_rank=1"])
     assert cpu_layout(too_big) is None  # does not fit: no pinning
+
+
+def test_plan_lists_openai_api_ports(data: Path):
+    fixed = load_config(None, [f"data.train_files={data}", "rollout.num_servers=2", "rollout.openai_port=8100"])
+    text = render(make_plan(fixed))
+    assert "OpenAI API on 127.0.0.1:8100" in text and "OpenAI API on 127.0.0.1:8101" in text
+    assert "OpenAI API on 127.0.0.1:(free port)" in render(make_plan(load_config(None, [f"data.train_files={data}"])))
+    assert "OpenAI API on" not in render(make_plan(load_config(None, [f"data.train_files={data}", "rollout.openai_api=false"])))
