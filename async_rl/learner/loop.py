@@ -29,18 +29,21 @@ from async_rl.learner.train_step import Trainer, staleness_metrics
 from async_rl.queue import ReplayQueue
 from async_rl.records import RolloutGroup, decode, encode
 from async_rl.sync.buckets import TensorSpec, tensor_specs
-from async_rl.sync.sender import SendResult
+from async_rl.sync.sender import PendingSend, SendResult
 
 
 class WeightPublisher(Protocol):
     """What rank 0 sends weights with: :class:`async_rl.sync.sender.WeightSender`."""
 
-    def send(
+    def begin(
         self, named_tensors: Iterable[tuple[str, Tensor]], version: int, *, specs: Sequence[TensorSpec],
         servers: Collection[str] | None = None,
-    ) -> SendResult:
-        """Deliver every ``(name, full tensor)`` (in ``specs`` order) as policy ``version``
-        to ``servers`` (None: all registered)."""
+    ) -> PendingSend:
+        """Broadcast every ``(name, full tensor)`` (in ``specs`` order) as policy ``version``
+        to ``servers`` (None: all registered); they load it while the learner goes on."""
+
+    def complete(self, pending: PendingSend, wait: bool = True) -> SendResult | None:
+        """Outcome of ``pending`` once every server acknowledged (None: not yet, ``wait=False``)."""
 
     def behind(self, version: int) -> list[str]:
         """Registered servers that do not hold ``version``."""
@@ -60,8 +63,9 @@ class LearnerLoop:
     """One rank of the learner job.
 
     ``redis_url`` is the replay queue's; ``publisher`` (rank 0 only; None = no inference
-    servers to update) receives the weights every ``sync.every`` steps, after which the version
-    is published for admission. Rank 0 appends one JSON line per step to
+    servers to update) receives the weights every ``sync.every`` steps; the servers load them
+    while the learner goes on with the next step, and the version is published for admission
+    once every server acknowledged it (at the latest before the learner waits for data). Rank 0 appends one JSON line per step to
     ``{output_dir}/learner_steps.jsonl`` (version, entry ids, metrics).
     """
 
@@ -87,6 +91,8 @@ class LearnerLoop:
         self.trainer = Trainer(policy, reference, lrn, cfg.algorithm, self.info, cfg.trainer.total_steps, cfg.trainer.seed,
                                temperature=cfg.rollout.temperature)
         self.publisher = publisher
+        self._pending: tuple[PendingSend, bool] | None = None
+        """Rank 0: the update the servers may still be loading, and whether it is a catch-up."""
         # Every rank must know whether rank 0 publishes: the gathers are collective.
         self.publishing = bool(_broadcast_bytes(b"1" if publisher is not None else b"", self.info))
         self.output_dir = Path(cfg.trainer.output_dir)
@@ -142,6 +148,7 @@ class LearnerLoop:
     def finish(self) -> int:
         """Checkpoint (and commit) whatever was trained or consumed since the last checkpoint;
         returns the version. Collective. Called at the end of a run and on shutdown."""
+        self._settle(wait=True)
         if self.uncommitted or not checkpoint.checkpoint_dir(self.output_dir, self.version).exists():
             if self.version > 0 or self.uncommitted:
                 self._save()
@@ -217,9 +224,16 @@ class LearnerLoop:
     def _read(self, n: int) -> list[tuple[str, RolloutGroup]]:
         """Up to ``n`` entries: recovered ones first, then new ones (one bounded queue read)."""
         take, self.backlog = self.backlog[:n], self.backlog[n:]
+        stale = self.cfg.algorithm.max_staleness
+        if len(take) < n and self._pending is not None:
+            # Train on data that is already there while the servers load; but if the batch
+            # must wait for new groups, publish the version first (admission may need it).
+            take += self.queue.get(n - len(take), stale, 0.0)  # type: ignore[union-attr]
+            if len(take) < n:
+                self._settle(wait=True)
         if len(take) < n:
             # Short reads: between them the ranks exchange a wait beat and catch up late servers.
-            take += self.queue.get(n - len(take), self.cfg.algorithm.max_staleness, min(self.cfg.queue.timeout_s, 2.0))  # type: ignore[union-attr]
+            take += self.queue.get(n - len(take), stale, min(self.cfg.queue.timeout_s, 2.0))  # type: ignore[union-attr]
         return take
 
     def _screen(self, entries: list[tuple[str, RolloutGroup]]) -> list[tuple[str, RolloutGroup]]:
@@ -241,6 +255,7 @@ class LearnerLoop:
         added server, or one whose last update failed (collective: rank 0 decides)."""
         if not self.publishing:
             return
+        self._settle(wait=False)
         behind = self.publisher.behind(self.version) if self.publisher is not None else []
         names = _broadcast_bytes("\n".join(behind).encode(), self.info)
         if names:
@@ -248,11 +263,10 @@ class LearnerLoop:
             self._publish(servers=behind)
 
     def _publish(self, servers: list[str] | None = None) -> float:
-        """Gather full parameters bucket by bucket and send them (rank 0); return seconds.
+        """Gather full parameters bucket by bucket and broadcast them (rank 0); return seconds.
 
-        With ``servers`` only those get them (a catch-up); otherwise every server does and the
-        version is published for admission only when every server acknowledged it
-        (ARCHITECTURE.md); a failed update is counted and the servers keep their weights.
+        With ``servers`` only those get them (a catch-up); otherwise every server does. The
+        servers' acknowledgements are handled later, by :meth:`_settle`.
         """
         if not self.publishing:
             return 0.0
@@ -261,18 +275,33 @@ class LearnerLoop:
         buckets = iter_full_parameters(policy, self.cfg.sync.bucket_mb << 20)
         try:
             if self.publisher is not None:
+                self._settle(wait=True)
                 named = (item for bucket in buckets for item in bucket)
-                result = self.publisher.send(named, self.version, specs=tensor_specs(policy.named_parameters()), servers=servers)
-                if servers is not None:
-                    self.counters["sync_failed"] += not result.ok
-                elif result.ok:
-                    self.queue.publish_version(self.version)  # type: ignore[union-attr]
-                else:
-                    self.counters["sync_failed"] += 1
+                pending = self.publisher.begin(named, self.version, specs=tensor_specs(policy.named_parameters()), servers=servers)
+                self._pending = (pending, servers is not None)
         finally:
             for _ in buckets:  # every rank takes part in every gather, even if the send stopped early
                 pass
         return time.perf_counter() - start
+
+    def _settle(self, wait: bool) -> None:
+        """Act on the acknowledgements of the last update (rank 0): publish its version for
+        admission once every server loaded it (ARCHITECTURE.md), or count the failure (the
+        servers keep their weights; a later catch-up retries). With ``wait=False`` and
+        acknowledgements still missing, nothing happens yet."""
+        if self._pending is None or self.publisher is None:
+            return
+        pending, catch_up = self._pending
+        result = self.publisher.complete(pending, wait)
+        if result is None:
+            return
+        self._pending = None
+        if catch_up:
+            self.counters["sync_failed"] += not result.ok
+        elif result.ok:
+            self.queue.publish_version(result.version)  # type: ignore[union-attr]
+        else:
+            self.counters["sync_failed"] += 1
 
     def _save(self) -> None:
         state = checkpoint.TrainingState(self.version, self.trainer.scheduler.state_dict(), list(self.uncommitted), dict(self.counters))

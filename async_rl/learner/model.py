@@ -83,7 +83,7 @@ def _decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 def token_logprobs(
     model: nn.Module, input_ids: Tensor, attention_mask: Tensor, positions: Tensor, with_entropy: bool = False,
-    temperature: float = 1.0,
+    temperature: float = 1.0, entropy_grad: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probability of the tokens at ``positions`` under ``model`` (natural log).
 
@@ -94,6 +94,9 @@ def token_logprobs(
     ``t - 1``; only the ``T`` needed rows of the ``[n, L, V]`` logits are normalised.
     ``temperature`` divides the logits first, matching the distribution the servers sampled
     from (their behaviour log-probs are vLLM's processed, temperature-scaled ones).
+    The entropy is differentiable only with ``entropy_grad`` (an entropy loss term); as a
+    metric it is computed without autograd, which keeps the ``[n, T, V]`` softmax out of
+    the graph (time and memory).
     """
     logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
     rows = (positions - 1).clamp_min(0)
@@ -105,8 +108,10 @@ def token_logprobs(
     logp = picked.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_norm
     if not with_entropy:
         return logp, None
-    probs = torch.softmax(picked, dim=-1)
-    return logp, log_norm - (probs * picked).sum(-1)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        probs = torch.softmax(picked, dim=-1)
+        entropy = log_norm - (probs * picked).sum(-1)
+    return logp, entropy
 
 
 def iter_full_parameters(model: nn.Module, bucket_bytes: int, dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, Tensor]]]:

@@ -204,7 +204,8 @@ class Trainer:
             micro = _micro(batch, micro_rows)
             share = self._weight(batch, micro_rows) / total
             index = micro_rows or [0]  # a filler pass reads row 0 under a zero mask
-            logp, entropy = token_logprobs(self.policy, *self._inputs(micro), with_entropy=True, temperature=self.temperature)
+            logp, entropy = token_logprobs(self.policy, *self._inputs(micro), with_entropy=True, temperature=self.temperature,
+                                           entropy_grad=loss_cfg.entropy_coef != 0)
             device = logp.device
             mask = micro.response_mask.to(device)
             behav = micro.behav_logp.to(device)
@@ -217,7 +218,7 @@ class Trainer:
             loss, metrics = losses.compute(
                 loss_cfg.name, logp=logp, old_logp=prox, behav_logp=behav, advantages=adv[index].to(device) * mask, mask=mask,
                 config=loss_cfg, ref_logp=None if ref_logp is None else ref_logp[index].to(device),
-                entropy=entropy if loss_cfg.entropy_coef != 0 else entropy.detach(),
+                entropy=entropy,
             )
             # FSDP averages gradients over ranks; scale back to a sum of global shares.
             (loss * share * self.info.world_size).backward()

@@ -97,6 +97,34 @@ class _Server:
     version: int | None
 
 
+@dataclass
+class PendingSend:
+    """An update whose tensors are broadcast and whose acknowledgements may still be coming
+    (:meth:`WeightSender.begin`); the servers load the weights meanwhile."""
+
+    version: int
+    update_id: int
+    t0: float
+    """``time.monotonic()`` at the start of the update."""
+    announce_s: float
+    group_s: float
+    transfer_s: float
+    nbytes: int
+    ack_deadline: float
+    """``time.monotonic()`` after which missing acknowledgements count as failures."""
+    reports: dict[str, ServerReport]
+    """Final outcome of each server known so far."""
+    waiting: dict[bytes, str]
+    """Servers (ZeroMQ peer -> id) whose acknowledgement has not arrived yet."""
+    settled_at: float | None = None
+    """``time.monotonic()`` when the last acknowledgement arrived (or the deadline passed)."""
+
+    @property
+    def acknowledged(self) -> bool:
+        """Every target server answered (or was reported failed)."""
+        return not self.waiting
+
+
 class WeightSender:
     """Broadcasts named tensors to every registered inference server."""
 
@@ -133,6 +161,7 @@ class WeightSender:
         self._epoch = 0
         self._group: WeightGroup | None = None
         self._members: tuple[tuple[str, bytes, int], ...] = ()
+        self._pending: PendingSend | None = None
 
     @property
     def address(self) -> str:
@@ -152,7 +181,7 @@ class WeightSender:
                 peer, msg = self._channel.recv_until(deadline)
             except ControlTimeout:
                 return
-            self._register(peer, msg)
+            self._handle(peer, msg)
 
     def wait_for_servers(self, n: int, timeout_s: float) -> list[str]:
         """Block until at least ``n`` servers registered; ``ControlTimeout`` otherwise."""
@@ -165,9 +194,11 @@ class WeightSender:
 
     def behind(self, version: int) -> list[str]:
         """Registered servers not holding ``version`` (new, restarted or failed ones):
-        send them the current weights before they serve again."""
+        send them the current weights before they serve again. Servers still loading an
+        update of ``version`` (:meth:`begin` without :meth:`complete`) are not behind."""
         self.poll()
-        return [sid for sid, s in self._servers.items() if s.version != version]
+        loading = set(self._pending.waiting.values()) if self._pending is not None and self._pending.version == version else set()
+        return [sid for sid, s in self._servers.items() if s.version != version and sid not in loading]
 
     def send(
         self,
@@ -177,7 +208,26 @@ class WeightSender:
         specs: Sequence[TensorSpec],
         servers: Collection[str] | None = None,
     ) -> SendResult:
-        """Publish one weights version.
+        """Publish one weights version and wait until the servers have loaded it
+        (:meth:`begin` then :meth:`complete`; arguments as for :meth:`begin`)."""
+        result = self.complete(self.begin(named_tensors, version, specs=specs, servers=servers))
+        assert result is not None
+        return result
+
+    def begin(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        version: int,
+        *,
+        specs: Sequence[TensorSpec],
+        servers: Collection[str] | None = None,
+    ) -> PendingSend:
+        """Publish one weights version without waiting for the servers to load it.
+
+        Returns once every tensor is broadcast: the caller may then change its tensors
+        (e.g. take the next optimizer step) while the servers pause, load and resume.
+        Get the outcome with :meth:`complete`; an earlier update still pending is
+        completed first (its result is then lost to the caller: complete it yourself).
 
         Args:
             named_tensors: ``(name, tensor)`` pairs in ``specs`` order, consumed lazily,
@@ -189,11 +239,13 @@ class WeightSender:
                 tensors, so it costs no gather).
             servers: target server ids (default: all registered).
 
-        Returns a :class:`SendResult`; per-server failures are reported in it, never
-        raised (a failed server keeps serving its previous weights). Raises
-        ``ValueError`` if ``named_tensors`` does not match ``specs`` (the servers are
-        told to abort first), and re-raises whatever the iterable raises.
+        Per-server failures are reported in the result, never raised (a failed server
+        keeps serving its previous weights). Raises ``ValueError`` if ``named_tensors``
+        does not match ``specs`` (the servers are told to abort first), and re-raises
+        whatever the iterable raises.
         """
+        if self._pending is not None:
+            self.complete(self._pending)
         t0 = time.monotonic()
         deadline = t0 + self.timeout_s
         self.poll()
@@ -212,7 +264,7 @@ class WeightSender:
         ready = self._ready(announce, targets, reports, min(deadline, t0 + self.control_timeout_s))
         members = tuple((sid, s.peer, s.num_workers) for sid, s in ready.items())
         if not members:
-            return self._result(version, uid, t0, 0.0, 0.0, 0.0, 0, reports)
+            return self._done(version, uid, t0, 0.0, 0.0, 0.0, 0, reports)
         if members != self._members or self._group is None:
             self._drop_group()
             self._epoch += 1
@@ -227,7 +279,7 @@ class WeightSender:
                 self._abort(uid, ready, f"server {sid} unreachable")
                 for other in ready.keys() - reports.keys():
                     reports[other] = ServerReport(other, False, f"aborted: server {sid} unreachable")
-                return self._result(version, uid, t0, time.monotonic() - t0, 0.0, 0.0, 0, reports)
+                return self._done(version, uid, t0, time.monotonic() - t0, 0.0, 0.0, 0, reports)
         announce_s = time.monotonic() - t0
 
         t1 = time.monotonic()
@@ -247,16 +299,34 @@ class WeightSender:
             self._abort(uid, ready, f"sender: {e}")
             for sid in ready:
                 reports[sid] = ServerReport(sid, False, f"transfer failed: {e}")
-            return self._result(version, uid, t0, announce_s, group_s, time.monotonic() - t1, nbytes, reports)
+            return self._done(version, uid, t0, announce_s, group_s, time.monotonic() - t1, nbytes, reports)
         except BaseException as e:
             self._abort(uid, ready, f"sender raised {type(e).__name__}: {e}")
             raise
         transfer_s = time.monotonic() - t1
+        waiting = {s.peer: sid for sid, s in ready.items() if sid not in reports}
+        self._pending = PendingSend(version, uid, t0, announce_s, group_s, transfer_s, nbytes,
+                                    deadline + self.control_timeout_s, reports, waiting)
+        return self._pending
 
-        self._collect_acks(uid, ready, reports, deadline + self.control_timeout_s)
-        if not all(r.ok for r in reports.values()):
-            self._drop_group()
-        return self._result(version, uid, t0, announce_s, group_s, transfer_s, nbytes, reports)
+    def complete(self, pending: PendingSend, wait: bool = True) -> SendResult | None:
+        """The outcome of ``pending`` once every server acknowledged (or its deadline
+        passed: the missing ones count as failed). With ``wait=False``, only the
+        acknowledgements already received are read, and None means some are missing."""
+        if pending is self._pending:
+            if wait:
+                self._collect_acks(pending)
+            else:
+                self.poll()
+            if not pending.acknowledged:
+                return None
+            self._pending = None
+            if not all(r.ok for r in pending.reports.values()):
+                self._drop_group()
+        end = pending.settled_at or time.monotonic()
+        done = pending.t0 + pending.announce_s + pending.transfer_s
+        return SendResult(pending.version, pending.update_id, pending.announce_s, pending.group_s, pending.transfer_s,
+                          max(0.0, end - done), end - pending.t0, pending.nbytes, pending.reports)
 
     def close(self) -> None:
         """Release the group, the store and the socket."""
@@ -265,9 +335,17 @@ class WeightSender:
 
     # -- internals -----------------------------------------------------------------
 
-    def _register(self, peer: bytes, msg: Message) -> None:
-        # Replies to updates that already ended (late Ready/Ack) are dropped here.
-        if isinstance(msg, Hello):
+    def _handle(self, peer: bytes, msg: Message) -> None:
+        # Acks of the pending update are recorded; replies to updates that already ended
+        # (late Ready/Ack) are dropped here.
+        pending = self._pending
+        if isinstance(msg, Ack) and pending is not None and msg.update_id == pending.update_id and peer in pending.waiting:
+            sid = pending.waiting.pop(peer)
+            pending.reports[sid] = ServerReport(sid, msg.error is None, msg.error, msg.fatal, msg.receive_s, msg.load_s, msg.pause_s)
+            pending.settled_at = time.monotonic()
+            if sid in self._servers:
+                self._servers[sid].version = msg.version
+        elif isinstance(msg, Hello):
             known = self._servers.get(msg.server_id)
             if known is None or known.peer != peer:
                 log.info("weight sync: server %s registered (version %s)", msg.server_id, msg.version)
@@ -310,38 +388,30 @@ class WeightSender:
                 else:
                     reports[sid] = ServerReport(sid, False, f"declined: {msg.error}")
             else:
-                self._register(peer, msg)
+                self._handle(peer, msg)
         for sid in asked.values():
             reports[sid] = ServerReport(sid, False, "no Ready within the control timeout")
             self._servers.pop(sid, None)
         return ready
 
-    def _collect_acks(
-        self,
-        uid: int,
-        ready: dict[str, _Server],
-        reports: dict[str, ServerReport],
-        deadline: float,
-    ) -> None:
-        waiting = {s.peer: sid for sid, s in ready.items() if sid not in reports}
-        while waiting:
+    def _collect_acks(self, pending: PendingSend) -> None:
+        """Read control messages until ``pending`` is acknowledged or its deadline passes;
+        servers still silent then are reported failed and told to abort."""
+        while pending.waiting:
             try:
-                peer, msg = self._channel.recv_until(deadline)
+                peer, msg = self._channel.recv_until(pending.ack_deadline)
             except ControlTimeout:
                 break
-            if isinstance(msg, Ack) and msg.update_id == uid and peer in waiting:
-                sid = waiting.pop(peer)
-                reports[sid] = ServerReport(
-                    sid, msg.error is None, msg.error, msg.fatal, msg.receive_s, msg.load_s, msg.pause_s
-                )
-                if sid in self._servers:
-                    self._servers[sid].version = msg.version
-            else:
-                self._register(peer, msg)
-        for sid in waiting.values():
-            reports[sid] = ServerReport(sid, False, "no Ack within the timeout")
-        if waiting:
-            self._abort(uid, {sid: ready[sid] for sid in waiting.values()}, "sender: no Ack in time")
+            self._handle(peer, msg)
+        silent = dict(pending.waiting)
+        if silent:
+            pending.settled_at = time.monotonic()
+        pending.waiting.clear()
+        for sid in silent.values():
+            pending.reports[sid] = ServerReport(sid, False, "no Ack within the timeout")
+        if silent:
+            self._abort(pending.update_id, {sid: self._servers[sid] for sid in silent.values() if sid in self._servers},
+                        "sender: no Ack in time")
 
     def _abort(self, uid: int, servers: dict[str, _Server], reason: str) -> None:
         """Tell ``servers`` to drop ``uid`` now rather than at their timeout."""
@@ -359,7 +429,7 @@ class WeightSender:
         self._members = ()
 
     @staticmethod
-    def _result(
+    def _done(
         version: int,
         uid: int,
         t0: float,
@@ -368,9 +438,7 @@ class WeightSender:
         transfer_s: float,
         nbytes: int,
         reports: dict[str, ServerReport],
-    ) -> SendResult:
+    ) -> PendingSend:
+        """An update that ended before any acknowledgement was due (nothing to wait for)."""
         now = time.monotonic()
-        done = t0 + announce_s + transfer_s
-        return SendResult(
-            version, uid, announce_s, group_s, transfer_s, max(0.0, now - done), now - t0, nbytes, reports
-        )
+        return PendingSend(version, uid, t0, announce_s, group_s, transfer_s, nbytes, now, reports, {}, now)

@@ -187,3 +187,22 @@ def test_restarted_server_rejoins_and_gets_current_weights(rig: Rig):
     newer = tiny_qwen2(seed=4).state_dict()
     result, _ = rig.update(newer.items(), 4, tensor_specs(newer.items()))
     assert result.ok and result.group_s == 0  # same members: the group was reused
+
+
+def test_begin_returns_after_the_broadcast_and_complete_collects_the_ack(rig: Rig):
+    """The learner's path: ``begin`` broadcasts, the server loads meanwhile (it is not
+    "behind" while loading), ``complete`` reports the outcome and the acknowledged version."""
+    model = tiny_qwen2(seed=5)
+    state = model.state_dict()
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(rig.sender.begin, state.items(), 5, specs=tensor_specs(state.items()))
+        outcome = rig.loop.run_until_complete(rig.server.serve_one(TIMEOUT_S + 10))
+        pending = fut.result(timeout=TIMEOUT_S + 20)
+    assert outcome is not None and outcome.ok and outcome.version == 5
+    assert pending.version == 5 and pending.nbytes >= sum(t.nbytes for t in state.values())
+    assert rig.sender.behind(5) == []  # loading or loaded, either way not behind
+    result = rig.sender.complete(pending)
+    assert result is not None and result.ok and result.version == 5, result
+    assert result.total_s >= result.transfer_s and rig.sender.servers == {"s0": 5}
+    assert rig.sender.complete(pending, wait=False) == result  # settled: the same outcome again
+    assert_serves(rig.llm, reference(model))
