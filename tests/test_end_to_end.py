@@ -64,6 +64,9 @@ def test_train_runs_the_whole_pipeline(tiny_assets, tmp_path):
     assert all(r["staleness/max"] <= 2 for r in steps)  # every trained group within eta
     assert vals[0]["version"] == 0 and vals[-1]["version"] == 4  # servers generated with the new weights
     assert (run_dir / "resolved_config.yaml").is_file()
+    servers = json.loads((run_dir / "servers.json").read_text())
+    assert [s["server_id"] for s in servers] == ["server-0"] and servers[0]["openai_url"].startswith("http://127.0.0.1:")
+    assert f"OpenAI-compatible API: {servers[0]['openai_url']}" in proc.stdout
     assert list((run_dir / "wandb").glob("offline-run-*"))
 
     learner_lines = [json.loads(line) for line in (run_dir / "learner_steps.jsonl").read_text().splitlines()]
