@@ -2,8 +2,9 @@
 
 One run, same machine, same config (the quickstart's, tiny model) except
 ``algorithm.max_staleness``; the same number of trained groups; the same split of CPU
-cores between the rollout pool and the learner in both modes (the driver pins the vLLM
-server to one core and the learner rank to the other). It also measures each stage
+cores between the rollout pool and the learner in both modes (the learner rank has one
+core to itself; the vLLM server, the driver, Redis and Ray's daemons share the other:
+``launch.driver.cpu_layout``). It also measures each stage
 alone on the same groups — generation only, then learning only — for the overlap limit
 ``(T_gen + T_train) / max(T_gen, T_train)``: the best speedup overlapping can give.
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import time
@@ -95,7 +97,7 @@ def main() -> None:
         "groups_per_mode": groups,
         "steps": args.steps,
         "eta_async": args.eta,
-        "cores": "vLLM server pinned to 1 core, learner rank to 1 core, in every mode",
+        "cores": "learner rank alone on 1 core; vLLM, driver, Redis and Ray daemons on the other, in every mode",
         "machine": f"{os.cpu_count()} cores, cpu",
     }
     report(result, args.json)
@@ -131,15 +133,26 @@ def run_mode(cfg) -> dict:
 
 def stage_alone(cfg) -> tuple[float, float, int]:
     """(seconds to generate the groups of all steps, seconds to train on them, groups)."""
+    from async_rl.launch.driver import cpu_layout, pinned_to, support_cores
+
+    groups = cfg.trainer.total_steps * cfg.learner.batch_size
+    layout = cpu_layout(cfg)
+    with contextlib.ExitStack() as stack:
+        if layout:  # the same placement as train(): support processes on the rollout cores
+            stack.enter_context(pinned_to(support_cores(layout)))
+        t_gen, t_train = _stages(cfg, groups, layout)
+    print(f"alone: generation {t_gen:.1f} s, learning {t_train:.1f} s for {groups} groups", flush=True)
+    return t_gen, t_train, groups
+
+
+def _stages(cfg, groups: int, layout) -> tuple[float, float]:
+    """Generate ``groups`` groups into a fresh queue, then train every step on them."""
     import ray
 
-    from async_rl.launch.driver import cpu_layout
     from async_rl.launch.ray_cluster import init_ray
     from async_rl.learner.actor import start_learners
     from async_rl.queue import EmbeddedRedis
 
-    groups = cfg.trainer.total_steps * cfg.learner.batch_size
-    layout = cpu_layout(cfg)
     init_ray(num_cpus=os.cpu_count())
     try:
         with EmbeddedRedis(Path(cfg.trainer.output_dir) / "redis") as url:
@@ -154,8 +167,7 @@ def stage_alone(cfg) -> tuple[float, float, int]:
                 ray.kill(a)
     finally:
         ray.shutdown()
-    print(f"alone: generation {t_gen:.1f} s, learning {t_train:.1f} s for {groups} groups", flush=True)
-    return t_gen, t_train, groups
+    return t_gen, t_train
 
 
 async def _generate_alone(cfg, url: str, groups: int, cores: str | None) -> float:

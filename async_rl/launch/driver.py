@@ -21,6 +21,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import ray
@@ -118,13 +119,15 @@ class _Run:
 
     async def _start(self, stack: contextlib.AsyncExitStack) -> None:
         cfg = self.cfg
+        layout = cpu_layout(cfg)
+        if layout:  # before Redis and Ray start: they and their workers inherit the rollout cores
+            stack.enter_context(pinned_to(support_cores(layout)))
         redis_url = cfg.queue.redis_url or stack.enter_context(EmbeddedRedis(self.run_dir / "redis"))
         self.queue = stack.enter_context(ReplayQueue(redis_url, cfg.trainer.run_name, cfg.queue.max_depth, op_timeout_s=cfg.queue.timeout_s))
 
         init_ray(cfg.ray.address, cfg.ray.num_cpus, configure_logging=False)
         stack.callback(ray.shutdown)
         self._install_signal_handlers()
-        layout = cpu_layout(cfg)
         self.learners = await asyncio.to_thread(start_learners, cfg, redis_url, layout[1] if layout else None)
         stack.callback(self._kill_learners)
         starts = await asyncio.gather(*(a.run.remote(0) for a in self.learners))
@@ -312,3 +315,28 @@ def cpu_layout(cfg: Config) -> tuple[list[str], list[list[int]]] | None:
     servers = [",".join(str(next(cores)) for _ in range(per_server)) for _ in range(cfg.rollout.num_servers)]
     ranks = [[next(cores) for _ in range(per_rank)] for _ in range(cfg.learner.world_size)]
     return servers, ranks
+
+
+def support_cores(layout: tuple[list[str], list[list[int]]]) -> set[int]:
+    """Cores for everything but the learner ranks and vLLM's compute threads: the driver,
+    Redis, Ray's daemons, the servers' engine front ends. They share the rollout cores, so
+    a learner rank's cores are its own (its step time is then what it is alone)."""
+    return {int(core) for bind in layout[0] for core in bind.split(",")}
+
+
+@contextlib.contextmanager
+def pinned_to(cores: set[int]) -> Iterator[None]:
+    """Run every thread of this process on ``cores`` until the block ends (processes started
+    meanwhile keep them: Redis, Ray's daemons and workers, vLLM's engine processes)."""
+    before = os.sched_getaffinity(0)
+
+    def pin(mask: set[int]) -> None:
+        for tid in os.listdir("/proc/self/task"):
+            with contextlib.suppress(ProcessLookupError):  # a thread that just ended
+                os.sched_setaffinity(int(tid), mask)
+
+    pin(cores)
+    try:
+        yield
+    finally:
+        pin(before)

@@ -1,0 +1,43 @@
+"""CPU placement of a local run: the learner's cores stay its own."""
+
+import os
+import subprocess
+import sys
+import threading
+
+from async_rl.config import load_config
+from async_rl.launch.driver import cpu_layout, pinned_to, support_cores
+
+
+def test_support_processes_share_the_server_cores_not_the_learners():
+    cfg = load_config(None, ["rollout.cpus_per_server=1", "learner.cpus_per_rank=1"])
+    layout = cpu_layout(cfg)
+    assert layout is not None  # 1 + 1 cores fit on any machine this project runs on (CI has 2)
+    servers, ranks = layout
+    assert support_cores(layout) == {int(servers[0])}
+    assert support_cores(layout).isdisjoint(ranks[0])
+
+
+def test_pinned_to_moves_every_thread_and_children_then_restores():
+    before = os.sched_getaffinity(0)
+    core = min(before)
+    started = threading.Event()
+    stop = threading.Event()
+    seen: dict[str, set[int]] = {}
+
+    def existing_thread() -> None:
+        started.set()
+        stop.wait(10)
+        seen["thread"] = os.sched_getaffinity(0)  # this thread's own mask
+
+    t = threading.Thread(target=existing_thread)
+    t.start()
+    started.wait(10)
+    with pinned_to({core}):
+        child = subprocess.run([sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
+                               capture_output=True, text=True, check=True, timeout=60)
+        stop.set()
+        t.join(10)
+    assert child.stdout.strip() == str([core])  # a process started inside inherits the cores
+    assert seen["thread"] == {core}  # threads that already existed moved too
+    assert os.sched_getaffinity(0) == before  # restored afterwards
