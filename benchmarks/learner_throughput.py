@@ -7,11 +7,16 @@
    forward/backward/AdamW step on the same model, the same micro-batches and tokens
    (``ratio_vs_plain``; target >= 0.9). One rank, float32, on this machine's CPU.
 2. Publishing: gathering full parameters from the FSDP shards bucket by bucket
-   (``iter_full_parameters``), packing each bucket (``sync.buckets.pack_bucket``) and
-   broadcasting it on a ``sync.group.WeightGroup`` to a receiving process, against a
+   (``iter_full_parameters``), packing and broadcasting the buckets on a
+   ``sync.group.WeightGroup`` to a receiving process exactly as ``WeightSender`` does
+   (``sync.sender.stream_buckets``: packing overlaps the previous bucket's transfer), against a
    raw broadcast of the same bytes in the same bucket sizes on the same group
    (``sync_ratio_vs_raw``; target >= 0.8). The ZeroMQ control round trips of a real
-   ``WeightSender`` update are not included.
+   ``WeightSender`` update are not included. Tensors of 512 KiB or more travel alone,
+   straight from their memory (``sync.buckets.SOLO_BYTES``), in both.
+
+Each comparison alternates the two sides round by round and rates each by its median
+round, because these shared machines drift by tens of percent within a minute.
 """
 
 from __future__ import annotations
@@ -20,8 +25,10 @@ import argparse
 import datetime
 import json
 import multiprocessing as mp
+import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -32,8 +39,9 @@ from async_rl.learner.batching import plan_micro_batches, prepare
 from async_rl.learner.model import DistInfo, free_port, iter_full_parameters, load_sharded, token_logprobs
 from async_rl.learner.train_step import Trainer
 from async_rl.records import RolloutGroup, Sample, decode, encode
-from async_rl.sync.buckets import pack_bucket, plan_buckets, tensor_specs
+from async_rl.sync.buckets import plan_buckets, tensor_specs
 from async_rl.sync.group import Rendezvous, WeightGroup, connect_store, host_store
+from async_rl.sync.sender import stream_buckets
 
 VOCAB, MAX_TOKENS = 4096, 2048
 
@@ -62,27 +70,28 @@ def make_records(groups: int, samples: int, seed: int) -> list[bytes]:
     return out
 
 
-def learner_rate(model_dir: Path, records: list[bytes], steps: int) -> tuple[float, list[list[int]], int]:
-    """Tokens/s of prepare + Trainer.step; also the micro-batch plan and token count of a step."""
+def learner_step(model_dir: Path, records: list[bytes], total_steps: int) -> tuple[Callable[[], int], list[list[int]], int]:
+    """One learner step (records decoded -> ``prepare`` -> ``Trainer.step``) as a callable
+    returning its tokens; also the micro-batch plan and token count of a step."""
     cfg = load_config(None, [f"learner.model_path={model_dir}", "learner.batch_size=8", "rollout.n=4",
                              f"learner.max_tokens_per_microbatch={MAX_TOKENS}", "data.max_prompt_length=64",
                              "rollout.max_response_length=192", "queue.max_depth=256", "learner.optim.lr=1e-5"])
     info = DistInfo(0, 1, torch.device("cpu"))
     policy = load_sharded(str(model_dir), cfg.learner.fsdp, info.device, trainable=True)
-    trainer = Trainer(policy, None, cfg.learner, cfg.algorithm, info, steps + 1, 1)
-    batch = prepare([decode(r) for r in records], MAX_TOKENS, VOCAB).batch
-    trainer.step(batch, 0)  # warm-up
-    tokens, start = 0, time.perf_counter()
-    for step in range(steps):
+    trainer = Trainer(policy, None, cfg.learner, cfg.algorithm, info, total_steps, 1)
+    steps = iter(range(total_steps))
+
+    def step() -> int:
         batch = prepare([decode(r) for r in records], MAX_TOKENS, VOCAB).batch
-        tokens += trainer.step(batch, step + 1).tokens
-    rate = tokens / (time.perf_counter() - start)
+        return trainer.step(batch, next(steps)).tokens
+
+    batch = prepare([decode(r) for r in records], MAX_TOKENS, VOCAB).batch
     plan = plan_micro_batches(batch.lengths.tolist(), range(batch.size), 1, MAX_TOKENS)[0]
-    return rate, plan, int(batch.lengths.sum())
+    return step, plan, int(batch.lengths.sum())
 
 
-def plain_rate(model_dir: Path, records: list[bytes], plan: list[list[int]], steps: int) -> float:
-    """Tokens/s of a plain HF model + AdamW loop on the same micro-batches (REINFORCE-style loss)."""
+def plain_step(model_dir: Path, records: list[bytes], plan: list[list[int]]) -> Callable[[], int]:
+    """A plain HF model + AdamW step on the same micro-batches (REINFORCE-style loss)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -91,19 +100,31 @@ def plain_rate(model_dir: Path, records: list[bytes], plan: list[list[int]], ste
     micro = [batch.select(rows) for rows in plan]
     total = float(batch.response_mask.sum())
 
-    def step() -> None:
+    def step() -> int:
         for mb in micro:
             logp, _ = token_logprobs(model, mb.input_ids, mb.attention_mask, mb.response_positions)
             (-(logp * mb.response_mask * (mb.rewards[:, None] - 0.5)).sum() / total).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        return int(batch.lengths.sum())
 
-    step()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    return steps * int(batch.lengths.sum()) / (time.perf_counter() - start)
+    return step
+
+
+def interleaved_rates(runs: dict[str, Callable[[], int]], rounds: int) -> dict[str, float]:
+    """Units/s of each run from its median round, the runs alternating round by round (after
+    one warm-up each) so that a noisy neighbour slows all of them alike."""
+    for fn in runs.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    units: dict[str, int] = {}
+    for _ in range(rounds):
+        for name, fn in runs.items():
+            start = time.perf_counter()
+            units[name] = fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: units[name] / statistics.median(t) for name, t in times.items()}
 
 
 def _receiver(rv: Rendezvous, sizes: list[int], rounds: int) -> None:
@@ -124,16 +145,13 @@ def sync_rates(model_dir: Path, bucket_bytes: int, rounds: int) -> tuple[float, 
     sizes = [b.nbytes for b in buckets]
     store = host_store("127.0.0.1", 60.0)
     rv = Rendezvous("127.0.0.1", store.port, 0, 2, "gloo")
-    proc = mp.get_context("spawn").Process(target=_receiver, args=(rv, sizes, 2 * rounds + 2))
+    proc = mp.get_context("spawn").Process(target=_receiver, args=(rv, sizes, 2 * rounds + 2))  # + warm-ups
     proc.start()
     group = WeightGroup.join(rv, 0, store, 60.0)
-    out = torch.empty(max(sizes), dtype=torch.uint8)
 
     def publish() -> None:
-        named = iter(item for bucket in iter_full_parameters(policy, bucket_bytes) for item in bucket)
-        for bucket in buckets:
-            tensors = [next(named)[1] for _ in bucket.entries]
-            group.broadcast(pack_bucket(bucket, specs, tensors, out), 60.0)
+        named = (item for bucket in iter_full_parameters(policy, bucket_bytes) for item in bucket)
+        stream_buckets(group, named, specs, buckets, time.monotonic() + 60.0)
 
     raw = [torch.zeros(n, dtype=torch.uint8) for n in sizes]
 
@@ -141,23 +159,21 @@ def sync_rates(model_dir: Path, bucket_bytes: int, rounds: int) -> tuple[float, 
         for buf in raw:
             group.broadcast(buf, 60.0)
 
-    timings = {}
-    for name, fn in (("publish", publish), ("raw", broadcast_raw)):
-        fn()  # warm-up
-        start = time.perf_counter()
-        for _ in range(rounds):
-            fn()
-        timings[name] = (time.perf_counter() - start) / rounds
-    proc.join(60)
     total = sum(sizes)
-    return total / timings["publish"] / 1e9, total / timings["raw"] / 1e9, total
+
+    def timed(fn: Callable[[], None]) -> Callable[[], int]:
+        return lambda: (fn(), total)[1]
+
+    rates = interleaved_rates({"publish": timed(publish), "raw": timed(broadcast_raw)}, rounds)
+    proc.join(60)
+    return rates["publish"] / 1e9, rates["raw"] / 1e9, total
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, required=True, help="write the results here")
-    parser.add_argument("--steps", type=int, default=3, help="timed learner steps")
-    parser.add_argument("--sync-rounds", type=int, default=5, help="timed weight updates")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps of each (interleaved; the median counts)")
+    parser.add_argument("--sync-rounds", type=int, default=15, help="timed updates of each (interleaved; the median counts)")
     parser.add_argument("--bucket-mb", type=int, default=8, help="bucket size in MiB")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -166,15 +182,17 @@ def main() -> None:
         model_dir = Path(tmp)
         build_model(model_dir)
         records = make_records(8, 4, seed=0)
-        learner, plan, tokens = learner_rate(model_dir, records, args.steps)
-        plain = plain_rate(model_dir, records, plan, args.steps)
+        learner_fn, plan, tokens = learner_step(model_dir, records, args.steps + 1)
+        rates = interleaved_rates({"learner": learner_fn, "plain": plain_step(model_dir, records, plan)}, args.steps)
+        learner, plain = rates["learner"], rates["plain"]
         sync, raw, nbytes = sync_rates(model_dir, args.bucket_mb << 20, args.sync_rounds)
     result = {
         "learner_tokens_per_s": learner, "plain_tokens_per_s": plain, "ratio_vs_plain": learner / plain,
         "sync_gb_per_s": sync, "raw_broadcast_gb_per_s": raw, "sync_ratio_vs_raw": sync / raw,
         "setup": {"device": "cpu", "threads": torch.get_num_threads(), "ranks": 1, "params_m": round(nbytes / 4 / 1e6, 2),
                   "tokens_per_step": tokens, "micro_batches": len(plan), "steps": args.steps, "update_bytes": nbytes,
-                  "bucket_mb": args.bucket_mb, "sync_backend": "gloo", "sync_rounds": args.sync_rounds},
+                  "bucket_mb": args.bucket_mb, "sync_backend": "gloo", "sync_rounds": args.sync_rounds,
+                  "method": "median of interleaved rounds, after one warm-up each"},
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2) + "\n")

@@ -126,8 +126,8 @@ def iter_full_parameters(model: nn.Module, bucket_bytes: int, dtype: torch.dtype
     bucket: list[tuple[str, Tensor]] = []
     size = 0
     for name, param in model.named_parameters():
-        full = _full(param)
-        full = full.detach().to(dtype) if dtype is not None else full.detach()
+        with torch.no_grad():  # not around the yield: grad mode is thread state the caller shares
+            full = _full(param) if dtype is None else _full(param).to(dtype)
         if bucket and size + full.numel() * full.element_size() > bucket_bytes:
             yield bucket
             bucket, size = [], 0
@@ -140,7 +140,7 @@ def iter_full_parameters(model: nn.Module, bucket_bytes: int, dtype: torch.dtype
 def _full(param: Tensor) -> Tensor:
     """The whole parameter: all-gathered from its shards, or (one shard) the local tensor itself."""
     if not hasattr(param, "full_tensor"):
-        return param.detach()
+        return param.detach()  # a plain (unsharded) module
     if param.device_mesh.size() == 1 and all(p.is_shard() or p.is_replicate() for p in param.placements):
         return param.to_local()  # a single rank holds everything: no gather, no copy
     return param.full_tensor()

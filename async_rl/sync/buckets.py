@@ -5,7 +5,7 @@ the order the sender yields them) and a bucket layout planned from those specs a
 both sides agree on every byte offset before any tensor flows. One bucket is a flat
 ``uint8`` tensor of at most ``bucket_bytes`` bytes; a tensor larger than a bucket, or of
 at least ``SOLO_BYTES``, gets a bucket of its own and is broadcast from its own memory
-(no packing copy: on CPU a copy costs as much as the broadcast itself).
+(``bucket_in_place``: no packing copy, which on CPU costs as much as the broadcast).
 """
 
 from __future__ import annotations
@@ -116,15 +116,8 @@ def pack_bucket(
     """Copy ``tensors`` (one per entry, in entry order) into the flat ``uint8`` ``out``.
 
     ``out`` needs at least ``bucket.nbytes`` bytes and may live on another device than
-    the tensors (the copy moves them). Returns the ``[bucket.nbytes]`` prefix of ``out``,
-    or, for a single contiguous tensor of the spec's dtype already on ``out``'s device,
-    that tensor's own bytes (no copy; the caller must not modify it while they are used).
+    the tensors (the copy moves them). Returns the ``[bucket.nbytes]`` prefix of ``out``.
     """
-    if len(bucket.entries) == 1:
-        (tensor,) = tensors
-        spec = specs[bucket.entries[0].index]
-        if tensor.is_contiguous() and tensor.device == out.device and tensor.dtype == spec.torch_dtype:
-            return tensor.detach().reshape(-1).view(torch.uint8)
     buf = out[: bucket.nbytes]
     for entry, tensor in zip(bucket.entries, tensors, strict=True):
         spec = specs[entry.index]
@@ -137,6 +130,20 @@ def pack_bucket(
         else:
             dst.view(spec.torch_dtype).view(spec.shape).copy_(tensor)
     return buf
+
+
+def bucket_in_place(
+    bucket: Bucket, specs: Sequence[TensorSpec], tensors: Sequence[torch.Tensor], device: torch.device
+) -> torch.Tensor | None:
+    """The flat ``uint8`` bytes of a one-tensor bucket, without a copy, when the tensor is
+    contiguous, of the spec's dtype and on ``device``; None when it must be packed. The
+    caller must not modify the tensor while the bytes are in use."""
+    if len(bucket.entries) != 1:
+        return None
+    (tensor,) = tensors
+    if tensor.is_contiguous() and tensor.device == device and tensor.dtype == specs[bucket.entries[0].index].torch_dtype:
+        return tensor.detach().reshape(-1).view(torch.uint8)
+    return None
 
 
 def unpack_bucket(

@@ -127,12 +127,24 @@ class WeightGroup:
     def broadcast(self, tensor: torch.Tensor, timeout_s: float) -> None:
         """Broadcast ``tensor`` (on :attr:`device`) from rank 0 in place; wait at most
         ``timeout_s`` seconds (host-blocking on both backends)."""
+        self.wait(self.start_broadcast(tensor, timeout_s), timeout_s)
+
+    def start_broadcast(self, tensor: torch.Tensor, timeout_s: float) -> dist.Work:
+        """Start broadcasting ``tensor`` from rank 0 and return at once; finish with
+        :meth:`wait`. ``tensor`` must not change until then (the transfer reads it
+        meanwhile: gloo on its own threads, NCCL on its stream)."""
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         opts.timeout = timedelta(seconds=max(timeout_s, 1e-3))
+        try:
+            return self.pg.broadcast([tensor], opts)
+        except RuntimeError as e:
+            raise GroupError(f"broadcast failed: {e}") from e
+
+    def wait(self, work: dist.Work, timeout_s: float) -> None:
+        """Wait at most ``timeout_s`` seconds for a started collective."""
         t0 = time.monotonic()
         try:
-            work = self.pg.broadcast([tensor], opts)
             work.wait(timedelta(seconds=max(timeout_s, 1e-3)))
         except RuntimeError as e:
             if time.monotonic() - t0 >= timeout_s * 0.99 or "timed out" in str(e).lower():

@@ -17,11 +17,11 @@ import logging
 import time
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
-from async_rl.sync.buckets import TensorSpec, iter_bucket_tensors, pack_bucket, plan_buckets
+from async_rl.sync.buckets import Bucket, TensorSpec, bucket_in_place, iter_bucket_tensors, pack_bucket, plan_buckets
 from async_rl.sync.control import (
     Abort,
     Ack,
@@ -123,6 +123,40 @@ class PendingSend:
     def acknowledged(self) -> bool:
         """Every target server answered (or was reported failed)."""
         return not self.waiting
+
+
+def stream_buckets(
+    group: WeightGroup,
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    specs: Sequence[TensorSpec],
+    buckets: Sequence[Bucket],
+    deadline: float,
+) -> int:
+    """Broadcast every bucket on ``group`` (as rank 0) by ``deadline`` (``time.monotonic()``);
+    returns the bytes sent.
+
+    Pipelined: bucket *i+1* is gathered and packed while bucket *i* is on the wire, into
+    one of two staging buffers (a one-tensor bucket goes from its own memory, unstaged).
+    Every tensor of a bucket stays referenced until its broadcast finished.
+    """
+    staging: list[torch.Tensor | None] = [None, None]
+    previous: tuple[Any, ...] | None = None
+    nbytes = 0
+    for i, (bucket, tensors) in enumerate(iter_bucket_tensors(named_tensors, specs, buckets)):
+        data = bucket_in_place(bucket, specs, tensors, group.device)
+        if data is None:  # slot i % 2 was last used by broadcast i - 2, finished below at i - 1
+            buf = staging[i % 2]
+            if buf is None or buf.numel() < bucket.nbytes:
+                buf = staging[i % 2] = torch.empty(bucket.nbytes, dtype=torch.uint8, device=group.device)
+            data = pack_bucket(bucket, specs, tensors, buf)
+        work = group.start_broadcast(data, deadline - time.monotonic())
+        if previous is not None:
+            group.wait(previous[0], deadline - time.monotonic())
+        previous = (work, data, tensors)
+        nbytes += bucket.nbytes
+    if previous is not None:
+        group.wait(previous[0], deadline - time.monotonic())
+    return nbytes
 
 
 class WeightSender:
@@ -290,11 +324,7 @@ class WeightSender:
                 self._group = WeightGroup.join(rv, 0, self._store, deadline - time.monotonic())
                 self._members = members
                 group_s = self._group.create_s
-            group = self._group
-            buf = torch.empty(max(b.nbytes for b in buckets), dtype=torch.uint8, device=group.device)
-            for bucket, tensors in iter_bucket_tensors(named_tensors, specs, buckets):
-                group.broadcast(pack_bucket(bucket, specs, tensors, buf), deadline - time.monotonic())
-                nbytes += bucket.nbytes
+            nbytes = stream_buckets(self._group, named_tensors, specs, buckets, deadline)
         except GroupError as e:
             self._abort(uid, ready, f"sender: {e}")
             for sid in ready:

@@ -5,6 +5,7 @@ import torch
 
 from async_rl.sync.buckets import (
     ALIGN_BYTES,
+    bucket_in_place,
     iter_bucket_tensors,
     pack_bucket,
     plan_buckets,
@@ -60,19 +61,19 @@ def test_large_tensors_travel_alone_without_a_copy():
     specs = tensor_specs(named)
     buckets = plan_buckets(specs, 2**20, solo_bytes=1024)  # only "big" (16 KiB) is large
     assert [len(b.entries) for b in buckets] == [5, 1, 2]
-    out = torch.empty(max(b.nbytes for b in buckets), dtype=torch.uint8)
+    cpu = torch.device("cpu")
     for bucket, tensors in iter_bucket_tensors(named, specs, buckets):
-        buf = pack_bucket(bucket, specs, tensors, out)
+        buf = bucket_in_place(bucket, specs, tensors, cpu)
         if len(bucket.entries) == 1:
-            assert buf.data_ptr() == tensors[0].data_ptr()  # the tensor's own bytes
+            assert buf is not None and buf.data_ptr() == tensors[0].data_ptr()  # the tensor's own bytes
         else:
-            assert buf.data_ptr() == out.data_ptr()
+            assert buf is None  # several tensors: packed
+            buf = pack_bucket(bucket, specs, tensors, torch.empty(bucket.nbytes, dtype=torch.uint8))
         assert all(torch.equal(dict(unpack_bucket(bucket, specs, buf))[specs[e.index].name], t)
                    for e, t in zip(bucket.entries, tensors))
-    transposed = named[5][1].t()  # not contiguous: must be copied into the bucket
-    (bucket,) = plan_buckets(tensor_specs([("t", transposed)]), 2**20, solo_bytes=1024)
-    buf = pack_bucket(bucket, tensor_specs([("t", transposed)]), [transposed], out)
-    assert buf.data_ptr() == out.data_ptr() and torch.equal(unpack_bucket(bucket, tensor_specs([("t", transposed)]), buf)[0][1], transposed)
+    transposed = [("t", named[5][1].t())]  # not contiguous: must be packed
+    (bucket,) = plan_buckets(tensor_specs(transposed), 2**20, solo_bytes=1024)
+    assert bucket_in_place(bucket, tensor_specs(transposed), [transposed[0][1]], cpu) is None
 
 
 def test_tensors_are_consumed_one_bucket_at_a_time():
