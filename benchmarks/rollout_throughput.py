@@ -8,8 +8,11 @@ Same model, same prompts, same sampling, one run:
 * responses have a fixed length (``ignore_eos``) in both, so the numbers measure steady
   generation throughput rather than the start-up of a sub-second batch (the tiny model
   answers in 3-4 tokens, which made a 96-prompt run last under one second);
-* update: while the pool generates, the weights are sent once from this process through
-  ``WeightSender``; the server reports how long generation was paused.
+* update: in every pool round, the weights are sent once from this process through
+  ``WeightSender`` while the pool generates; the server reports how long generation was
+  paused;
+* each side runs ``--rounds`` timed rounds (after a warm-up) and counts its median round,
+  because these shared machines drift by tens of percent within a minute.
 
     python benchmarks/rollout_throughput.py --json benchmarks/results/rollout_throughput.json
 
@@ -23,6 +26,7 @@ import argparse
 import asyncio
 import os
 import platform
+import statistics
 import threading
 import time
 from pathlib import Path
@@ -37,6 +41,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=192)
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3, help="timed rounds of each side; the median counts")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
 
@@ -60,18 +65,18 @@ def main() -> None:
         ],
     )
     prompts = _prompts(cfg, args.prompts)
-    raw_tps, raw_s = _raw(cfg, prompts)
-    pool_tps, pool_s, pause_s, total_s = asyncio.run(_pool(cfg, args.prompts))
+    raw = _raw(cfg, prompts, args.rounds)
+    pool, pauses, totals = asyncio.run(_pool(cfg, args.prompts, args.rounds))
     result = {
-        "pool_tokens_per_s": pool_tps,
-        "raw_vllm_tokens_per_s": raw_tps,
-        "ratio_vs_raw": pool_tps / raw_tps,
-        "update_pause_s": pause_s,
-        "update_total_s": total_s,
+        "pool_tokens_per_s": statistics.median(pool),
+        "raw_vllm_tokens_per_s": statistics.median(raw),
+        "ratio_vs_raw": statistics.median(pool) / statistics.median(raw),
+        "update_pause_s": statistics.median(pauses),
+        "update_total_s": statistics.median(totals),
+        "rounds": {"raw_tokens_per_s": raw, "pool_tokens_per_s": pool, "update_pause_s": pauses, "update_total_s": totals},
         "prompts": args.prompts,
         "n": args.n,
         "max_tokens": args.max_tokens,
-        "seconds": {"raw": raw_s, "pool": pool_s},
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {'cuda' if torch.cuda.is_available() else 'cpu'}",
     }
     report(result, args.json)
@@ -87,8 +92,8 @@ def _prompts(cfg, count: int) -> list[list[int]]:
     return [fmt.token_ids(r.prompt) for r in rows[:count]]
 
 
-def _raw(cfg, prompts: list[list[int]]) -> tuple[float, float]:
-    """Tokens/s and seconds of one ``LLM.generate`` over all prompts."""
+def _raw(cfg, prompts: list[list[int]], rounds: int) -> list[float]:
+    """Tokens/s of ``LLM.generate`` over all prompts, per round."""
     from vllm import LLM, SamplingParams
 
     from async_rl.rollout.engine_args import engine_kwargs
@@ -96,17 +101,19 @@ def _raw(cfg, prompts: list[list[int]]) -> tuple[float, float]:
     llm = LLM(logprobs_mode="processed_logprobs", **engine_kwargs(cfg))
     params = SamplingParams(n=cfg.rollout.n, temperature=1.0, max_tokens=cfg.rollout.max_response_length, logprobs=0, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], params, use_tqdm=False)  # warm-up
-    t0 = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    elapsed = time.perf_counter() - t0
-    tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    rates = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        rates.append(sum(len(c.token_ids) for o in outs for c in o.outputs) / (time.perf_counter() - t0))
     llm.llm_engine.engine_core.shutdown()
     del llm
-    return tokens / elapsed, elapsed
+    return rates
 
 
-async def _pool(cfg, count: int) -> tuple[float, float, float, float]:
-    """Tokens/s and seconds through the pool, update pause and total seconds."""
+async def _pool(cfg, count: int, rounds: int) -> tuple[list[float], list[float], list[float]]:
+    """Per round: tokens/s through the pool, and the pause and total seconds of the weight
+    update sent during it."""
     import ray
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -139,32 +146,36 @@ async def _pool(cfg, count: int) -> tuple[float, float, float, float]:
         worker = RolloutWorker(settings, queue, rows, fmt.token_ids, RewardScorer(load_reward_function("exact_match")), pool.generate_fn(0))
         await worker.run(asyncio.Event(), max_groups=4)  # warm-up, same as raw
         queue.get(4, timeout=5)
-        queue.publish_version(1)
         sender.wait_for_servers(1, timeout_s=60)
-        sent: dict = {}
-        update = threading.Thread(target=_send_later, args=(sender, model, sent))
-        t0 = time.perf_counter()
-        tokens0 = worker.counters.tokens_generated
-        update.start()
-        await worker.run(asyncio.Event(), max_groups=count)
-        elapsed = time.perf_counter() - t0
-        update.join()
-        tokens = worker.counters.tokens_generated - tokens0
-    health = await pool.handle(0).health.remote()
+        rates, pauses, totals = [], [], []
+        for version in range(1, rounds + 1):
+            queue.publish_version(version)  # admits this round's groups (B = count, eta = 0)
+            sent: dict = {}
+            update = threading.Thread(target=_send_later, args=(sender, model, version, sent))
+            t0 = time.perf_counter()
+            tokens0 = worker.counters.tokens_generated
+            update.start()
+            await worker.run(asyncio.Event(), max_groups=count)
+            rates.append((worker.counters.tokens_generated - tokens0) / (time.perf_counter() - t0))
+            update.join()
+            queue.get(count, timeout=30)  # the queue holds one round
+            health = await pool.handle(0).health.remote()
+            assert health.version == version and sent["result"].ok, f"the weight update did not reach the server: {sent['result']}"
+            pauses.append(health.last_update_pause_s)
+            totals.append(sent["result"].total_s)
     await pool.shutdown()
     sender.close()
     ray.shutdown()
-    assert health.version == 1 and health.last_update_pause_s is not None, "the weight update did not reach the server"
-    return tokens / elapsed, elapsed, health.last_update_pause_s, sent["result"].total_s
+    return rates, pauses, totals
 
 
-def _send_later(sender, model, sent: dict) -> None:
+def _send_later(sender, model, version: int, sent: dict) -> None:
     """Send the weights once, a moment after generation started (an in-flight update)."""
     from async_rl.sync.buckets import tensor_specs
 
     time.sleep(0.5)
     named = list(model.named_parameters())
-    sent["result"] = sender.send(iter(named), 1, specs=tensor_specs(named))
+    sent["result"] = sender.send(iter(named), version, specs=tensor_specs(named))
 
 
 if __name__ == "__main__":

@@ -148,6 +148,10 @@ class InferenceServer:
             ignore_eos=sampling.ignore_eos,
             logprobs=0,
             output_kind=RequestOutputKind.FINAL_ONLY,
+            # No per-token detokenisation or Logprob objects in the engine's output loop
+            # (it shares the CPU with generation): the text is decoded once at the end.
+            detokenize=False,
+            flat_logprobs=True,
         )
         final = None
         if self._running == 0:
@@ -161,17 +165,21 @@ class InferenceServer:
             if self._running == 0:
                 self._busy_s += time.monotonic() - self._busy_since
         assert final is not None and final.finished, "vLLM returned no final output"
-        completions = [self._completion(c) for c in sorted(final.outputs, key=lambda c: c.index)]
+        outputs = sorted(final.outputs, key=lambda c: c.index)
+        texts = self._engine.tokenizer.batch_decode([list(c.token_ids) for c in outputs], skip_special_tokens=True)
+        completions = [self._completion(c, text) for c, text in zip(outputs, texts, strict=True)]
         self._generated += sum(len(c.token_ids) for c in completions)
         return completions
 
-    def _completion(self, out: Any) -> Completion:
+    def _completion(self, out: Any, text: str) -> Completion:
         token_ids = list(out.token_ids)
-        logprobs = [step[tok].logprob for step, tok in zip(out.logprobs, token_ids)]
+        flat = out.logprobs  # FlatLogprobs: the sampled token comes first at each position
+        logprobs = [flat.logprobs[i] for i in flat.start_indices]
+        assert [flat.token_ids[i] for i in flat.start_indices] == token_ids, "vLLM log-probs do not follow the sampled tokens"
         versions = [self._version] * len(token_ids)
         for span in out.weight_versions or []:
             versions[span.start : span.end] = [int(span.version)] * (span.end - span.start)
-        return Completion(token_ids, logprobs, versions, out.finish_reason or "stop", out.text)
+        return Completion(token_ids, logprobs, versions, out.finish_reason or "stop", text)
 
     async def set_version(self, version: int) -> None:
         """Label tokens sampled from now on with ``version`` (weight updates do this themselves)."""
