@@ -8,6 +8,7 @@ import secrets
 import signal
 import socket
 import subprocess
+import sys
 import time
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -55,6 +56,31 @@ def test_requires_generated_password_and_stops_on_exit() -> None:
     assert not data_dir.exists()  # its temporary directory is removed
     with pytest.raises(redis.ConnectionError):
         connect(f"redis://127.0.0.1:{port}/0", socket_timeout_s=1.0).ping()
+
+
+def test_redis_dies_with_a_sigkilled_owner(tmp_path: Path) -> None:
+    """A driver killed with SIGKILL cannot stop its Redis: the kernel does (PDEATHSIG)."""
+    owner = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nfrom async_rl.queue import EmbeddedRedis\n"
+         "r = EmbeddedRedis(); r.start(); print(r.pid, flush=True); time.sleep(600)"],
+        stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        pid = int(owner.stdout.readline())
+        os.kill(pid, 0)  # running
+        owner.kill()
+        owner.wait(30)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                if Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z":
+                    break  # exited; a zombie until init reaps it
+            except FileNotFoundError:
+                break  # gone
+            assert time.monotonic() < deadline, f"redis-server {pid} outlived its owner"
+            time.sleep(0.05)
+    finally:
+        owner.kill()
 
 
 def test_port_held_by_another_redis_is_an_error() -> None:
