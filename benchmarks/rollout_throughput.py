@@ -8,16 +8,17 @@ Same model, same prompts, same sampling, one run:
 * responses have a fixed length (``ignore_eos``) in both, so the numbers measure steady
   generation throughput rather than the start-up of a sub-second batch (the tiny model
   answers in 3-4 tokens, which made a 96-prompt run last under one second);
-* update: in every pool round, the weights are sent once from this process through
-  ``WeightSender`` while the pool generates; the server reports how long generation was
-  paused;
+* update: one more pool round in which the weights are sent once from this process
+  through ``WeightSender`` while the pool generates; the server reports how long
+  generation was paused (``update_pause_s``), the sender the whole update
+  (``update_total_s``), and that round's rate is ``pool_with_update_tokens_per_s``;
 * each side runs ``--rounds`` timed rounds (after a warm-up) and counts its median round,
   because these shared machines drift by tens of percent within a minute.
 
     python benchmarks/rollout_throughput.py --json benchmarks/results/rollout_throughput.json
 
 Prints a table and writes JSON with keys ``pool_tokens_per_s``, ``raw_vllm_tokens_per_s``,
-``ratio_vs_raw``, ``update_pause_s``, ``update_total_s`` (plus the settings).
+``ratio_vs_raw``, ``update_pause_s``, ``update_total_s`` (plus the rounds and settings).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=192)
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=3, help="timed rounds of each side; the median counts")
+    ap.add_argument("--rounds", type=int, default=5, help="timed rounds of each side; the median counts")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
 
@@ -66,14 +67,17 @@ def main() -> None:
     )
     prompts = _prompts(cfg, args.prompts)
     raw = _raw(cfg, prompts, args.rounds)
-    pool, pauses, totals = asyncio.run(_pool(cfg, args.prompts, args.rounds))
+    pool, with_update, pause_s, total_s = asyncio.run(_pool(cfg, args.prompts, args.rounds))
     result = {
         "pool_tokens_per_s": statistics.median(pool),
         "raw_vllm_tokens_per_s": statistics.median(raw),
         "ratio_vs_raw": statistics.median(pool) / statistics.median(raw),
-        "update_pause_s": statistics.median(pauses),
-        "update_total_s": statistics.median(totals),
-        "rounds": {"raw_tokens_per_s": raw, "pool_tokens_per_s": pool, "update_pause_s": pauses, "update_total_s": totals},
+        "update_pause_s": pause_s,
+        "update_total_s": total_s,
+        "pool_with_update_tokens_per_s": with_update,
+        "with_update_ratio_vs_raw": with_update / statistics.median(raw),
+        "rounds": {"raw_tokens_per_s": raw, "pool_tokens_per_s": pool},
+        "raw_spread": (max(raw) - min(raw)) / statistics.median(raw),  # machine noise: above ~0.2, re-run
         "prompts": args.prompts,
         "n": args.n,
         "max_tokens": args.max_tokens,
@@ -111,9 +115,9 @@ def _raw(cfg, prompts: list[list[int]], rounds: int) -> list[float]:
     return rates
 
 
-async def _pool(cfg, count: int, rounds: int) -> tuple[list[float], list[float], list[float]]:
-    """Per round: tokens/s through the pool, and the pause and total seconds of the weight
-    update sent during it."""
+async def _pool(cfg, count: int, rounds: int) -> tuple[list[float], float, float, float]:
+    """Tokens/s through the pool per round; then one more round with an in-flight weight
+    update: its tokens/s, and the update's pause and total seconds."""
     import ray
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -147,35 +151,34 @@ async def _pool(cfg, count: int, rounds: int) -> tuple[list[float], list[float],
         await worker.run(asyncio.Event(), max_groups=4)  # warm-up, same as raw
         queue.get(4, timeout=5)
         sender.wait_for_servers(1, timeout_s=60)
-        rates, pauses, totals = [], [], []
-        for version in range(1, rounds + 1):
+        rates = []
+        for version in range(1, rounds + 2):
             queue.publish_version(version)  # admits this round's groups (B = count, eta = 0)
             sent: dict = {}
-            update = threading.Thread(target=_send_later, args=(sender, model, version, sent))
+            update = threading.Thread(target=_send_later, args=(sender, model, sent))
             t0 = time.perf_counter()
             tokens0 = worker.counters.tokens_generated
-            update.start()
+            if version > rounds:  # the last round: one in-flight update
+                update.start()
             await worker.run(asyncio.Event(), max_groups=count)
             rates.append((worker.counters.tokens_generated - tokens0) / (time.perf_counter() - t0))
-            update.join()
             queue.get(count, timeout=30)  # the queue holds one round
-            health = await pool.handle(0).health.remote()
-            assert health.version == version and sent["result"].ok, f"the weight update did not reach the server: {sent['result']}"
-            pauses.append(health.last_update_pause_s)
-            totals.append(sent["result"].total_s)
+        update.join()
+        health = await pool.handle(0).health.remote()
+        assert health.version == 1 and sent["result"].ok, f"the weight update did not reach the server: {sent['result']}"
     await pool.shutdown()
     sender.close()
     ray.shutdown()
-    return rates, pauses, totals
+    return rates[:-1], rates[-1], health.last_update_pause_s, sent["result"].total_s
 
 
-def _send_later(sender, model, version: int, sent: dict) -> None:
-    """Send the weights once, a moment after generation started (an in-flight update)."""
+def _send_later(sender, model, sent: dict) -> None:
+    """Send the weights once as version 1, a moment after generation started (in flight)."""
     from async_rl.sync.buckets import tensor_specs
 
     time.sleep(0.5)
     named = list(model.named_parameters())
-    sent["result"] = sender.send(iter(named), version, specs=tensor_specs(named))
+    sent["result"] = sender.send(iter(named), 1, specs=tensor_specs(named))
 
 
 if __name__ == "__main__":
