@@ -154,11 +154,11 @@ async def _pool(cfg, count: int, rounds: int) -> tuple[list[float], float, float
         rates = []
         for version in range(1, rounds + 2):
             queue.publish_version(version)  # admits this round's groups (B = count, eta = 0)
-            sent: dict = {}
-            update = threading.Thread(target=_send_later, args=(sender, model, sent))
             t0 = time.perf_counter()
             tokens0 = worker.counters.tokens_generated
             if version > rounds:  # the last round: one in-flight update
+                sent: dict = {}
+                update = threading.Thread(target=_send_later, args=(sender, model, sent))
                 update.start()
             await worker.run(asyncio.Event(), max_groups=count)
             rates.append((worker.counters.tokens_generated - tokens0) / (time.perf_counter() - t0))

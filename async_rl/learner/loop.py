@@ -65,8 +65,9 @@ class LearnerLoop:
     ``redis_url`` is the replay queue's; ``publisher`` (rank 0 only; None = no inference
     servers to update) receives the weights every ``sync.every`` steps; the servers load them
     while the learner goes on with the next step, and the version is published for admission
-    once every server acknowledged it (at the latest before the learner waits for data). Rank 0 appends one JSON line per step to
-    ``{output_dir}/learner_steps.jsonl`` (version, entry ids, metrics).
+    once every server acknowledged it (at the latest before the learner waits for data).
+    Rank 0 appends one JSON line per step to ``{output_dir}/learner_steps.jsonl`` (version,
+    entry ids, metrics).
     """
 
     def __init__(

@@ -17,9 +17,10 @@ import logging
 import time
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import torch
+import torch.distributed as dist
 
 from async_rl.sync.buckets import Bucket, TensorSpec, bucket_in_place, iter_bucket_tensors, pack_bucket, plan_buckets
 from async_rl.sync.control import (
@@ -140,7 +141,7 @@ def stream_buckets(
     Every tensor of a bucket stays referenced until its broadcast finished.
     """
     staging: list[torch.Tensor | None] = [None, None]
-    previous: tuple[Any, ...] | None = None
+    previous: tuple[dist.Work, torch.Tensor, list[torch.Tensor]] | None = None  # work, its bytes, their tensors
     nbytes = 0
     for i, (bucket, tensors) in enumerate(iter_bucket_tensors(named_tensors, specs, buckets)):
         data = bucket_in_place(bucket, specs, tensors, group.device)
