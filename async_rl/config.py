@@ -104,9 +104,15 @@ class RewardConfig:
     """How samples are scored."""
 
     function: str = "exact_match"
-    """Built-in name (``exact_match``, ``math``, ``format``) or ``path/to/file.py:function`` with EasyR1's batch interface."""
-    fallback_reward: float = 0.0
-    """Reward given to a sample whose reward function raised (the sample also carries the error)."""
+    """Built-in name (``exact_match``, ``math``, ``format``) or ``path/to/file.py:function`` with EasyR1's interface (see ``type``)."""
+    type: Literal["batch", "sequential"] = "batch"
+    """EasyR1's ``reward_type``: ``batch`` calls ``fn(list of dicts, **kwargs) -> list of dicts``; ``sequential`` calls ``fn(dict, **kwargs) -> dict`` once per sample."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments passed to every call of the function (EasyR1's ``reward_function_kwargs``), e.g. ``{max_response_length: 256}``."""
+    num_workers: int = 2
+    """Processes of the reward pool on each rollout host; a call runs in one of them, so a hung or crashing function never blocks generation."""
+    timeout_s: float = 60.0
+    """Longest one reward call may take, seconds; the process is then killed and replaced and the call's samples get the error (their group is not trained)."""
     dynamic_sampling: bool = False
     """DAPO dynamic sampling: drop (and count) groups whose rewards are all equal."""
     overlong_penalty: OverlongPenaltyConfig = field(default_factory=OverlongPenaltyConfig)
@@ -231,8 +237,8 @@ class LearnerConfig:
 class AdvantageConfig:
     """Advantage estimator (see docs/algorithms.md)."""
 
-    name: str = "grpo"
-    """Estimator: grpo, rloo, reinforce_pp, reinforce_pp_baseline, grpo_passk, opo, gae."""
+    name: Literal["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "grpo_passk", "opo", "gae"] = "grpo"
+    """Estimator (``gae`` needs a critic, which the learner does not train yet)."""
     norm_by_std: bool = True
     """GRPO: divide by the group's standard deviation (false gives Dr. GRPO)."""
     eps: float = 1e-6
@@ -250,8 +256,8 @@ class LossConfig:
     ``async_rl.algos.losses.compute(config=...)`` reads these fields by name.
     """
 
-    name: str = "decoupled_ppo"
-    """Policy loss: ppo, decoupled_ppo, tis, gspo, cispo."""
+    name: Literal["ppo", "decoupled_ppo", "tis", "gspo", "cispo"] = "decoupled_ppo"
+    """Policy loss."""
     clip_low: float = 0.2
     """Lower clip range: the ratio is clipped at 1 - clip_low."""
     clip_high: float = 0.2
@@ -304,6 +310,8 @@ class SyncConfig:
     """Collective backend; ``auto`` is NCCL on GPU and gloo on CPU."""
     timeout_s: float = 300.0
     """Timeout of one weight update (announcement, broadcast, acknowledgement), seconds."""
+    max_lag_s: float = 600.0
+    """A server that has not held the learner's current version for this long (seconds) is restarted and caught up."""
 
 
 @dataclass
@@ -328,6 +336,8 @@ class TrainerConfig:
     """Samples per validation prompt for mean@n and pass@k (besides one greedy sample)."""
     seed: int = 1
     """Seed of the learner and samplers."""
+    stall_timeout_s: float = 900.0
+    """Exit 1, saying what each side waits for, when neither a group is generated nor a learner step taken for this long (seconds)."""
 
 
 @dataclass
@@ -446,6 +456,8 @@ def _check_path(dotted: str) -> None:
         if part not in fields:
             _unknown_key(".".join(parts[:i]), part, list(fields))
         ftype = _field_types(cls)[part]
+        if typing.get_origin(ftype) is dict:  # free-form mapping: any key below it
+            return
         if not _is_dataclass_type(ftype):
             if i != len(parts) - 1:
                 raise ConfigError(f"{'.'.join(parts[: i + 1])} is a value, not a section: cannot set {dotted}")
@@ -495,6 +507,10 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ConfigError(f"{key}={value!r} is not allowed{hint}; expected one of {', '.join(map(repr, choices))}")
         return value
+    if origin is dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            _wrong_type(key, value, "mapping with string keys")
+        return dict(value)
     if origin is list:
         if not isinstance(value, (list, tuple)):
             _wrong_type(key, value, _type_name(tp))
@@ -541,6 +557,8 @@ def _type_name(tp: Any) -> str:
         return " | ".join(repr(a) for a in args)
     if origin is list:
         return f"list[{_type_name(args[0])}]"
+    if origin is dict:
+        return "mapping"
     return getattr(tp, "__name__", str(tp))
 
 
@@ -590,7 +608,11 @@ def validate(cfg: Config) -> None:
     need(loss.is_cap is None or loss.is_cap >= 1, f"algorithm.loss.is_cap={loss.is_cap} must be >= 1 (or null for no truncation)")
     need(loss.kl_coef >= 0, f"algorithm.loss.kl_coef={loss.kl_coef} must be >= 0")
     need(cfg.queue.timeout_s > 0 and cfg.sync.timeout_s > 0, f"queue.timeout_s={cfg.queue.timeout_s} and sync.timeout_s={cfg.sync.timeout_s} must be > 0")
-    need(math.isfinite(cfg.rollout.reward.fallback_reward), f"rollout.reward.fallback_reward={cfg.rollout.reward.fallback_reward} must be finite")
+    need(r.reward.num_workers >= 1, f"rollout.reward.num_workers={r.reward.num_workers} must be >= 1")
+    need(r.reward.timeout_s > 0, f"rollout.reward.timeout_s={r.reward.timeout_s} must be > 0")
+    need(cfg.sync.max_lag_s > 0, f"sync.max_lag_s={cfg.sync.max_lag_s} must be > 0")
+    need(cfg.trainer.stall_timeout_s > 0, f"trainer.stall_timeout_s={cfg.trainer.stall_timeout_s} must be > 0")
+    need(alg.advantage.name != "gae", "algorithm.advantage.name='gae' needs a critic, which the learner does not train yet; use grpo, rloo, reinforce_pp, ...")
 
     # Cross-field rules: name both keys.
     need(

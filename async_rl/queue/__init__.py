@@ -5,6 +5,10 @@ See docs/queue.md for semantics, durability and the Redis key layout.
 
 from async_rl.queue.client import QueueUnavailableError
 from async_rl.queue.embedded import EmbeddedRedis, RedisNotInstalledError
-from async_rl.queue.replay import ReplayQueue
+from async_rl.queue.admission import Reconciled, Ticket
+from async_rl.queue.replay import Check, Drop, ReplayQueue, ScreenReport, Staleness, TicketEndedError
 
-__all__ = ["EmbeddedRedis", "QueueUnavailableError", "RedisNotInstalledError", "ReplayQueue"]
+__all__ = [
+    "Check", "Drop", "EmbeddedRedis", "QueueUnavailableError", "Reconciled", "RedisNotInstalledError", "ReplayQueue",
+    "ScreenReport", "Staleness", "Ticket", "TicketEndedError",
+]

@@ -1,40 +1,128 @@
-"""The admission/staleness ledger: policy version, AReaL admission, dataset cursor.
+"""The admission ledger: policy version, AReaL admission, prompt claims, reconciliation.
 
-All state is in the run's ``counters`` hash so every producer and learner process shares
-it; each operation is a single atomic Redis command or Lua script.
+It is the one owner of the run's shared counters in Redis (``counters`` hash) and of the
+prompt bookkeeping (``inflight`` hash, ``returned`` list). A group's life, as seen here:
+
+1. :meth:`AdmissionLedger.admit` checks AReaL's rule, counts the group as started and
+   claims a prompt index (a returned one first, else the next of the cursor), all in one
+   script, and hands out a :class:`Ticket`. The index is recorded in ``inflight``.
+2. The ticket ends exactly once: *enqueued* (the queue's put script appends the group and
+   clears the ``inflight`` record atomically) or *abandoned* (:meth:`abandon`: the slot is
+   released; the prompt either goes back to ``returned``, to be served first, or is done).
+3. The learner drops a group it reads but will not train (stale, malformed, failed
+   reward): :meth:`drop_script` acknowledges, counts and releases in one transaction.
+4. On every start, :meth:`reconcile` rebuilds the ledger from what is really there: prompts
+   still recorded in flight (their worker is gone) are returned, and ``groups_started``
+   becomes ``version * B + entries in the stream``.
+
+So ``groups_started = trained groups (version * B) + groups in the stream + groups in
+flight`` at all times, and a crash or stop neither skips nor repeats a prompt.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import redis
 
 from async_rl.queue.keys import RunKeys
 
-__all__ = ["AdmissionLedger"]
+__all__ = ["AdmissionLedger", "Reconciled", "Ticket"]
 
-# AReaL's rule: start a group only while groups_started < (v + eta + 1) * B. Checking and
-# incrementing in one script makes it exact however many producers race.
+# KEYS: counters, inflight, returned. ARGV: B, eta, owner.
+# AReaL's rule: start a group only while groups_started < (v + eta + 1) * B. Checking,
+# counting and claiming in one script makes it exact however many producers race, and
+# leaves no moment where a slot is counted without its prompt being recorded.
 _ADMIT_LUA = """
 local v = tonumber(redis.call('HGET', KEYS[1], 'version') or '0')
 local started = tonumber(redis.call('HGET', KEYS[1], 'groups_started') or '0')
-if started < (v + tonumber(ARGV[2]) + 1) * tonumber(ARGV[1]) then
-  redis.call('HINCRBY', KEYS[1], 'groups_started', 1)
-  return 1
+if started >= (v + tonumber(ARGV[2]) + 1) * tonumber(ARGV[1]) then
+  return false
 end
-return 0
+redis.call('HINCRBY', KEYS[1], 'groups_started', 1)
+local index = redis.call('LPOP', KEYS[3])
+if not index then
+  index = redis.call('HINCRBY', KEYS[1], 'prompt_cursor', 1) - 1
+end
+local claim = redis.call('HINCRBY', KEYS[1], 'tickets', 1) .. ' ' .. ARGV[3]
+redis.call('HSET', KEYS[2], index, claim)
+return {tonumber(index), claim}
+"""
+
+# KEYS: counters, inflight, returned. ARGV: index, claim, return the prompt (1/0).
+# The inflight record is the ticket's proof of life: only the first end releases, and a
+# ticket of a killed run (its prompt claimed again since) cannot end the new claim.
+_ABANDON_LUA = """
+if redis.call('HGET', KEYS[2], ARGV[1]) ~= ARGV[2] then
+  return 0
+end
+redis.call('HDEL', KEYS[2], ARGV[1])
+redis.call('HINCRBY', KEYS[1], 'groups_started', -1)
+if ARGV[3] == '1' then
+  redis.call('RPUSH', KEYS[3], ARGV[1])
+end
+return 1
+"""
+
+# KEYS: counters, inflight, returned, rollouts. ARGV: version, B.
+_RECONCILE_LUA = """
+local orphans = redis.call('HKEYS', KEYS[2])
+table.sort(orphans, function(a, b) return tonumber(a) < tonumber(b) end)
+for _, index in ipairs(orphans) do
+  redis.call('RPUSH', KEYS[3], index)
+end
+redis.call('DEL', KEYS[2])
+local before = tonumber(redis.call('HGET', KEYS[1], 'groups_started') or '0')
+local queued = redis.call('XLEN', KEYS[4])
+local started = tonumber(ARGV[1]) * tonumber(ARGV[2]) + queued
+redis.call('HSET', KEYS[1], 'groups_started', started, 'version', ARGV[1])
+return {#orphans, queued, before, started, redis.call('LLEN', KEYS[3])}
 """
 
 
+@dataclass(frozen=True)
+class Ticket:
+    """One admitted group: its admission slot and its claimed prompt index.
+
+    End it exactly once: ``ReplayQueue.put(group, ticket)`` or ``ReplayQueue.abandon``.
+    """
+
+    index: int
+    """Global prompt index (the dataset cursor's position; epochs continue the count)."""
+    claim: str
+    """``"<ticket number> <owner>"``: the ``inflight`` record that proves the ticket is open."""
+
+
+@dataclass(frozen=True)
+class Reconciled:
+    """What :meth:`AdmissionLedger.reconcile` found and set."""
+
+    returned: int
+    """Prompts that were claimed but never enqueued (now first in line)."""
+    queued: int
+    """Entries in the stream (waiting or pending)."""
+    groups_started_before: int
+    groups_started: int
+    returned_waiting: int
+    """Length of the returned-prompts list after reconciling."""
+
+
 class AdmissionLedger:
-    """Shared counters of one run, read and updated atomically in Redis."""
+    """Shared counters and prompt claims of one run, read and updated atomically in Redis."""
 
     def __init__(self, client: redis.Redis, keys: RunKeys) -> None:
         self._client = client
         self._keys = keys
         self._admit = client.register_script(_ADMIT_LUA)
+        self._abandon = client.register_script(_ABANDON_LUA)
+        self._reconcile = client.register_script(_RECONCILE_LUA)
+
+    @property
+    def _claim_keys(self) -> list[str]:
+        return [self._keys.counters, self._keys.inflight, self._keys.returned]
 
     def publish_version(self, version: int) -> None:
-        """Record ``version`` as the policy version whose weights reached the servers."""
+        """Record ``version`` as the policy version whose weights reached every server."""
         if version < 0:
             raise ValueError(f"policy version must be >= 0, got {version}")
         self._client.hset(self._keys.counters, "version", version)
@@ -43,16 +131,30 @@ class AdmissionLedger:
         """The last published policy version (0 before any publish)."""
         return int(self._client.hget(self._keys.counters, "version") or 0)
 
-    def try_admit(self, batch_size: int, max_staleness: int) -> bool:
-        """Count one more started group if the AReaL rule allows it; ``True`` if so."""
+    def admit(self, batch_size: int, max_staleness: int, owner: str) -> Ticket | None:
+        """A :class:`Ticket` if AReaL's rule lets one more group start, else None.
+
+        ``owner`` (e.g. ``server-0/worker-1``) is recorded with the claimed prompt, for
+        ``redis-cli`` readers and diagnostics."""
         if batch_size <= 0 or max_staleness < 0:
             raise ValueError("need batch_size > 0 and max_staleness >= 0")
-        return bool(self._admit(keys=[self._keys.counters], args=[batch_size, max_staleness]))
+        admitted = self._admit(keys=self._claim_keys, args=[batch_size, max_staleness, owner])
+        return None if admitted is None else Ticket(int(admitted[0]), admitted[1].decode())
 
-    def release(self) -> None:
-        """Undo one successful :meth:`try_admit` (the group will never reach the queue)."""
-        self._client.hincrby(self._keys.counters, "groups_started", -1)
+    def abandon(self, ticket: Ticket, *, return_prompt: bool) -> bool:
+        """End ``ticket`` without a group: release its slot; with ``return_prompt`` its prompt
+        is served again before new ones (a stop, a failure), else it counts as done (a
+        filtered or overlong prompt). Returns False if the ticket had already ended
+        (nothing changes then)."""
+        done = self._abandon(keys=self._claim_keys, args=[ticket.index, ticket.claim, int(return_prompt)])
+        return bool(done)
 
-    def next_prompt_index(self) -> int:
-        """Claim the next dataset index (0, 1, 2, ...) for this process, durably."""
-        return int(self._client.hincrby(self._keys.counters, "prompt_cursor", 1)) - 1
+    def reconcile(self, version: int, batch_size: int) -> Reconciled:
+        """Rebuild the ledger at a start (no producer may be running): return every prompt
+        still recorded in flight, set ``version`` and ``groups_started = version * B +
+        stream length``. Call after the learner resumed (its checkpoint's entries are then
+        committed and gone from the stream)."""
+        if version < 0 or batch_size <= 0:
+            raise ValueError("need version >= 0 and batch_size > 0")
+        found = self._reconcile(keys=[*self._claim_keys, self._keys.rollouts], args=[version, batch_size])
+        return Reconciled(*(int(x) for x in found))

@@ -17,7 +17,11 @@ class RunKeys:
     - ``rollouts``: stream of unacknowledged encoded groups (acked entries are deleted).
     - ``dead``: stream of undecodable entries (fields ``id``, ``reason``, ``raw``).
     - ``counters``: hash of integers shared by every process: ``version``,
-      ``groups_started``, ``prompt_cursor``, ``dropped_stale``, ``dead_lettered``.
+      ``groups_started``, ``prompt_cursor``, ``dropped_stale``, ``dead_lettered``,
+      ``dropped_<reason>`` (groups the learner read but would not train).
+    - ``inflight``: hash ``prompt index -> "<ticket number> <owner>"`` of admitted groups
+      not yet enqueued (``counters.tickets`` numbers the tickets).
+    - ``returned``: list of prompt indices claimed but never enqueued, served first.
     - ``staleness``: hash ``staleness (versions) -> groups read``.
     - ``last_put(producer)``: ``"<seq> <entry id>"`` of a producer's last put, expiring
       a minute after its retries end (makes retried puts idempotent).
@@ -36,6 +40,14 @@ class RunKeys:
     @property
     def counters(self) -> str:
         return f"{self.run}:counters"
+
+    @property
+    def inflight(self) -> str:
+        return f"{self.run}:inflight"
+
+    @property
+    def returned(self) -> str:
+        return f"{self.run}:returned"
 
     @property
     def staleness(self) -> str:

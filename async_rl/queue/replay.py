@@ -20,24 +20,27 @@ import socket
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar, cast
 
 import redis
 
-from async_rl.queue.admission import AdmissionLedger
+from async_rl.queue.admission import AdmissionLedger, Reconciled, Ticket
 from async_rl.queue.client import attempts, connect, redact, retrying
 from async_rl.queue.keys import CONSUMER_GROUP, PAYLOAD_FIELD, RunKeys
 from async_rl.records import RecordDecodeError, RolloutGroup, decode, encode
 
-__all__ = ["ReplayQueue"]
+__all__ = ["Check", "Drop", "ReplayQueue", "ScreenReport", "Staleness", "TicketEndedError"]
 
 T = TypeVar("T")
 Entry = tuple[str, RolloutGroup]
 RawEntry = tuple[bytes, dict[bytes, bytes]]  # (entry id, fields) as redis-py returns them
 StreamReply = list[tuple[bytes, list[RawEntry]]]  # XREADGROUP: [(stream, entries)]
 
-# Check depth and append in one script, so racing producers cannot overshoot max_depth.
+# Check depth and append in one script, so racing producers cannot overshoot max_depth;
+# the append ends the group's ticket (KEYS[3] = inflight, ARGV[7] = its prompt index,
+# ARGV[8] = its claim; '' for a put outside admission).
 # KEYS[2] remembers this producer's last put as "<seq> <entry id>": a put retried after
 # its reply was lost (same seq) returns the first entry id instead of appending twice.
 _PUT_LUA = """
@@ -48,16 +51,68 @@ if last then
     return string.sub(last, sep + 1)
   end
 end
+if ARGV[7] ~= '' and redis.call('HGET', KEYS[3], ARGV[7]) ~= ARGV[8] then
+  return redis.error_reply('TICKET_ENDED')
+end
 local pending = redis.call('XPENDING', KEYS[1], ARGV[2])[1]
 if redis.call('XLEN', KEYS[1]) - pending >= tonumber(ARGV[1]) then
   return false
 end
 local id = redis.call('XADD', KEYS[1], '*', ARGV[3], ARGV[4])
+if ARGV[7] ~= '' then
+  redis.call('HDEL', KEYS[3], ARGV[7])
+end
 redis.call('SET', KEYS[2], ARGV[5] .. ' ' .. id, 'EX', ARGV[6])
 return id
 """
 
 _CLAIM_BATCH = 100  # pending entries examined per round trip
+
+
+class TicketEndedError(RuntimeError):
+    """A put with a ticket that had already ended (abandoned, or reconciled at a restart)."""
+
+
+@dataclass(frozen=True)
+class Staleness:
+    """The consumer's staleness rule (ARCHITECTURE.md): a group more than
+    ``max_staleness`` versions behind the consumer's ``version`` is not trained."""
+
+    version: int
+    max_staleness: int
+
+
+@dataclass(frozen=True)
+class Drop:
+    """Why a consumer will not train a group (from a :data:`Check`)."""
+
+    reason: str
+    """Short name; counted as ``dropped_<reason>`` (or dead-lettered with it)."""
+    detail: str
+    dead_letter: bool = False
+    """Malformed data (e.g. token ids outside the vocabulary): keep it in the dead-letter stream."""
+
+
+Check = Callable[[RolloutGroup], "Drop | None"]
+"""A consumer's per-group validation: None keeps the group."""
+
+
+@dataclass
+class ScreenReport:
+    """What one read screened, in order: for "every group dropped" detection."""
+
+    kept: int = 0
+    dropped: Counter[str] = field(default_factory=Counter)
+    trailing_dropped: int = 0
+    """Entries dropped after the last kept one (all of them if none was kept)."""
+
+    def note(self, reason: str | None) -> None:
+        if reason is None:
+            self.kept += 1
+            self.trailing_dropped = 0
+        else:
+            self.dropped[reason] += 1
+            self.trailing_dropped += 1
 
 
 class ReplayQueue:
@@ -102,6 +157,8 @@ class ReplayQueue:
         # Dedup state is per instance: a restart that reuses `consumer` starts afresh.
         self._last_put_key = self.keys.last_put(f"{self.consumer}.{secrets.token_hex(4)}")
         self._put_seq = itertools.count()
+        self.last_screen = ScreenReport()
+        """What the latest :meth:`get` or :meth:`recover` screened."""
         self._call("create consumer group", self._create_group)
 
     def _call(self, what: str, op: Callable[[], T], deadline: float | None = None) -> T:
@@ -119,64 +176,77 @@ class ReplayQueue:
 
     # -- producer side -------------------------------------------------------------
 
-    def put(self, group: RolloutGroup, timeout: float = 30.0) -> str:
-        """Append ``group``; block while depth >= ``max_depth``. Returns the entry id.
+    def put(self, group: RolloutGroup, ticket: Ticket | None = None, timeout: float = 30.0) -> str:
+        """Append ``group`` and end its ``ticket``; block while depth >= ``max_depth``.
+        Returns the entry id. Without a ticket the group bypasses admission (tests,
+        replaying recorded groups): rollout workers always pass theirs.
 
-        Raises ``TimeoutError`` if the queue stays full for ``timeout`` seconds, and
-        ``QueueUnavailableError`` if Redis stays unreachable that long. When ``put``
-        returns, the group is in Redis's AOF (fsynced under ``appendfsync always``).
-        Retries after connection loss never append the group twice.
+        Raises ``TimeoutError`` if the queue stays full for ``timeout`` seconds (the ticket
+        is still open: retry or abandon it), ``TicketEndedError`` if the ticket already
+        ended (abandoned, or reconciled by a later start), and ``QueueUnavailableError``
+        if Redis stays unreachable that long. When ``put`` returns, the group is in Redis's
+        AOF (fsynced under ``appendfsync always``). Retries after connection loss never
+        append the group twice.
         """
         data = encode(group)
         deadline = time.monotonic() + timeout
-        keys = [self.keys.rollouts, self._last_put_key]
+        keys = [self.keys.rollouts, self._last_put_key, self.keys.inflight]
         # The dedup record only has to outlive this call's retries.
         ttl_s = int(timeout) + 60
         args: list[bytes | str | int] = [
-            self.max_depth, CONSUMER_GROUP, PAYLOAD_FIELD, data, next(self._put_seq), ttl_s
+            self.max_depth, CONSUMER_GROUP, PAYLOAD_FIELD, data, next(self._put_seq), ttl_s,
+            "" if ticket is None else ticket.index, "" if ticket is None else ticket.claim,
         ]
+
+        def put_once() -> Any:
+            try:
+                return self._put_script(keys=keys, args=args)
+            except redis.ResponseError as exc:
+                if "TICKET_ENDED" in str(exc):
+                    raise TicketEndedError(f"prompt {ticket.index if ticket else '?'}: its ticket already ended; "
+                                           f"group {group.group_id} not put") from None
+                raise
+
         for _ in attempts(deadline, first_s=0.001, cap_s=0.05):
-            entry_id = self._call(
-                "put", lambda: self._put_script(keys=keys, args=args), deadline
-            )
+            entry_id = self._call("put", put_once, deadline)
             if entry_id is not None:
                 return str(entry_id, "ascii")
         raise TimeoutError(f"replay queue {self.run!r} stayed at max_depth={self.max_depth} "
                            f"for {timeout} s: is the learner consuming?")
 
     def publish_version(self, version: int) -> None:
-        """Announce the policy version whose weights have reached the servers."""
+        """Announce the policy version whose weights have reached every server."""
         self._call("publish_version", lambda: self._ledger.publish_version(version))
 
-    def try_admit(self, batch_size: int, max_staleness: int) -> bool:
-        """AReaL admission: may a producer start one more group? Atomic across processes."""
-        return bool(
-            self._call("try_admit", lambda: self._ledger.try_admit(batch_size, max_staleness))
-        )
+    def admit(self, batch_size: int, max_staleness: int, owner: str) -> Ticket | None:
+        """AReaL admission and a prompt claim (:meth:`AdmissionLedger.admit`): a ticket to
+        end with :meth:`put` or :meth:`abandon`, or None while the rule holds producers back."""
+        return self._call("admit", lambda: self._ledger.admit(batch_size, max_staleness, owner))
 
-    def release_admission(self) -> None:
-        """Give back one admission slot: a group admitted by :meth:`try_admit` that will
-        never be put (filtered, or its generation failed for good)."""
-        self._call("release_admission", self._ledger.release)
+    def abandon(self, ticket: Ticket, *, return_prompt: bool) -> bool:
+        """End ``ticket`` without a group (:meth:`AdmissionLedger.abandon`)."""
+        return bool(self._call("abandon", lambda: self._ledger.abandon(ticket, return_prompt=return_prompt)))
 
-    def next_prompt_index(self) -> int:
-        """The next dataset index, unique across all producers and restarts."""
-        return int(self._call("next_prompt_index", self._ledger.next_prompt_index))
+    def reconcile(self, version: int, batch_size: int) -> Reconciled:
+        """Rebuild the ledger at a start, before any producer runs (:meth:`AdmissionLedger.reconcile`)."""
+        return self._call("reconcile", lambda: self._ledger.reconcile(version, batch_size))
 
     # -- consumer side -------------------------------------------------------------
 
-    def get(self, n: int, max_staleness: int | None = None, timeout: float = 30.0) -> list[Entry]:
+    def get(self, n: int, staleness: Staleness | None = None, timeout: float = 30.0, check: Check | None = None) -> list[Entry]:
         """Up to ``n`` groups for this consumer, as ``(entry_id, group)``.
 
         Waits up to ``timeout`` seconds for ``n``; returns what it has then (maybe none).
-        Groups more than ``max_staleness`` versions behind the published version are
-        counted in ``dropped_stale``, acknowledged and skipped; undecodable entries go to
-        the dead-letter stream. Returned entries stay pending until :meth:`commit`.
+        Every entry read is screened (:meth:`_screen`): undecodable ones and those ``check``
+        dead-letters go to the dead-letter stream, stale ones (``staleness``) and those
+        ``check`` rejects are dropped; both are acknowledged, counted and give their
+        admission slot back at once. Returned entries stay pending until :meth:`commit`.
         """
         if n <= 0:
             raise ValueError(f"n must be > 0, got {n}")
         deadline = time.monotonic() + timeout
         out: list[Entry] = []
+        report = ScreenReport()
         while True:
             block_s = min(max(deadline - time.monotonic(), 0.0), self._block_slice_s)
             read = partial(
@@ -185,8 +255,9 @@ class ReplayQueue:
             )
             reply = cast(StreamReply, self._call("get", read, deadline))
             if reply:
-                out.extend(self._screen(reply[0][1], max_staleness))
+                out.extend(self._screen(reply[0][1], staleness, check, report))
             if len(out) >= n or time.monotonic() >= deadline:
+                self.last_screen = report
                 return out
 
     def commit(self, entry_ids: Iterable[str]) -> int:
@@ -212,8 +283,9 @@ class ReplayQueue:
 
     def recover(
         self,
-        max_staleness: int | None = None,
+        staleness: Staleness | None = None,
         *,
+        check: Check | None = None,
         min_idle_s: float | None = None,
         include_own: bool = False,
     ) -> list[Entry]:
@@ -230,7 +302,10 @@ class ReplayQueue:
         entries = self._call("recover", lambda: self._claim_idle(idle_ms))
         if include_own:
             entries = self._call("recover own", self._own_pending) + entries
-        return self._screen(entries, max_staleness)
+        report = ScreenReport()
+        kept = self._screen(entries, staleness, check, report)
+        self.last_screen = report
+        return kept
 
     def _claim_idle(self, idle_ms: int) -> list[RawEntry]:
         claimed: list[RawEntry] = []
@@ -260,13 +335,16 @@ class ReplayQueue:
         return own
 
     def _screen(
-        self, entries: Sequence[RawEntry], max_staleness: int | None
+        self, entries: Sequence[RawEntry], staleness: Staleness | None, check: Check | None, report: ScreenReport
     ) -> list[Entry]:
-        """Decode entries; dead-letter the undecodable, drop the stale, record staleness."""
-        version = self._call("read version", self._ledger.version)
+        """Decode entries; keep the trainable ones, drop the rest (the one release path).
+
+        An entry is dead-lettered when it does not decode or ``check`` says so, dropped as
+        ``stale`` when ``staleness`` says so, dropped under ``check``'s reason otherwise.
+        """
         keep: list[Entry] = []
         dead: list[tuple[bytes, str, bytes]] = []
-        stale: list[bytes] = []
+        dropped: dict[str, list[bytes]] = {}
         histogram: Counter[int] = Counter()
         for entry_id, fields in entries:
             raw = fields.get(PAYLOAD_FIELD)
@@ -276,32 +354,46 @@ class ReplayQueue:
                 group = decode(raw)
             except RecordDecodeError as exc:
                 dead.append((entry_id, str(exc), raw or b""))
+                report.note("dead_lettered")
                 continue
-            staleness = version - group.behaviour_version
-            histogram[staleness] += 1
-            if max_staleness is not None and staleness > max_staleness:
-                stale.append(entry_id)
-            else:
+            drop: Drop | None = None
+            if staleness is not None:
+                behind = staleness.version - group.behaviour_version
+                histogram[behind] += 1
+                if behind > staleness.max_staleness:
+                    drop = Drop("stale", f"{behind} versions behind {staleness.version} > max_staleness={staleness.max_staleness}")
+            if drop is None and check is not None:
+                drop = check(group)
+            if drop is None:
                 keep.append((entry_id.decode(), group))
-        if histogram or dead:
-            self._call("record screening", lambda: self._record(histogram, dead, stale))
+                report.note(None)
+            elif drop.dead_letter:
+                dead.append((entry_id, f"{drop.reason}: {drop.detail}", raw))
+                report.note(drop.reason)
+            else:
+                dropped.setdefault(drop.reason, []).append(entry_id)
+                report.note(drop.reason)
+        if histogram or dead or dropped:
+            self._call("record screening", lambda: self._record(histogram, dead, dropped))
         return keep
 
     def _record(
-        self, histogram: Counter[int], dead: list[tuple[bytes, str, bytes]], stale: list[bytes]
+        self, histogram: Counter[int], dead: list[tuple[bytes, str, bytes]], dropped: dict[str, list[bytes]]
     ) -> None:
-        pipe = self._client.pipeline()  # MULTI/EXEC: counters and acks apply together
-        for staleness, count in histogram.items():
-            pipe.hincrby(self.keys.staleness, str(staleness), count)
+        pipe = self._client.pipeline()  # MULTI/EXEC: counters, acks and releases apply together
+        for behind, count in histogram.items():
+            pipe.hincrby(self.keys.staleness, str(behind), count)
         for entry_id, reason, raw in dead:
             pipe.xadd(self.keys.dead, {"id": entry_id, "reason": reason, "raw": raw},
                       maxlen=self.dead_maxlen, approximate=True)
-        pipe.hincrby(self.keys.counters, "dead_lettered", len(dead))
-        pipe.hincrby(self.keys.counters, "dropped_stale", len(stale))
-        removed = [entry_id for entry_id, _, _ in dead] + stale
+        if dead:
+            pipe.hincrby(self.keys.counters, "dead_lettered", len(dead))
+        for reason, ids in dropped.items():
+            pipe.hincrby(self.keys.counters, f"dropped_{reason}", len(ids))
+        removed = [entry_id for entry_id, _, _ in dead] + [i for ids in dropped.values() for i in ids]
         if removed:
             self._ack_delete(pipe, removed)
-            # Their admission slots go back, or producers would stop short of the next batch.
+            # Their admission slots go back: these groups will never be trained.
             pipe.hincrby(self.keys.counters, "groups_started", -len(removed))
         pipe.execute()
 
@@ -311,9 +403,11 @@ class ReplayQueue:
         """Queue health, shared by all processes.
 
         ``depth`` (waiting groups), ``pending`` (read, not committed), ``dead_lettered``,
-        ``dropped_stale``, ``staleness_histogram`` ({versions behind: groups read}),
-        ``oldest_age_s`` (seconds since the oldest uncommitted group was put; 0 if none),
-        ``version``, ``groups_started``, ``prompt_cursor``.
+        ``dropped_stale``, ``dropped`` ({reason: groups the learner dropped}),
+        ``staleness_histogram`` ({versions behind: groups read}), ``oldest_age_s`` (seconds
+        since the oldest uncommitted group was put; 0 if none), ``version``,
+        ``groups_started``, ``prompt_cursor``, ``inflight`` (admitted groups not yet
+        enqueued), ``returned_prompts`` (claimed prompts waiting to be served again).
         """
         def read() -> list[Any]:
             pipe = self._client.pipeline(transaction=False)
@@ -322,10 +416,12 @@ class ReplayQueue:
             pipe.hgetall(self.keys.counters)
             pipe.hgetall(self.keys.staleness)
             pipe.xrange(self.keys.rollouts, count=1)
+            pipe.hlen(self.keys.inflight)
+            pipe.llen(self.keys.returned)
             pipe.time()  # entry ids carry the server's clock, so age is measured on it
             return list(pipe.execute())
 
-        length, pending, counters, histogram, oldest, (sec, usec) = self._call("stats", read)
+        length, pending, counters, histogram, oldest, inflight, returned, (sec, usec) = self._call("stats", read)
         counts = {k.decode(): int(v) for k, v in counters.items()}
         staleness = sorted((int(k), int(v)) for k, v in histogram.items())
         age_s = 0.0
@@ -337,11 +433,14 @@ class ReplayQueue:
             "pending": pending["pending"],
             "dead_lettered": counts.get("dead_lettered", 0),
             "dropped_stale": counts.get("dropped_stale", 0),
+            "dropped": {k.removeprefix("dropped_"): v for k, v in counts.items() if k.startswith("dropped_")},
             "staleness_histogram": dict(staleness),
             "oldest_age_s": age_s,
             "version": counts.get("version", 0),
             "groups_started": counts.get("groups_started", 0),
             "prompt_cursor": counts.get("prompt_cursor", 0),
+            "inflight": int(inflight),
+            "returned_prompts": int(returned),
         }
 
     def close(self) -> None:

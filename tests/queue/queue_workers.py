@@ -53,13 +53,14 @@ def admit(
     with ReplayQueue(url, run) as q:
         go.wait()
         count = 0
-        while q.try_admit(batch_size, max_staleness):
+        while q.admit(batch_size, max_staleness, "test") is not None:
             count += 1
         admitted.put(count)
 
 
 def draw_prompts(url: str, run: str, n: int, go: Event, drawn: mp.Queue[list[int]]) -> None:
-    """Draw ``n`` dataset indices; report them."""
+    """Claim ``n`` prompt indices by admission (the rule never binds here); report them."""
     with ReplayQueue(url, run) as q:
         go.wait()
-        drawn.put([q.next_prompt_index() for _ in range(n)])
+        tickets = [q.admit(10**9, 0, "test") for _ in range(n)]
+        drawn.put([t.index for t in tickets if t is not None])

@@ -10,8 +10,8 @@ import pytest
 import redis
 from queue_workers import make_group
 
-from async_rl.queue import EmbeddedRedis, QueueUnavailableError, ReplayQueue
-from async_rl.records import encode
+from async_rl.queue import Drop, EmbeddedRedis, QueueUnavailableError, ReplayQueue, Staleness, Ticket, TicketEndedError
+from async_rl.records import RolloutGroup, encode
 
 
 def test_put_get_commit_round_trip(queue: ReplayQueue, run: str) -> None:
@@ -74,11 +74,10 @@ def test_undecodable_entries_are_dead_lettered(
 
 
 def test_stale_groups_are_dropped_counted_and_acknowledged(queue: ReplayQueue, run: str) -> None:
-    queue.publish_version(5)
     for i, version in enumerate([5, 4, 3, 1, 0]):
         queue.put(make_group(i, version=version, run=run))
 
-    got = queue.get(5, max_staleness=2, timeout=0.5)
+    got = queue.get(5, Staleness(version=5, max_staleness=2), timeout=0.5)
 
     assert [g.behaviour_version for _, g in got] == [5, 4, 3]
     stats = queue.stats()
@@ -102,26 +101,75 @@ def test_put_blocks_at_max_depth_then_times_out(redis_url: str, run: str) -> Non
         assert q.stats()["depth"] == 2
 
 
+def _admit_all(queue: ReplayQueue, batch_size: int, max_staleness: int, tries: int = 20) -> list[Ticket]:
+    tickets = [queue.admit(batch_size, max_staleness, "test") for _ in range(tries)]
+    return [t for t in tickets if t is not None]
+
+
 def test_admission_rule_single_producer(queue: ReplayQueue) -> None:
-    admitted = sum(queue.try_admit(batch_size=4, max_staleness=1) for _ in range(20))
-    assert admitted == (0 + 1 + 1) * 4
+    first = _admit_all(queue, batch_size=4, max_staleness=1)
+    assert len(first) == (0 + 1 + 1) * 4
     queue.publish_version(2)
-    admitted = sum(queue.try_admit(batch_size=4, max_staleness=1) for _ in range(20))
-    assert admitted == 2 * 4
-    assert queue.stats()["groups_started"] == 16
+    second = _admit_all(queue, batch_size=4, max_staleness=1)
+    assert len(second) == 2 * 4
+    assert [t.index for t in first + second] == list(range(16))  # each admission claims the next prompt
+    stats = queue.stats()
+    assert stats["groups_started"] == 16 and stats["inflight"] == 16 and stats["prompt_cursor"] == 16
     with pytest.raises(ValueError):
         queue.publish_version(-1)
 
 
-def test_released_and_dropped_groups_give_admission_slots_back(queue: ReplayQueue, run: str) -> None:
-    assert sum(queue.try_admit(batch_size=2, max_staleness=0) for _ in range(5)) == 2
-    queue.release_admission()  # e.g. the group was filtered by dynamic sampling
-    assert queue.try_admit(batch_size=2, max_staleness=0)
-    assert not queue.try_admit(batch_size=2, max_staleness=0)
-    queue.publish_version(3)
-    queue.put(make_group(0, version=0, run=run))  # 3 versions behind: dropped at eta = 0
-    assert queue.get(1, max_staleness=0, timeout=0.3) == []
-    assert queue.stats()["groups_started"] == 1  # the stale group's slot was given back
+def test_a_ticket_ends_once_and_returned_prompts_are_served_first(queue: ReplayQueue, run: str) -> None:
+    t0, t1, t2 = _admit_all(queue, batch_size=3, max_staleness=0)
+    assert queue.admit(3, 0, "test") is None
+    queue.put(make_group(0, run=run), t0)
+    assert queue.abandon(t1, return_prompt=True)  # e.g. the worker stopped: prompt 1 comes back
+    assert queue.abandon(t2, return_prompt=False)  # e.g. filtered by dynamic sampling: prompt 2 is done
+    assert not queue.abandon(t2, return_prompt=True)  # a second end changes nothing
+    with pytest.raises(TicketEndedError):
+        queue.put(make_group(1, run=run), t1)
+    stats = queue.stats()
+    assert stats["groups_started"] == 1 and stats["inflight"] == 0 and stats["returned_prompts"] == 1
+    assert [t.index for t in _admit_all(queue, batch_size=3, max_staleness=0)] == [1, 3]
+
+
+def test_dropped_groups_give_admission_slots_back(queue: ReplayQueue, run: str) -> None:
+    (ticket,) = _admit_all(queue, batch_size=1, max_staleness=0)
+    queue.put(make_group(0, version=0, run=run), ticket)  # 3 versions behind the reader: dropped at eta = 0
+    assert queue.get(1, Staleness(version=3, max_staleness=0), timeout=0.3) == []
+    assert queue.stats()["groups_started"] == 0 and queue.last_screen.dropped == {"stale": 1}
+
+
+def test_check_drops_or_dead_letters_and_reports_the_run_of_drops(queue: ReplayQueue, run: str) -> None:
+    for i in range(5):
+        queue.put(make_group(i, run=run))
+
+    def check(group: RolloutGroup) -> Drop | None:
+        return {"g1": Drop("reward_error", "boom"), "g3": Drop("bad_token", "id 999", dead_letter=True),
+                "g4": Drop("reward_error", "boom")}.get(group.group_id)
+
+    got = queue.get(5, timeout=0.5, check=check)
+    assert [g.group_id for _, g in got] == ["g0", "g2"]
+    report = queue.last_screen
+    assert report.kept == 2 and report.dropped == {"reward_error": 2, "bad_token": 1} and report.trailing_dropped == 2
+    stats = queue.stats()
+    assert stats["dropped"] == {"reward_error": 2} and stats["dead_lettered"] == 1 and stats["pending"] == 2
+    dead = queue._client.xrange(queue.keys.dead)
+    assert dead[0][1][b"reason"] == b"bad_token: id 999"
+
+
+def test_reconcile_returns_orphaned_prompts_and_recounts_started_groups(queue: ReplayQueue, run: str) -> None:
+    tickets = _admit_all(queue, batch_size=4, max_staleness=1)  # 8 admitted; the producer then "dies"
+    for t in tickets[:3]:
+        queue.put(make_group(t.index, run=run), t)
+    found = queue.reconcile(version=1, batch_size=4)  # a checkpoint at version 1 holds 4 trained groups
+    assert (found.returned, found.queued, found.groups_started_before, found.groups_started) == (5, 3, 8, 1 * 4 + 3)
+    stats = queue.stats()
+    assert stats["version"] == 1 and stats["inflight"] == 0 and stats["returned_prompts"] == 5
+    # The returned prompts come first, in order; then the cursor goes on.
+    assert [t.index for t in _admit_all(queue, batch_size=4, max_staleness=1)] == [3, 4, 5, 6, 7]
+    with pytest.raises(TicketEndedError):  # a producer of the killed run cannot put anymore
+        queue.put(make_group(3, run=run), tickets[3])
 
 
 def test_recover_takes_only_entries_idle_long_enough(
@@ -142,7 +190,7 @@ def test_stats_reports_oldest_age(queue: ReplayQueue, run: str) -> None:
     stats = queue.stats()
     assert set(stats) == {
         "depth", "pending", "dead_lettered", "dropped_stale", "staleness_histogram",
-        "oldest_age_s", "version", "groups_started", "prompt_cursor",
+        "oldest_age_s", "version", "groups_started", "prompt_cursor", "dropped", "inflight", "returned_prompts",
     }
     assert stats["oldest_age_s"] == 0.0
     queue.put(make_group(0, run=run))
