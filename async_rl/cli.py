@@ -112,7 +112,7 @@ def quickstart(
 
 
 def _train(cfg, dry_run: bool) -> None:
-    from async_rl.launch.driver import StartupError, train
+    from async_rl.launch.driver import RunFailed, StartupError, train
     from async_rl.launch.plan import make_plan, render
     from async_rl.queue import RedisNotInstalledError
 
@@ -122,7 +122,7 @@ def _train(cfg, dry_run: bool) -> None:
         raise typer.Exit(2 if plan.errors else 0)
     try:
         result = train(cfg)
-    except (StartupError, RedisNotInstalledError, FileNotFoundError) as exc:
+    except (StartupError, RunFailed, RedisNotInstalledError, FileNotFoundError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
     if result.interrupted:

@@ -181,3 +181,20 @@ def test_yaml_boolean_words_in_string_fields():
     assert load_config(None, ["trainer.resume=off"]).trainer.resume == "off"
     msg = _error(["data.prompt_key=no"])
     assert "data.prompt_key=False has type bool" in msg and "quote it" in msg
+
+
+def test_algorithm_name_choices_are_exactly_the_registered_ones():
+    import typing
+
+    from async_rl.algos import advantages, losses
+    from async_rl.config import AdvantageConfig
+
+    assert set(typing.get_args(typing.get_type_hints(AdvantageConfig)["name"])) == set(advantages.names())
+    assert set(typing.get_args(typing.get_type_hints(LossConfig)["name"])) == set(losses.names())
+
+
+def test_reward_kwargs_are_a_free_mapping():
+    cfg = load_config(None, ["rollout.reward.kwargs.max_response_length=256", "rollout.reward.kwargs.overlong_penalty_factor=1.0"])
+    assert cfg.rollout.reward.kwargs == {"max_response_length": 256, "overlong_penalty_factor": 1.0}
+    assert "rollout.reward.kwargs=3 has type int, expected mapping" in _error(["rollout.reward.kwargs=3"])
+    assert "unknown config key rollout.reward.fallback_reward" in _error(["rollout.reward.fallback_reward=0.0"])

@@ -30,11 +30,12 @@ from async_rl.config import Config, save_resolved
 from async_rl.data.prompts import PromptFormatter, read_prompt_rows, write_rejected
 from async_rl.launch.plan import make_plan
 from async_rl.launch.ray_cluster import init_ray
+from async_rl.launch.reaper import reap_on_exit
 from async_rl.launch.tracking import Tracker
 from async_rl.learner.actor import start_learners
 from async_rl.queue import EmbeddedRedis, ReplayQueue
-from async_rl.rewards import load_reward_function
-from async_rl.rewards.scoring import RewardScorer
+from async_rl.rewards.pool import RewardPool
+from async_rl.rewards.scoring import RewardScorer, RewardStartupError, check_reward_function
 from async_rl.rollout.engine_args import engine_kwargs, on_gpu, openai_api_settings
 from async_rl.rollout.pool import ServerPool, ServerSpec
 from async_rl.rollout.server import Sampling
@@ -47,10 +48,22 @@ LEARNER_WAIT_S = 2.0
 """Longest one learner call waits for a batch before control returns to the driver, seconds."""
 WORKER_GRACE_S = 10.0
 """How long stopping workers may finish their groups in flight before they are cancelled, seconds."""
+HEALTH_PERIOD_S = 10.0
+"""Period of the server health check and of the stall check, seconds."""
 
 
 class StartupError(RuntimeError):
-    """The run cannot start; the message is the one-line reason."""
+    """The run cannot start; the message is the reason."""
+
+
+class RunFailed(RuntimeError):
+    """The run started but could not go on (stalled, nothing trainable, the learner died)."""
+
+
+def _cause(exc: BaseException) -> str:
+    """The original error of a Ray task failure, as ``Type: message``."""
+    cause = getattr(exc, "cause", None) or exc
+    return f"{type(cause).__name__}: {cause}"
 
 
 @dataclass
@@ -86,6 +99,10 @@ class _Run:
         self._validating: asyncio.Task | None = None
         self.train_wall_s = 0.0
         self.server_busy_s: list[float] = []
+        self.failure: str | None = None
+        """Why the run stopped early (exit status 1), or None."""
+        self.last_progress = time.monotonic()
+        self.workers: list[RolloutWorker] = []
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -102,6 +119,8 @@ class _Run:
         finally:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
+        if self.failure is not None:
+            raise RunFailed(self.failure)
         return RunResult(self.version, self.run_dir, self.interrupted, self.validations, self.train_wall_s, self.server_busy_s)
 
     def _install_signal_handlers(self) -> None:
@@ -118,10 +137,24 @@ class _Run:
             self.stop.set()
 
     async def _start(self, stack: contextlib.AsyncExitStack) -> None:
+        stack.enter_context(reap_on_exit())  # first: whatever starts below ends with this process, even on SIGKILL
         cfg = self.cfg
         layout = cpu_layout(cfg)
         if layout:  # before Redis and Ray start: they and their workers inherit the rollout cores
             stack.enter_context(pinned_to(support_cores(layout)))
+        from transformers import AutoTokenizer
+
+        # What can fail on the user's files fails here, before Redis, Ray and vLLM start.
+        self.formatter = PromptFormatter(AutoTokenizer.from_pretrained(cfg.learner.model_path), cfg.data.system_prompt, cfg.data.format_prompt)
+        self.rows = self._read_rows(cfg.data.train_files)
+        val_rows = self._read_rows(cfg.data.val_files) if cfg.data.val_files else []
+        self.val_prompts = [(self.formatter.token_ids(r.prompt), r.answer) for r in val_rows]
+        self.rewards = stack.enter_context(RewardPool(cfg.rollout.reward))
+        try:
+            await check_reward_function(self._scorer(), [r.answer for r in (val_rows or self.rows)])
+        except RewardStartupError as exc:
+            raise StartupError(str(exc)) from None
+
         redis_url = cfg.queue.redis_url or stack.enter_context(EmbeddedRedis(self.run_dir / "redis"))
         self.queue = stack.enter_context(ReplayQueue(redis_url, cfg.trainer.run_name, cfg.queue.max_depth, op_timeout_s=cfg.queue.timeout_s))
 
@@ -132,6 +165,12 @@ class _Run:
         stack.callback(self._kill_learners)
         starts = await asyncio.gather(*(a.run.remote(0) for a in self.learners))
         self.version = starts[0]["version"]  # > 0 after a resume
+        # The learner resumed (its checkpoint's entries are committed): rebuild the ledger from
+        # what is really there, so slots and prompts of groups lost with a killed run come back.
+        found = self.queue.reconcile(self.version, cfg.learner.batch_size)
+        if found.returned or found.groups_started != found.groups_started_before:
+            log.info("ledger reconciled at version %d: %d prompts returned (claimed, never enqueued), %d groups queued, "
+                     "groups_started %d -> %d", self.version, found.returned, found.queued, found.groups_started_before, found.groups_started)
         sender_address = await self.learners[0].sync_address.remote()
 
         env = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, round(cfg.rollout.vllm.kv_cache_space_gb)))} if not on_gpu() else {}
@@ -143,12 +182,8 @@ class _Run:
         self.tracker = Tracker(cfg, self.run_dir, cfg.trainer.total_steps)
         stack.callback(self.tracker.close)
 
-        from transformers import AutoTokenizer
-
-        self.formatter = PromptFormatter(AutoTokenizer.from_pretrained(cfg.learner.model_path), cfg.data.system_prompt, cfg.data.format_prompt)
-        self.rows = self._read_rows(cfg.data.train_files)
-        self.val_prompts = [(self.formatter.token_ids(r.prompt), r.answer) for r in self._read_rows(cfg.data.val_files)] if cfg.data.val_files else []
-        self.reward_fn = load_reward_function(cfg.rollout.reward.function)
+    def _scorer(self) -> RewardScorer:
+        return RewardScorer(self.rewards, self.cfg.rollout.reward, self.cfg.rollout.max_response_length)
 
     def _read_rows(self, path: str) -> list:
         rows, rejected = read_prompt_rows(path, self.cfg.data.prompt_key, self.cfg.data.answer_key)
@@ -187,6 +222,8 @@ class _Run:
 
     async def _train(self) -> None:
         learner = asyncio.create_task(self._drive_learner())
+        watcher: asyncio.Task | None = None
+        worker_tasks: list[asyncio.Task] = []
         try:
             await self.pool.start()
             if self.cfg.logging.console and any(self.pool.openai_urls()):
@@ -195,18 +232,24 @@ class _Run:
             self.workers = self._make_workers()
             started = time.monotonic()
             worker_tasks = [asyncio.create_task(w.run(self.stop)) for w in self.workers]
+            watcher = asyncio.create_task(self._watch())
             self._maybe_validate(force=True)
             await learner
             self.train_wall_s = time.monotonic() - started
         finally:
             self.stop.set()
+            if watcher is not None:
+                watcher.cancel()
             if not learner.done():
                 await learner
-        await self._stop_workers(worker_tasks)
+            # Workers end their tickets (prompts in flight go back to the queue) before the
+            # learner's final commit is read back and before Redis stops.
+            await self._stop_workers(worker_tasks)
         self.server_busy_s = [h.busy_s for h in await self.pool.health() if not isinstance(h, str)]
         if self._validating is not None:
             await self._validating
-        self._maybe_validate(force=True, final=True)
+        if self.failure is None:
+            self._maybe_validate(force=True, final=True)
         if self._validating is not None:
             await self._validating
 
@@ -223,10 +266,7 @@ class _Run:
                     overlong_prompt=cfg.data.overlong_prompt, dynamic_sampling=r.reward.dynamic_sampling,
                     shuffle=cfg.data.shuffle, seed=cfg.data.seed, put_timeout_s=cfg.queue.timeout_s,
                 )
-                o = r.reward.overlong_penalty
-                scorer = RewardScorer(self.reward_fn, r.reward.fallback_reward, r.max_response_length,
-                                      o.buffer_length if o.enable else 0, o.penalty_factor)
-                workers.append(RolloutWorker(settings, self.queue, self.rows, self.formatter.token_ids, scorer, self.pool.generate_fn(i)))
+                workers.append(RolloutWorker(settings, self.queue, self.rows, self.formatter.token_ids, self._scorer(), self.pool.generate_fn(i)))
         return workers
 
     async def _stop_workers(self, tasks: list[asyncio.Task]) -> None:
@@ -238,21 +278,70 @@ class _Run:
     async def _drive_learner(self) -> None:
         total = self.cfg.trainer.total_steps
         last_tokens, last_time = 0, time.monotonic()
-        while self.version < total and not self.stop.is_set():
-            results = await asyncio.gather(*(a.run.remote(1, LEARNER_WAIT_S) for a in self.learners))
-            self.version = results[0]["version"]
-            for metrics in results[0]["steps"]:
-                tokens = sum(w.counters.tokens_generated for w in getattr(self, "workers", []))
-                now = time.monotonic()
-                metrics.update(self._rollout_metrics(tokens - last_tokens, now - last_time))
-                last_tokens, last_time = tokens, now
-                self.tracker.log(metrics)
-                self._maybe_validate()
-        self.version = (await asyncio.gather(*(a.finish.remote() for a in self.learners)))[0]
+        try:
+            while self.version < total and not self.stop.is_set():
+                results = await asyncio.gather(*(a.run.remote(1, LEARNER_WAIT_S) for a in self.learners))
+                self.version = results[0]["version"]
+                for metrics in results[0]["steps"]:
+                    self.last_progress = time.monotonic()
+                    tokens = sum(w.counters.tokens_generated for w in self.workers)
+                    now = time.monotonic()
+                    metrics.update(self._rollout_metrics(tokens - last_tokens, now - last_time))
+                    last_tokens, last_time = tokens, now
+                    self.tracker.log(metrics)
+                    self._maybe_validate()
+        except ray.exceptions.RayTaskError as exc:
+            self._fail(f"the learner stopped: {_cause(exc)}")
+        try:
+            self.version = (await asyncio.gather(*(a.finish.remote() for a in self.learners)))[0]
+        except ray.exceptions.RayError as exc:
+            log.error("final checkpoint failed: %s", _cause(exc))
+            if self.failure is None:
+                self._fail(f"the final checkpoint failed: {_cause(exc)}")
+
+    def _fail(self, reason: str) -> None:
+        """End the run with exit status 1 and ``reason`` (the first failure wins)."""
+        if self.failure is None:
+            log.error("%s; stopping", reason)
+            self.failure = reason
+        self.stop.set()
+
+    async def _watch(self) -> None:
+        """Every few seconds: replace broken or lagging servers, and end a run that stalled
+        (neither a group generated nor a learner step taken for ``trainer.stall_timeout_s``)."""
+        cfg = self.cfg
+        period_s = min(HEALTH_PERIOD_S, cfg.trainer.stall_timeout_s / 4)
+        marker = None
+        while not self.stop.is_set():
+            await asyncio.sleep(period_s)
+            progress = (self.version, sum(w.counters.groups_put + w.counters.tokens_generated for w in self.workers))
+            if progress != marker:
+                marker, self.last_progress = progress, time.monotonic()
+            elif time.monotonic() - self.last_progress > cfg.trainer.stall_timeout_s:
+                self._fail(f"no progress for {time.monotonic() - self.last_progress:.0f} s (trainer.stall_timeout_s="
+                           f"{cfg.trainer.stall_timeout_s:g}): {await self._diagnose()}")
+                return
+            for line in await self.pool.heal(self.version, cfg.sync.max_lag_s):
+                log.warning("%s", line)
+
+    async def _diagnose(self) -> str:
+        """What each side of a stalled run waits for, in one paragraph."""
+        cfg, stats = self.cfg, self.queue.stats()
+        limit = (stats["version"] + cfg.algorithm.max_staleness + 1) * cfg.learner.batch_size
+        admission = (f"admission closed: groups_started={stats['groups_started']} >= (published version {stats['version']} + "
+                     f"max_staleness {cfg.algorithm.max_staleness} + 1) x batch {cfg.learner.batch_size} = {limit}"
+                     if stats["groups_started"] >= limit else f"admission open ({stats['groups_started']}/{limit} started)")
+        servers = "; ".join(
+            h if isinstance(h, str) else f"{h.server_id} holds version {h.version}, {h.running_requests} requests running"
+            for h in await self.pool.health()
+        )
+        return (f"learner at version {self.version} waits for {cfg.learner.batch_size} groups (queue depth {stats['depth']}, "
+                f"pending {stats['pending']}); rollout: {admission}, {stats['inflight']} groups in flight, "
+                f"{stats['returned_prompts']} returned prompts waiting; servers: {servers}")
 
     def _rollout_metrics(self, new_tokens: int, seconds: float) -> dict[str, float]:
         stats = self.queue.stats()
-        workers = getattr(self, "workers", [])
+        workers = self.workers
         out = {
             "rollout/tokens_per_s": new_tokens / max(seconds, 1e-9),
             "queue/depth": float(stats["depth"]),
@@ -263,9 +352,13 @@ class _Run:
             "rollout/server_restarts": float(self.pool.restarts),
         }
         for name in ("groups_put", "prompts_skipped_overlong", "prompts_truncated", "groups_filtered", "generate_failures",
-                     "groups_lost_to_failures", "admission_wait_s"):
+                     "groups_returned_after_failures", "admission_wait_s"):
             out[f"rollout/{name}"] = float(sum(getattr(w.counters, name) for w in workers))
         out["rollout/reward_errors"] = float(sum(w.scorer.counters.errors for w in workers))
+        out["rollout/reward_timeouts"] = float(sum(w.scorer.counters.timeouts for w in workers))
+        out["rollout/reward_restarts"] = float(self.rewards.restarts)
+        out["queue/returned_prompts"] = float(stats["returned_prompts"])
+        out.update({f"queue/dropped/{reason}": float(count) for reason, count in stats["dropped"].items()})
         return out
 
     # -- validation -----------------------------------------------------------------
@@ -282,7 +375,7 @@ class _Run:
     async def _validate(self, final: bool) -> None:
         cfg = self.cfg
         result = await validate(
-            self.pool.generate_fn(0)(), self.val_prompts, RewardScorer(self.reward_fn, cfg.rollout.reward.fallback_reward),
+            self.pool.generate_fn(0)(), self.val_prompts, self._scorer(),
             n=cfg.trainer.val_n, temperature=cfg.rollout.temperature, max_tokens=cfg.rollout.max_response_length,
         )
         self.validations.append(result)

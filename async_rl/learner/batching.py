@@ -90,7 +90,7 @@ def prepare(groups: Sequence[RolloutGroup], max_tokens: int, vocab_size: int | N
     groups_used = 0
     for group in groups:
         prompt = list(group.prompt_array())
-        reason = _group_problem(group)
+        reason = "bad_token" if _out_of_vocab(prompt, vocab_size) is not None else _group_problem(group)
         if reason is not None:
             dropped[reason] += len(group.samples)
             continue
@@ -109,6 +109,40 @@ def prepare(groups: Sequence[RolloutGroup], max_tokens: int, vocab_size: int | N
     return Prepared(_pad(rows), dropped, groups_used)
 
 
+def screen_group(group: RolloutGroup, max_tokens: int, vocab_size: int) -> tuple[str, str, bool] | None:
+    """Why the learner must not train ``group`` at all, or None: ``(reason, detail, malformed)``.
+
+    Malformed (to be dead-lettered): a prompt or response token id outside ``[0, vocab_size)``
+    (it would crash the embedding). Dropped: the group problems of :func:`prepare` (a failed
+    or non-finite reward, a non-finite log-probability), or no sample :func:`prepare` would
+    keep. A group that passes yields at least one trainable sample.
+    """
+    prompt = list(group.prompt_array())
+    bad = _out_of_vocab(prompt, vocab_size)
+    if bad is not None:
+        return "bad_token", f"prompt token id {prompt[bad]} at position {bad} is outside the vocabulary [0, {vocab_size})", True
+    for k, sample in enumerate(group.samples):
+        tokens = list(sample.token_array())
+        bad = _out_of_vocab(tokens, vocab_size)
+        if bad is not None:
+            return "bad_token", f"sample {k}: response token id {tokens[bad]} at position {bad} is outside the vocabulary [0, {vocab_size})", True
+    reason = _group_problem(group)
+    if reason is not None:
+        error = next((s.error for s in group.samples if s.error is not None), None)
+        return reason, error or f"a sample has a {reason.replace('_', ' ')}", False
+    problems = [_sample_problem(len(prompt), list(s.token_array()), max_tokens, vocab_size) for s in group.samples]
+    if all(problems):
+        return str(problems[0]), "no sample is trainable", False
+    return None
+
+
+def _out_of_vocab(tokens: list[int], vocab_size: int | None) -> int | None:
+    """Position of the first token id outside ``[0, vocab_size)``, or None."""
+    if vocab_size is None:
+        return None
+    return next((i for i, t in enumerate(tokens) if not 0 <= t < vocab_size), None)
+
+
 def _group_problem(group: RolloutGroup) -> str | None:
     for sample in group.samples:
         if sample.error is not None:
@@ -123,7 +157,7 @@ def _group_problem(group: RolloutGroup) -> str | None:
 def _sample_problem(prompt_len: int, tokens: list[int], max_tokens: int, vocab_size: int | None) -> str | None:
     if not tokens:
         return "empty_response"
-    if vocab_size is not None and not all(0 <= t < vocab_size for t in tokens):
+    if _out_of_vocab(tokens, vocab_size) is not None:
         return "bad_token"
     if prompt_len + len(tokens) > max_tokens:
         return "too_long"

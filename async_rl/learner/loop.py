@@ -23,10 +23,10 @@ from torch import Tensor
 
 from async_rl.config import Config
 from async_rl.learner import checkpoint
-from async_rl.learner.batching import prepare
+from async_rl.learner.batching import prepare, screen_group
 from async_rl.learner.model import DistInfo, init_distributed, iter_full_parameters, load_sharded
 from async_rl.learner.train_step import Trainer, staleness_metrics
-from async_rl.queue import ReplayQueue
+from async_rl.queue import Drop, ReplayQueue, Staleness
 from async_rl.records import RolloutGroup, decode, encode
 from async_rl.sync.buckets import TensorSpec, tensor_specs
 from async_rl.sync.sender import PendingSend, SendResult
@@ -48,6 +48,14 @@ class WeightPublisher(Protocol):
     def behind(self, version: int) -> list[str]:
         """Registered servers that do not hold ``version``."""
 
+    @property
+    def servers(self) -> dict[str, int | None]:
+        """Registered servers and the version each holds."""
+
+
+class NoTrainableDataError(RuntimeError):
+    """Every group read for a long while was dropped: the run cannot make progress."""
+
 
 @dataclass
 class LoopSummary:
@@ -67,7 +75,7 @@ class LearnerLoop:
     while the learner goes on with the next step, and the version is published for admission
     once every server acknowledged it (at the latest before the learner waits for data).
     Rank 0 appends one JSON line per step to ``{output_dir}/learner_steps.jsonl`` (version,
-    entry ids, metrics).
+    entry ids, prompt ids, metrics).
     """
 
     def __init__(
@@ -92,8 +100,8 @@ class LearnerLoop:
         self.trainer = Trainer(policy, reference, lrn, cfg.algorithm, self.info, cfg.trainer.total_steps, cfg.trainer.seed,
                                temperature=cfg.rollout.temperature)
         self.publisher = publisher
-        self._pending: tuple[PendingSend, bool] | None = None
-        """Rank 0: the update the servers may still be loading, and whether it is a catch-up."""
+        self._pending: PendingSend | None = None
+        """Rank 0: the update the servers may still be loading."""
         # Every rank must know whether rank 0 publishes: the gathers are collective.
         self.publishing = bool(_broadcast_bytes(b"1" if publisher is not None else b"", self.info))
         self.output_dir = Path(cfg.trainer.output_dir)
@@ -106,7 +114,13 @@ class LearnerLoop:
         self.uncommitted: list[str] = []
         self.counters: Counter[str] = Counter()
         self.backlog: list[tuple[str, RolloutGroup]] = []
+        self._recent_drops: Counter[str] = Counter()
+        """Rank 0: why the groups read since the last one kept were dropped (see :meth:`_failure`)."""
         self._resume()
+        self._served = self.version
+        """Rank 0: the version every server should hold (the last one sent to all of them)."""
+        self._announced = self.version
+        """Rank 0: the last version published for admission."""
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -122,7 +136,8 @@ class LearnerLoop:
                 self.queue.commit(state.uncommitted_entry_ids)
         if self.queue is not None:
             # Entries read but not in the checkpoint: train them first, in their original order.
-            self.backlog = self.queue.recover(max_staleness=None, include_own=True)
+            self.backlog = self.queue.recover(self._staleness(), check=self._check, include_own=True)
+            self._note_screen()
 
     def run(self, max_steps: int | None = None, wait_s: float | None = None) -> LoopSummary:
         """Train until ``trainer.total_steps`` (then save a final checkpoint), or for at most
@@ -174,32 +189,29 @@ class LearnerLoop:
         prepared = prepare(groups, self.cfg.learner.max_tokens_per_microbatch, self.vocab_size)
         self.counters.update({f"dropped/{k}": v for k, v in prepared.dropped.items()})
         self.counters["groups_consumed"] += len(groups)
-        metrics: dict[str, float] = {"version": float(self.version)}
-        if prepared.batch is None:  # nothing trainable: no update, no new version
-            self.counters["skipped_steps"] += 1
-            step_s = time.perf_counter() - start
-        else:
-            metrics.update(staleness_metrics(prepared.batch, self.version))
-            metrics["reward/mean"] = float(prepared.batch.rewards.float().mean())
-            metrics["response_length/mean"] = float(prepared.batch.response_mask.sum(1).float().mean())
-            result = self.trainer.step(prepared.batch, self.version)
-            self.version += 1
-            metrics["version"] = float(self.version)  # the version this step produced
-            sync_s = self._publish() if self.version % self.cfg.sync.every == 0 else 0.0
-            step_s = time.perf_counter() - start
-            metrics.update(result.metrics)
-            metrics.update({
-                "perf/tokens": float(result.tokens),
-                "perf/tokens_per_s": result.tokens / max(step_s - wait_s, 1e-9),
-                "time/prox": result.times.prox, "time/fwd_bwd": result.times.fwd_bwd,
-                "time/optim": result.times.optim, "time/sync": sync_s,
-            })
+        if prepared.batch is None:  # screen_group let through only groups with a trainable sample
+            raise RuntimeError(f"no trainable sample in a screened batch (dropped: {dict(prepared.dropped)}): a bug in screen_group")
+        metrics: dict[str, float] = staleness_metrics(prepared.batch, self.version)
+        metrics["reward/mean"] = float(prepared.batch.rewards.float().mean())
+        metrics["response_length/mean"] = float(prepared.batch.response_mask.sum(1).float().mean())
+        result = self.trainer.step(prepared.batch, self.version)
+        self.version += 1
+        metrics["version"] = float(self.version)  # the version this step produced
+        sync_s = self._publish() if self.version % self.cfg.sync.every == 0 else 0.0
+        step_s = time.perf_counter() - start
+        metrics.update(result.metrics)
+        metrics.update({
+            "perf/tokens": float(result.tokens),
+            "perf/tokens_per_s": result.tokens / max(step_s - wait_s, 1e-9),
+            "time/prox": result.times.prox, "time/fwd_bwd": result.times.fwd_bwd,
+            "time/optim": result.times.optim, "time/sync": sync_s,
+        })
         metrics.update({"time/wait": wait_s, "time/step": step_s, "perf/idle_fraction": wait_s / max(step_s, 1e-9)})
         metrics.update({f"counters/{k}": float(v) for k, v in self.counters.items()})
         self.uncommitted.extend(entry_id for entry_id, _ in entries)
-        if self.version % self.cfg.trainer.save_every == 0 and prepared.batch is not None:
+        if self.version % self.cfg.trainer.save_every == 0:
             self._save()
-        self._log(metrics, [entry_id for entry_id, _ in entries])
+        self._log(metrics, entries)
         return metrics
 
     def _next_batch(self, deadline: float | None = None) -> list[tuple[str, RolloutGroup]] | None:
@@ -213,43 +225,63 @@ class LearnerLoop:
         while True:
             self._catch_up()
             if self.queue is not None:
-                entries.extend(self._screen(self._read(size - len(entries))))
+                entries.extend(self._read(size - len(entries)))
             received = _broadcast_groups([g for _, g in entries] if len(entries) >= size else [], self.info)
             if received is not None:
                 return entries if self.queue is not None else [("", g) for g in received]
             give_up = self.info.rank == 0 and deadline is not None and time.monotonic() >= deadline
-            if _broadcast_bytes(b"1" if give_up else b"", self.info):
+            signal = _broadcast_bytes(self._failure() or (b"1" if give_up else b""), self.info)
+            if signal == b"1":
                 self.backlog = entries + self.backlog
                 return None
+            if signal:
+                raise NoTrainableDataError(signal.decode())
 
     def _read(self, n: int) -> list[tuple[str, RolloutGroup]]:
         """Up to ``n`` entries: recovered ones first, then new ones (one bounded queue read)."""
         take, self.backlog = self.backlog[:n], self.backlog[n:]
-        stale = self.cfg.algorithm.max_staleness
         if len(take) < n and self._pending is not None:
             # Train on data that is already there while the servers load; but if the batch
             # must wait for new groups, publish the version first (admission may need it).
-            take += self.queue.get(n - len(take), stale, 0.0)  # type: ignore[union-attr]
+            take += self._get(n - len(take), 0.0)
             if len(take) < n:
                 self._settle(wait=True)
         if len(take) < n:
             # Short reads: between them the ranks exchange a wait beat and catch up late servers.
-            take += self.queue.get(n - len(take), stale, min(self.cfg.queue.timeout_s, 2.0))  # type: ignore[union-attr]
+            take += self._get(n - len(take), min(self.cfg.queue.timeout_s, 2.0))
         return take
 
-    def _screen(self, entries: list[tuple[str, RolloutGroup]]) -> list[tuple[str, RolloutGroup]]:
-        """Drop groups more than ``max_staleness`` behind this learner's version (the queue
-        screens against the published version, which may lag); they are committed with the
-        next checkpoint, never trained."""
-        keep = []
-        for entry_id, group in entries:
-            if self.version - group.behaviour_version > self.cfg.algorithm.max_staleness:
-                self.counters["dropped/stale"] += 1
-                self.uncommitted.append(entry_id)
-                self.queue.release_admission()  # type: ignore[union-attr]  # or producers stop short of a batch
-            else:
-                keep.append((entry_id, group))
-        return keep
+    def _get(self, n: int, timeout_s: float) -> list[tuple[str, RolloutGroup]]:
+        """One screened queue read (rank 0)."""
+        entries = self.queue.get(n, self._staleness(), timeout_s, check=self._check)  # type: ignore[union-attr]
+        self._note_screen()
+        return entries
+
+    def _staleness(self) -> Staleness:
+        """The staleness rule, against this learner's own version (the one place it is applied)."""
+        return Staleness(self.version, self.cfg.algorithm.max_staleness)
+
+    def _check(self, group: RolloutGroup) -> Drop | None:
+        """Groups not worth a place in the batch are dropped (or dead-lettered) when read."""
+        problem = screen_group(group, self.cfg.learner.max_tokens_per_microbatch, self.vocab_size)
+        return None if problem is None else Drop(*problem)
+
+    def _note_screen(self) -> None:
+        report = self.queue.last_screen  # type: ignore[union-attr]
+        if report.kept:
+            self._recent_drops = Counter()
+        self._recent_drops.update(report.trailing)
+
+    def _failure(self) -> bytes:
+        """Rank 0: why the run cannot go on (every group read lately was dropped), or b""."""
+        limit = min(100, 10 * self.cfg.learner.batch_size)
+        in_row = sum(self._recent_drops.values())
+        if self.info.rank != 0 or in_row < limit:
+            return b""
+        reasons = ", ".join(f"{reason}: {count}" for reason, count in self._recent_drops.most_common())
+        return (f"the last {in_row} groups read were all dropped ({reasons}); nothing is trainable. "
+                f"reward_error: the reward function fails (see the driver log, rollout/reward_errors); bad_token: "
+                f"the dead-letter stream {self.cfg.trainer.run_name}:dead says why; stale: raise algorithm.max_staleness").encode()
 
     def _catch_up(self) -> None:
         """Send the current weights to servers that do not hold them: a restarted or newly
@@ -257,7 +289,7 @@ class LearnerLoop:
         if not self.publishing:
             return
         self._settle(wait=False)
-        behind = self.publisher.behind(self.version) if self.publisher is not None else []
+        behind = self.publisher.behind(self._served) if self.publisher is not None else []
         names = _broadcast_bytes("\n".join(behind).encode(), self.info)
         if names:
             self.counters["sync_catch_up"] += 1
@@ -266,8 +298,9 @@ class LearnerLoop:
     def _publish(self, servers: list[str] | None = None) -> float:
         """Gather full parameters bucket by bucket and broadcast them (rank 0); return seconds.
 
-        With ``servers`` only those get them (a catch-up); otherwise every server does. The
-        servers' acknowledgements are handled later, by :meth:`_settle`.
+        With ``servers`` only those get them (a catch-up: the version is the one every
+        server should hold already); otherwise every server does. The servers'
+        acknowledgements are handled later, by :meth:`_settle`.
         """
         if not self.publishing:
             return 0.0
@@ -277,32 +310,34 @@ class LearnerLoop:
         try:
             if self.publisher is not None:
                 self._settle(wait=True)
+                if servers is None:
+                    self._served = self.version
                 named = (item for bucket in buckets for item in bucket)
                 pending = self.publisher.begin(named, self.version, specs=tensor_specs(policy.named_parameters()), servers=servers)
-                self._pending = (pending, servers is not None)
+                self._pending = pending
         finally:
             for _ in buckets:  # every rank takes part in every gather, even if the send stopped early
                 pass
         return time.perf_counter() - start
 
     def _settle(self, wait: bool) -> None:
-        """Act on the acknowledgements of the last update (rank 0): publish its version for
-        admission once every server loaded it (ARCHITECTURE.md), or count the failure (the
-        servers keep their weights; a later catch-up retries). With ``wait=False`` and
-        acknowledgements still missing, nothing happens yet."""
+        """Act on the acknowledgements of the last update (rank 0): count a failure (the
+        server keeps its weights; a later catch-up retries), then publish the served
+        version for admission if every registered server holds it (ARCHITECTURE.md: a
+        version counts once its weights reached the servers, so a server that joined or
+        failed is caught up first). With ``wait=False`` and acknowledgements still
+        missing, nothing happens yet."""
         if self._pending is None or self.publisher is None:
             return
-        pending, catch_up = self._pending
-        result = self.publisher.complete(pending, wait)
+        result = self.publisher.complete(self._pending, wait)
         if result is None:
             return
         self._pending = None
-        if catch_up:
-            self.counters["sync_failed"] += not result.ok
-        elif result.ok:
-            self.queue.publish_version(result.version)  # type: ignore[union-attr]
-        else:
+        if not result.ok and result.servers:
             self.counters["sync_failed"] += 1
+        if self._served > self._announced and self.publisher.servers and not self.publisher.behind(self._served):
+            self.queue.publish_version(self._served)  # type: ignore[union-attr]
+            self._announced = self._served
 
     def _save(self) -> None:
         state = checkpoint.TrainingState(self.version, self.trainer.scheduler.state_dict(), list(self.uncommitted), dict(self.counters))
@@ -312,12 +347,13 @@ class LearnerLoop:
             self.queue.commit(self.uncommitted)
         self.uncommitted = []
 
-    def _log(self, metrics: dict[str, float], entry_ids: list[str]) -> None:
+    def _log(self, metrics: dict[str, float], entries: list[tuple[str, RolloutGroup]]) -> None:
         if self.info.rank != 0:
             return
         self.output_dir.mkdir(parents=True, exist_ok=True)
+        record = {"version": self.version, "entry_ids": [e for e, _ in entries], "prompt_ids": [g.prompt_id for _, g in entries], "metrics": metrics}
         with open(self.output_dir / "learner_steps.jsonl", "a") as f:
-            f.write(json.dumps({"version": self.version, "entry_ids": entry_ids, "metrics": metrics}) + "\n")
+            f.write(json.dumps(record) + "\n")
 
 
 def _broadcast_bytes(payload: bytes, info: DistInfo) -> bytes:

@@ -98,8 +98,6 @@ class Trainer:
     ) -> None:
         """``temperature`` is the servers' sampling temperature (``rollout.temperature``):
         log-probs are computed from logits divided by it, like the behaviour log-probs."""
-        if algorithm.advantage.name == "gae":
-            raise ValueError("algorithm.advantage.name='gae' needs a critic, which the learner does not train; use grpo, rloo, reinforce_pp, ...")
         if (algorithm.loss.kl_coef > 0) != (reference is not None):
             raise ValueError("a reference model is needed exactly when algorithm.loss.kl_coef > 0")
         self.policy, self.reference = policy, reference

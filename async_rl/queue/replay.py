@@ -103,16 +103,16 @@ class ScreenReport:
 
     kept: int = 0
     dropped: Counter[str] = field(default_factory=Counter)
-    trailing_dropped: int = 0
-    """Entries dropped after the last kept one (all of them if none was kept)."""
+    trailing: Counter[str] = field(default_factory=Counter)
+    """Reasons of the entries dropped after the last kept one (all of them if none was kept)."""
 
     def note(self, reason: str | None) -> None:
         if reason is None:
             self.kept += 1
-            self.trailing_dropped = 0
+            self.trailing.clear()
         else:
             self.dropped[reason] += 1
-            self.trailing_dropped += 1
+            self.trailing[reason] += 1
 
 
 class ReplayQueue:

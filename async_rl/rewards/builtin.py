@@ -56,7 +56,7 @@ def math_equivalence(reward_inputs: list[dict[str, Any]]) -> list[dict[str, floa
     """
     try:
         from math_verify import parse, verify
-    except ImportError as exc:  # raised per sample: the scorer counts it and uses the fallback
+    except ImportError as exc:  # raised per sample: the scorer counts it, the learner drops the group
         raise ImportError("the 'math' reward needs math-verify: pip install 'async-rl[math]'") from exc
     scores = []
     for item in reward_inputs:

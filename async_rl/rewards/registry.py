@@ -7,8 +7,9 @@ import importlib.util
 from pathlib import Path
 from typing import Any, Callable
 
-RewardFunction = Callable[[list[dict[str, Any]]], list[dict[str, float]]]
-"""``compute_score(reward_inputs) -> scores``: one output dict (with ``overall``) per input."""
+RewardFunction = Callable[..., Any]
+"""EasyR1's interface: batch ``fn(reward_inputs, **kwargs) -> list of dicts`` (one dict with
+``overall`` per input) or sequential ``fn(reward_input, **kwargs) -> dict``."""
 
 _BUILTINS: dict[str, RewardFunction] = {}
 
@@ -43,7 +44,8 @@ def load_reward_function(spec: str) -> RewardFunction:
     if not path.is_file():
         raise FileNotFoundError(f"reward file {file!r} (from rollout.reward.function={spec!r}) not found")
     module_spec = importlib.util.spec_from_file_location(f"async_rl_user_reward_{path.stem}", path)
-    assert module_spec is not None and module_spec.loader is not None
+    if module_spec is None or module_spec.loader is None:
+        raise ImportError(f"cannot import {file!r} (from rollout.reward.function={spec!r}) as a Python module")
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
     fn = getattr(module, name, None)

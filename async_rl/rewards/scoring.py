@@ -1,24 +1,39 @@
-"""Scoring rollouts safely: a reward function that raises never stops a run.
+"""Scoring rollouts safely: a reward function that raises, hangs or crashes never stops a run.
 
-:class:`RewardScorer` calls the user's batch function; if the batch call raises, it
-rescores item by item so that only the failing samples get the error and the fallback
-reward. Each distinct error (exception type and message) is logged with its traceback
-once; every failure is counted. DAPO's overlong penalty and dynamic-sampling filter live
-here too, since they are functions of the scores alone.
+:class:`RewardScorer` sends each batch to the :class:`~async_rl.rewards.pool.RewardPool`
+as one call. If the call raises (:class:`~async_rl.rewards.pool.RewardCallError`) or
+returns something unusable, it rescores item by item (each its own pool call, with the
+timeout) so that only the failing samples get the error; if the call timed out or its
+process died, every sample of the call gets the error (retrying item by item would
+multiply the hang).
+
+A sample whose reward failed gets reward 0.0 and carries the error
+(``Score.error = "ExceptionType: message"``, then ``Sample.error``), and the learner drops
+every group that holds such a sample (counted as ``dropped/reward_error``): no substitute
+reward ever reaches training, which is why there is no fallback reward setting. Each
+distinct error is logged once with its traceback; every failure is counted. DAPO's
+overlong penalty and dynamic-sampling filter live here too, since they are functions of
+the scores alone. :func:`check_reward_function` is the start-up probe.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
-import traceback
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Union
 
-from async_rl.rewards.registry import RewardFunction
+from async_rl.rewards.pool import RewardCallError, RewardError, RewardPool, RewardTimeout
+
+if TYPE_CHECKING:
+    from async_rl.config import RewardConfig
 
 log = logging.getLogger(__name__)
+
+PROBE_SAMPLES = 4
+"""Ground-truth answers the start-up probe scores (each with an empty response)."""
 
 
 @dataclass
@@ -26,102 +41,116 @@ class Score:
     """The reward of one sample."""
 
     reward: float
-    """Scalar reward used for training (``overall``, plus the overlong penalty)."""
+    """Scalar reward used for training (``overall``, plus the overlong penalty); 0.0 when ``error`` is set."""
     components: dict[str, float] = field(default_factory=dict)
     """Named components the function returned (and ``overlong_penalty`` when applied)."""
     error: str | None = None
-    """``ExceptionType: message`` when the function failed for this sample."""
+    """``ExceptionType: message`` when scoring failed for this sample (its group is then not trained)."""
 
 
 @dataclass
 class RewardCounters:
-    """Cumulative counts, for metrics."""
+    """Cumulative counts, for metrics (in samples unless stated)."""
 
     scored: int = 0
-    """Samples scored."""
+    """Samples scored (successfully or not)."""
     errors: int = 0
-    """Samples whose reward function raised or returned something unusable."""
+    """Samples whose scoring failed: the function raised, timed out, its process died, or the output was unusable."""
+    timeouts: int = 0
+    """Samples among ``errors`` whose reward call exceeded ``rollout.reward.timeout_s``."""
     distinct_errors: int = 0
     """Distinct error signatures seen (each logged once with its traceback)."""
     groups_filtered: int = 0
     """Groups dropped by dynamic sampling (all rewards equal)."""
 
 
+class RewardOutputError(RewardError):
+    """The function returned something unusable (wrong length, no ``overall``, non-finite, not a number)."""
+
+
+class RewardStartupError(RuntimeError):
+    """The start-up probe failed on every sample; the message says why and how to fix it."""
+
+
+Outcome = Union[Score, RewardError]
+"""A sample's score, or why it has none."""
+
+
 class RewardScorer:
-    """Wraps a reward function with error isolation, fallback and DAPO's overlong penalty.
+    """Scores batches through a :class:`RewardPool`, with error isolation and DAPO's overlong penalty.
 
     Args:
-        fn: batch reward function (EasyR1 interface).
-        fallback_reward: reward of a sample whose scoring failed.
+        pool: a started reward pool (several scorers may share one).
+        cfg: ``rollout.reward`` (overlong penalty settings).
         max_response_length: ``L_max`` in tokens, for the overlong penalty.
-        overlong_buffer: ``L_cache`` in tokens; 0 disables the penalty.
-        overlong_factor: penalty at the maximum length.
     """
 
-    def __init__(
-        self,
-        fn: RewardFunction,
-        fallback_reward: float = 0.0,
-        max_response_length: int = 0,
-        overlong_buffer: int = 0,
-        overlong_factor: float = 1.0,
-    ):
-        self.fn = fn
-        self.fallback_reward = fallback_reward
+    def __init__(self, pool: RewardPool, cfg: RewardConfig, max_response_length: int):
+        self.pool = pool
+        self.cfg = cfg
         self.max_response_length = max_response_length
-        self.overlong_buffer = overlong_buffer
-        self.overlong_factor = overlong_factor
         self.counters = RewardCounters()
         self._seen_errors: Counter[str] = Counter()
 
-    def score(self, inputs: list[dict[str, Any]]) -> list[Score]:
-        """Score a batch; ``inputs`` have ``response``, ``response_length``, ``ground_truth``."""
-        try:
-            scores = self._call(inputs)
-        except Exception:  # noqa: BLE001 - rescore one by one to isolate the failing samples
-            scores = []
-            for item in inputs:
-                try:
-                    scores.extend(self._call([item]))
-                except Exception as exc:  # noqa: BLE001 - a reward bug must not stop the run
-                    scores.append(self._failure(exc))
+    @property
+    def restarts(self) -> int:
+        """Reward processes the pool replaced (shared by every scorer of the pool)."""
+        return self.pool.restarts
+
+    async def score(self, inputs: list[dict[str, Any]]) -> list[Score]:
+        """Score a batch; ``inputs`` have ``response``, ``response_length`` (tokens) and ``ground_truth``.
+
+        Never raises for a failing reward function: failed samples get reward 0.0 and the error.
+        """
+        scores = [o if isinstance(o, Score) else self._failure(o) for o in await self.attempt(inputs)]
         self.counters.scored += len(inputs)
         for item, s in zip(inputs, scores):
             self._apply_overlong(s, int(item["response_length"]))
         return scores
 
-    def _call(self, inputs: list[dict[str, Any]]) -> list[Score]:
-        outputs = self.fn(inputs)
+    async def attempt(self, inputs: list[dict[str, Any]]) -> list[Outcome]:
+        """Each sample's :class:`Score` (before the overlong penalty) or its error; nothing counted or logged."""
+        try:
+            return list(await self._call(inputs))
+        except (RewardCallError, RewardOutputError) as exc:
+            if len(inputs) == 1:
+                return [exc]
+            return list(await asyncio.gather(*(self._attempt_one(item) for item in inputs)))
+        except RewardError as exc:  # timeout or died: the same error for every sample of the call
+            return [exc] * len(inputs)
+
+    async def _attempt_one(self, item: dict[str, Any]) -> Outcome:
+        try:
+            return (await self._call([item]))[0]
+        except RewardError as exc:
+            return exc
+
+    async def _call(self, inputs: list[dict[str, Any]]) -> list[Score]:
+        outputs = await self.pool.call(inputs)
         if not isinstance(outputs, list) or len(outputs) != len(inputs):
-            raise ValueError(f"reward function returned {type(outputs).__name__} of length {_len(outputs)}; expected a list of {len(inputs)} dicts")
-        return [self._validate(out) for out in outputs]
+            raise RewardOutputError(f"reward function returned {type(outputs).__name__} of length {_len(outputs)}; "
+                                    f"expected a list of {len(inputs)} dicts")
+        return [_validate(out) for out in outputs]
 
-    def _validate(self, out: Any) -> Score:
-        if not isinstance(out, dict) or "overall" not in out:
-            raise ValueError(f"reward function output {out!r:.80} is not a dict with key 'overall'")
-        overall = float(out["overall"])
-        if not math.isfinite(overall):
-            raise ValueError(f"reward function returned a non-finite overall reward {overall}")
-        components = {k: float(v) for k, v in out.items() if k != "overall"}
-        return Score(overall, components)
-
-    def _failure(self, exc: Exception) -> Score:
-        signature = f"{type(exc).__name__}: {exc}"
+    def _failure(self, exc: RewardError) -> Score:
+        signature = exc.signature
         self.counters.errors += 1
+        self.counters.timeouts += isinstance(exc, RewardTimeout)
         if signature not in self._seen_errors:
             self.counters.distinct_errors += 1
-            log.warning("reward function failed (%s); using fallback reward %s. Logged once:\n%s",
-                        signature, self.fallback_reward, "".join(traceback.format_exception(exc)))
+            log.warning("reward function failed (%s); the sample carries the error and its group is not trained. Logged once:\n%s",
+                        signature, exc.traceback_text or signature)
         self._seen_errors[signature] += 1
-        return Score(self.fallback_reward, {}, signature[:500])
+        return Score(0.0, {}, signature[:500])
 
     def _apply_overlong(self, score: Score, length: int) -> None:
-        """DAPO soft overlong punishment (arXiv:2503.14476, eq. 13)."""
-        if self.overlong_buffer <= 0 or score.error is not None:
+        """DAPO soft overlong punishment (arXiv:2503.14476, eq. 13); lengths in tokens."""
+        o = self.cfg.overlong_penalty
+        if not o.enable or o.buffer_length <= 0 or score.error is not None:
             return
-        start = self.max_response_length - self.overlong_buffer
+        start = self.max_response_length - o.buffer_length
         if length > start:
-            penalty = -min(length - start, self.overlong_buffer) / self.overlong_buffer * self.overlong_factor
+            penalty = -min(length - start, o.buffer_length) / o.buffer_length * o.penalty_factor
             score.components["overlong_penalty"] = penalty
             score.reward += penalty
 
@@ -131,6 +160,57 @@ class RewardScorer:
             self.counters.groups_filtered += 1
             return False
         return True
+
+
+async def check_reward_function(scorer: RewardScorer, answers: list[str]) -> None:
+    """Start-up probe: score up to :data:`PROBE_SAMPLES` of ``answers`` (ground truths),
+    each with an empty response (``""``, length 0).
+
+    Returns if at least one sample scores. Raises :class:`RewardStartupError` if every
+    sample fails (raised, timed out, died, unusable output), with the first failure's
+    traceback from the reward process and a hint.
+    """
+    probe = [{"response": "", "response_length": 0, "ground_truth": a} for a in (answers[:PROBE_SAMPLES] or [""])]
+    outcomes = await scorer.attempt(probe)
+    errors = [o for o in outcomes if isinstance(o, RewardError)]
+    if len(errors) < len(outcomes):
+        return
+    first = errors[0]
+    cfg = scorer.cfg
+    hint = _hint(first, cfg)
+    raise RewardStartupError(
+        f"rollout.reward.function={cfg.function} (type={cfg.type}) failed on all {len(probe)} start-up probe samples "
+        f"(ground-truth answers with an empty response): {first.signature}\n"
+        + (f"Hint: {hint}\n" if hint else "")
+        + (f"Traceback in the reward process:\n{first.traceback_text}" if first.traceback_text else "")
+    )
+
+
+def _hint(exc: RewardError, cfg: RewardConfig) -> str:
+    sig = exc.signature
+    if isinstance(exc, RewardTimeout):
+        return f"a call took longer than rollout.reward.timeout_s={cfg.timeout_s:g} s; raise it or find the hang"
+    if sig.startswith("TypeError:") and ("keyword argument" in sig or "positional argument" in sig):
+        return (f"the function's parameters do not match the call fn({'batch' if cfg.type == 'batch' else 'sample'}, "
+                f"**rollout.reward.kwargs) with kwargs={dict(cfg.kwargs)}: pass the missing arguments "
+                "(or drop the unexpected ones) with rollout.reward.kwargs")
+    if sig.startswith("TypeError:") and "indices must be integers" in sig:
+        return ("the function indexes its input the other way: check rollout.reward.type "
+                "(batch gets a list of dicts, sequential one dict)")
+    return ""
+
+
+def _validate(out: Any) -> Score:
+    if not isinstance(out, dict) or "overall" not in out:
+        raise RewardOutputError(f"reward function output {out!r:.80} is not a dict with key 'overall'")
+    try:
+        overall = float(out["overall"])
+        components = {str(k): float(v) for k, v in out.items() if k != "overall"}
+    except (TypeError, ValueError) as exc:
+        raise RewardOutputError(f"reward function output {out!r:.80} has a value that is not a number: {exc}") from None
+    if not math.isfinite(overall):
+        raise RewardOutputError(f"reward function returned a non-finite overall reward {overall}")
+    return Score(overall, components)
 
 
 def _len(obj: Any) -> str:

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayTaskError
 
 from async_rl.rollout.openai_api import OpenAIApiSettings
 from async_rl.rollout.server import Completion, InferenceServer, Sampling, ServerHealth
@@ -63,6 +64,8 @@ class ServerPool:
         self.started: list[ServerHealth | None] = [None] * num_servers
         """Health each server reported at its (latest) start, before ``on_start`` runs."""
         self._locks = [asyncio.Lock() for _ in range(num_servers)]
+        self._behind_since: list[float | None] = [None] * num_servers
+        """Per server, ``time.monotonic()`` since when it lags the learner's version (see :meth:`heal`)."""
 
     async def start(self) -> list[ServerHealth]:
         """Start every server (concurrently); returns their health."""
@@ -112,21 +115,51 @@ class ServerPool:
         async with self._locks[i]:
             if self._handles[i] is not dead:
                 return
-            log.warning("server-%d died; starting a replacement", i)
+            log.warning("server-%d failed; starting a replacement", i)
             ray.kill(dead, no_restart=True)
             await self._launch(i)
             self.restarts += 1
 
     async def health(self, timeout_s: float = 30.0) -> list[ServerHealth | str]:
-        """Health of every server, or the error text for a dead one."""
+        """Health of every server, or the error text for a dead, broken or unstarted one."""
 
-        async def one(h: Any) -> ServerHealth | str:
+        async def one(i: int, h: Any) -> ServerHealth | str:
+            if h is None:
+                return f"server-{i} is starting"
             try:
                 return await asyncio.wait_for(h.health.remote(), timeout_s)
-            except (RayActorError, asyncio.TimeoutError) as exc:
-                return f"{type(exc).__name__}: {exc}"
+            except (RayActorError, RayTaskError, asyncio.TimeoutError) as exc:
+                return f"server-{i}: {type(exc).__name__}: {exc}"
 
-        return list(await asyncio.gather(*(one(h) for h in self._handles)))
+        return list(await asyncio.gather(*(one(i, h) for i, h in enumerate(self._handles))))
+
+    async def heal(self, version: int, max_lag_s: float) -> list[str]:
+        """Replace every server that is dead, broken (its health check raises, e.g. after a
+        failed weight load) or has not held ``version`` for ``max_lag_s`` seconds; a
+        replacement serves only once caught up (``on_start``). Returns what was done, a line
+        per server."""
+        now = time.monotonic()
+        actions = []
+        for i, (handle, health) in enumerate(zip(list(self._handles), await self.health())):
+            if handle is None:
+                continue
+            if isinstance(health, str):
+                reason = f"is unhealthy ({health})"
+            elif health.version >= version:
+                self._behind_since[i] = None
+                continue
+            else:
+                since = self._behind_since[i] = self._behind_since[i] or now
+                if now - since < max_lag_s:
+                    continue
+                reason = f"has held version {health.version} for {now - since:.0f} s while the learner is at {version} (sync.max_lag_s={max_lag_s:g})"
+            self._behind_since[i] = None
+            try:
+                await self.restart(i, handle)
+                actions.append(f"server-{i} {reason}: replaced")
+            except Exception as exc:  # noqa: BLE001 - the next round tries again
+                actions.append(f"server-{i} {reason}: replacement failed ({type(exc).__name__}: {exc}); retrying later")
+        return actions
 
     async def shutdown(self) -> None:
         """Stop every engine and actor."""

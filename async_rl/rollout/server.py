@@ -139,6 +139,9 @@ class InferenceServer:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
+        if self._fatal is not None:  # undefined weights: take no request until the pool replaces this server
+            raise RuntimeError(f"{self.server_id} holds undefined weights after a failed load: {self._fatal}")
+
         params = SamplingParams(
             n=n,
             temperature=sampling.temperature,

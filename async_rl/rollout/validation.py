@@ -59,7 +59,7 @@ async def validate(
         async with limit:
             best, samples = await asyncio.gather(generate(prompt, 1, greedy), generate(prompt, n, sampled))
         completions = best + samples
-        scores = scorer.score(
+        scores = await scorer.score(
             [{"response": c.text, "response_length": len(c.token_ids), "ground_truth": answer} for c in completions]
         )
         version = min((min(c.versions) for c in completions if c.versions), default=0)

@@ -1,17 +1,21 @@
-"""The rollout worker loop: prompts -> admission -> vLLM -> reward -> replay queue.
+"""The rollout worker loop: admission -> prompt -> vLLM -> reward -> replay queue.
 
 One worker keeps up to ``max_inflight`` groups in flight against one inference server so
 that vLLM's continuous batching stays full. Each group:
 
-1. claims the next dataset index from the durable cursor (shared by all workers);
+1. waits for admission under the staleness bound (AReaL's rule): the queue hands out a
+   :class:`~async_rl.queue.Ticket` holding the slot and a claimed prompt index (a
+   returned prompt first, else the next of the durable cursor shared by all workers);
 2. formats the prompt; an overlong prompt is skipped (counted) or left-truncated;
-3. waits for admission under the staleness bound (AReaL's rule, ``queue.try_admit``);
-4. samples ``n`` responses, retrying on a new server handle if the server died;
-5. scores them (a raising reward function marks samples, never stops the loop);
-6. puts the ``RolloutGroup`` on the queue (blocking while the queue is full).
+3. samples ``n`` responses, retrying on a new server handle if the server died;
+4. scores them in the reward pool (a raising or hanging reward function marks samples,
+   never stops the loop);
+5. puts the ``RolloutGroup`` on the queue (blocking while the queue is full).
 
-A group that is admitted but never enqueued (dynamic-sampling filter, generation failed
-for good) gives its admission slot back, so the learner is never starved of a batch.
+The group's task owns its ticket and ends it exactly once, in ``finally``: enqueued, or
+abandoned. An abandoned ticket gives its slot back (the learner is never starved of a
+batch); its prompt is done when it was skipped or filtered, and returned (served again
+first) when generation failed for good, the worker stopped or the task was cancelled.
 """
 
 from __future__ import annotations
@@ -24,12 +28,16 @@ from dataclasses import dataclass
 from typing import Awaitable, Callable, Protocol
 
 from async_rl.data.prompts import PromptRow
-from async_rl.queue import ReplayQueue
+from async_rl.queue import ReplayQueue, Ticket
 from async_rl.records import RolloutGroup, Sample
 from async_rl.rewards.scoring import RewardScorer
 from async_rl.rollout.server import Completion, Sampling
 
 log = logging.getLogger(__name__)
+
+
+class GenerationFailed(RuntimeError):
+    """Every generation attempt of a group failed."""
 
 
 class GenerateFn(Protocol):
@@ -73,7 +81,8 @@ class WorkerCounters:
     prompts_truncated: int = 0
     groups_filtered: int = 0
     generate_failures: int = 0
-    groups_lost_to_failures: int = 0
+    groups_returned_after_failures: int = 0
+    """Groups whose generation failed every retry (their prompts go back to the queue)."""
     tokens_generated: int = 0
     admission_wait_s: float = 0.0
 
@@ -126,22 +135,23 @@ class RolloutWorker:
         """Generate until ``stop`` is set (or ``max_groups`` were started); waits for groups in flight."""
         inflight: set[asyncio.Task] = set()
         started = 0
-        while not stop.is_set() and (max_groups is None or started < max_groups):
-            if len(inflight) >= self.s.max_inflight:
-                _, inflight = await asyncio.wait(inflight, return_when=asyncio.FIRST_COMPLETED)
-                continue
-            index = await asyncio.to_thread(self.queue.next_prompt_index)
-            prompt_ids = self._prompt_ids(self.row_for(index))
-            if prompt_ids is None:
-                continue
-            if not await self._admit(stop):
-                break
-            started += 1
-            task = asyncio.create_task(self._group(index, prompt_ids))
-            inflight.add(task)
-            inflight = {t for t in inflight if not t.done()}
-        if inflight:
-            await asyncio.gather(*inflight)
+        try:
+            while not stop.is_set() and (max_groups is None or started < max_groups):
+                if len(inflight) >= self.s.max_inflight:
+                    _, inflight = await asyncio.wait(inflight, return_when=asyncio.FIRST_COMPLETED)
+                    continue
+                ticket = await self._admit(stop)
+                if ticket is None:
+                    break
+                started += 1
+                inflight.add(asyncio.create_task(self._group(ticket)))
+                inflight = {t for t in inflight if not t.done()}
+            if inflight:
+                await asyncio.gather(*inflight)
+        finally:  # cancelled: every group task ends its ticket in its own finally
+            for task in inflight:
+                task.cancel()
+            await asyncio.gather(*inflight, return_exceptions=True)
         return self.counters
 
     def _prompt_ids(self, row: PromptRow) -> list[int] | None:
@@ -155,41 +165,54 @@ class RolloutWorker:
         log.info("skipped prompt of line %d: %d tokens > data.max_prompt_length=%d", row.line, len(ids), self.s.max_prompt_length)
         return None
 
-    async def _admit(self, stop: asyncio.Event) -> bool:
+    async def _admit(self, stop: asyncio.Event) -> Ticket | None:
         t0 = time.monotonic()
         try:
             while not stop.is_set():
-                if await asyncio.to_thread(self.queue.try_admit, self.s.batch_size, self.s.max_staleness):
-                    return True
+                ticket = await asyncio.to_thread(self.queue.admit, self.s.batch_size, self.s.max_staleness, self.s.server_id)
+                if ticket is not None:
+                    return ticket
                 await asyncio.sleep(self.s.admit_poll_s)
-            return False
+            return None
         finally:
             self.counters.admission_wait_s += time.monotonic() - t0
 
-    async def _group(self, index: int, prompt_ids: list[int]) -> None:
+    async def _group(self, ticket: Ticket) -> None:
+        """Generate, score and enqueue the group of ``ticket``; end the ticket exactly once."""
+        return_prompt = True  # unless it is done: enqueued, skipped or filtered
         try:
-            group = await self._generate_group(index, prompt_ids)
+            row = self.row_for(ticket.index)
+            prompt_ids = self._prompt_ids(row)
+            if prompt_ids is None:
+                return_prompt = False
+                return
+            group = await self._generate_group(ticket.index, row, prompt_ids)
+            if group is None:  # filtered by dynamic sampling: this prompt is done
+                return_prompt = False
+                return
+            while True:  # back-pressure: the group waits (never dropped) until the learner consumes
+                try:
+                    await asyncio.to_thread(self.queue.put, group, ticket, self.s.put_timeout_s)
+                    break
+                except TimeoutError:
+                    log.warning("replay queue full for %.0f s; still holding group %s", self.s.put_timeout_s, group.group_id)
+            self.counters.groups_put += 1
+            return_prompt = False
+            ticket = None  # enqueued: the put ended it
+        except GenerationFailed as exc:
+            log.warning("prompt index %d goes back to the queue: %s", ticket.index, exc)
         except Exception:  # noqa: BLE001 - one group's failure must not stop the worker
-            log.exception("group for prompt index %d failed; giving its admission slot back", index)
-            group = None
-        if group is None:
-            await asyncio.to_thread(self.queue.release_admission)
-            return
-        while True:  # back-pressure: the group waits (never dropped) until the learner consumes
-            try:
-                await asyncio.to_thread(self.queue.put, group, self.s.put_timeout_s)
-                break
-            except TimeoutError:
-                log.warning("replay queue full for %.0f s; still holding group %s", self.s.put_timeout_s, group.group_id)
-        self.counters.groups_put += 1
+            log.exception("group for prompt index %d failed; its prompt goes back to the queue", ticket.index if ticket else -1)
+        finally:
+            if ticket is not None:
+                # Synchronous: it must run even when this task is being cancelled.
+                self.queue.abandon(ticket, return_prompt=return_prompt)
 
-    async def _generate_group(self, index: int, prompt_ids: list[int]) -> RolloutGroup | None:
+    async def _generate_group(self, index: int, row: PromptRow, prompt_ids: list[int]) -> RolloutGroup | None:
+        """The scored group, or None when dynamic sampling filtered it."""
         t0 = time.monotonic()
         completions = await self._sample(prompt_ids)
-        if completions is None:
-            return None
-        row = self.row_for(index)
-        scores = self.scorer.score(
+        scores = await self.scorer.score(
             [{"response": c.text, "response_length": len(c.token_ids), "ground_truth": row.answer} for c in completions]
         )
         if self.s.dynamic_sampling and not self.scorer.keep_group([s.reward for s in scores]):
@@ -210,14 +233,17 @@ class RolloutWorker:
             generation_s=time.monotonic() - t0,
         )
 
-    async def _sample(self, prompt_ids: list[int]) -> list[Completion] | None:
+    async def _sample(self, prompt_ids: list[int]) -> list[Completion]:
+        """``n`` completions; raises :class:`GenerationFailed` after ``generate_retries`` failures."""
+        error: Exception | None = None
         for attempt in range(1, self.s.generate_retries + 1):
             try:
                 return await self.server()(prompt_ids, self.s.n, self.s.sampling)
             except Exception as exc:  # noqa: BLE001 - server died or errored: retry on a fresh handle
+                error = exc
                 self.counters.generate_failures += 1
                 log.warning("generation failed on %s (attempt %d/%d): %s", self.s.server_id, attempt, self.s.generate_retries, exc)
                 await asyncio.sleep(min(2.0**attempt, 10.0))
-        self.counters.groups_lost_to_failures += 1
-        return None
+        self.counters.groups_returned_after_failures += 1
+        raise GenerationFailed(f"{self.s.generate_retries} attempts on {self.s.server_id} failed; last: {error}")
 

@@ -83,3 +83,15 @@ def test_plan_lists_openai_api_ports(data: Path):
     assert "OpenAI API on 127.0.0.1:8100" in text and "OpenAI API on 127.0.0.1:8101" in text
     assert "OpenAI API on 127.0.0.1:(free port)" in render(make_plan(load_config(None, [f"data.train_files={data}"])))
     assert "OpenAI API on" not in render(make_plan(load_config(None, [f"data.train_files={data}", "rollout.openai_api=false"])))
+
+
+@pytest.mark.parametrize("override, key", [
+    ("algorithm.loss.name=nonsense", "algorithm.loss.name='nonsense' is not allowed"),
+    ("algorithm.advantage.name=nonsense", "algorithm.advantage.name='nonsense' is not allowed"),
+    ("algorithm.advantage.name=gae", "algorithm.advantage.name='gae' needs a critic"),
+    ("rollout.reward.type=batched", "rollout.reward.type='batched' is not allowed (did you mean 'batch'?)"),
+])
+def test_dry_run_rejects_unknown_algorithm_and_option_names(override: str, key: str, data: Path):
+    res = _dry_run(str(ROOT / "configs" / "quickstart.yaml"), f"data.train_files={data}", override)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert key in res.stdout + res.stderr

@@ -105,3 +105,30 @@ def bounded_wait_main(port: int, cfg: Config, redis_url: str, out: str) -> None:
         report["pending_after_finish"] = q.stats()["pending"]
     loop.close()
     Path(out).write_text(json.dumps(report))
+
+
+def drop_streak_main(rank: int, world_size: int, port: int, cfg: Config, redis_url: str, out: str) -> None:
+    """One rank of a run whose queue holds a malformed group, failed-reward groups and one
+    good batch: train what is trainable, then stop on the run of drops; report the error."""
+    from async_rl.learner.loop import LearnerLoop, NoTrainableDataError
+
+    loop = LearnerLoop(cfg, rank, world_size, "127.0.0.1", port, redis_url)
+    report: dict = {}
+    try:
+        loop.run()
+    except NoTrainableDataError as exc:
+        report["error"] = str(exc)
+    report["version"] = loop.version
+    loop.close()
+    Path(f"{out}.{rank}").write_text(json.dumps(report))
+
+
+def failed_reward_groups(count: int, seed: int, run: str) -> list[RolloutGroup]:
+    """Groups whose every sample carries a reward-function error."""
+    groups = make_groups(count, seed, run=run)
+    return [
+        RolloutGroup.from_lists(run, g.group_id, g.prompt_id, list(g.prompt_array()),
+                                [Sample.from_lists(list(s.token_array()), list(s.logprob_array()), 0, 0.0, error="ValueError: boom")
+                                 for s in g.samples], "srv", 0.0, created_at=0.0)
+        for g in groups
+    ]

@@ -63,3 +63,22 @@ def test_prepare_counts_and_returns_none_when_nothing_is_trainable() -> None:
     prepared = prepare(make_groups(2, seed=0), max_tokens=3)  # every prompt alone has >= 3 tokens
     assert prepared.batch is None and prepared.groups_used == 0
     assert prepared.dropped == {"too_long": 8}
+
+
+def test_screen_group_dead_letters_bad_tokens_and_drops_untrainable_groups() -> None:
+    from async_rl.learner.batching import screen_group
+    from async_rl.records import RolloutGroup, Sample
+
+    ok = Sample.from_lists([5, 6], [-1.0, -1.0], 0, 1.0)
+
+    def group(prompt: list[int], *samples: Sample) -> RolloutGroup:
+        return RolloutGroup.from_lists("t", "g", 0, prompt, list(samples), "s", 0.0)
+
+    assert screen_group(group([3, 4], ok), 64, 512) is None
+    assert screen_group(group([3, 512, 4], ok), 64, 512) == (
+        "bad_token", "prompt token id 512 at position 1 is outside the vocabulary [0, 512)", True)
+    reason, detail, malformed = screen_group(group([3], ok, Sample.from_lists([7, -1], [-1.0, -1.0], 0, 1.0)), 64, 512)
+    assert (reason, malformed) == ("bad_token", True) and detail.startswith("sample 1: response token id -1 at position 1")
+    assert screen_group(group([3], ok, Sample.from_lists([7], [-1.0], 0, 0.0, error="ValueError: boom")), 64, 512) == (
+        "reward_error", "ValueError: boom", False)
+    assert screen_group(group([3] * 60, Sample.from_lists([5] * 10, [-1.0] * 10, 0, 1.0)), 64, 512) == ("too_long", "no sample is trainable", False)

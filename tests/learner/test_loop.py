@@ -115,3 +115,33 @@ def test_bounded_wait_returns_keeps_groups_and_finish_commits(tiny_model: Path, 
     assert report["version"] == 1 and report["finished"] == 1
     assert report["pending_after_finish"] == 0  # checkpoint written, entries committed
     assert [c.name for c in list_checkpoints(tmp_path)] == [checkpoint_dir(tmp_path, 1).name]
+
+
+def test_dropped_groups_are_acknowledged_and_a_run_of_drops_stops_every_rank(tiny_model: Path, redis_url: str, tmp_path: Path) -> None:
+    from learner_helpers import SPAWN, drop_streak_main, failed_reward_groups
+
+    from async_rl.learner.model import free_port
+    from async_rl.records import RolloutGroup
+
+    run = f"drops-{uuid.uuid4().hex[:8]}"
+    good = make_groups(4, seed=11, run=run)
+    bad_prompt = RolloutGroup.from_lists(run, "oov", 0, [3, 99999, 4], list(good[0].samples), "srv", 0.0, created_at=0.0)
+    with ReplayQueue(redis_url, run, max_depth=64) as q:
+        for g in [bad_prompt, *failed_reward_groups(3, 12, run), *good, *failed_reward_groups(45, 13, run)]:
+            q.put(g)
+    cfg = learner_config(tiny_model, tmp_path, run, "trainer.total_steps=10", "trainer.save_every=100")  # limit: 10 x B = 40
+    port, out = free_port(), tmp_path / "report"
+    procs = [SPAWN.Process(target=drop_streak_main, args=(r, 2, port, cfg, redis_url, str(out))) for r in range(2)]
+    for p in procs:
+        p.start()
+    _wait(procs)
+    reports = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2)]
+    assert [r["version"] for r in reports] == [1, 1]  # the one good batch was trained
+    # One read takes what is there (45 > the limit of 40), all of it dropped.
+    assert all("the last 45 groups read were all dropped (reward_error: 45)" in r["error"] for r in reports), reports
+    with ReplayQueue(redis_url, run) as q:
+        stats = q.stats()
+        dead = q._client.xrange(q.keys.dead)
+    assert stats["pending"] == 4  # only the trained batch waits for its checkpoint; drops are acknowledged
+    assert stats["dropped"] == {"reward_error": 48} and stats["dead_lettered"] == 1 and stats["depth"] == 0
+    assert b"prompt token id 99999 at position 1 is outside the vocabulary" in dead[0][1][b"reason"]

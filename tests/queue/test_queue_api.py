@@ -151,7 +151,7 @@ def test_check_drops_or_dead_letters_and_reports_the_run_of_drops(queue: ReplayQ
     got = queue.get(5, timeout=0.5, check=check)
     assert [g.group_id for _, g in got] == ["g0", "g2"]
     report = queue.last_screen
-    assert report.kept == 2 and report.dropped == {"reward_error": 2, "bad_token": 1} and report.trailing_dropped == 2
+    assert report.kept == 2 and report.dropped == {"reward_error": 2, "bad_token": 1} and report.trailing == {"reward_error": 1, "bad_token": 1}
     stats = queue.stats()
     assert stats["dropped"] == {"reward_error": 2} and stats["dead_lettered"] == 1 and stats["pending"] == 2
     dead = queue._client.xrange(queue.keys.dead)

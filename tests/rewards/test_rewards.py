@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import pytest
 
-from async_rl.rewards import builtin_names, load_reward_function
+from async_rl.config import OverlongPenaltyConfig, RewardConfig
+from async_rl.rewards import RewardPool, RewardScorer, builtin_names, load_reward_function
 from async_rl.rewards.builtin import last_boxed
-from async_rl.rewards.scoring import RewardScorer
 
 
 def _inputs(*pairs, length=4):
@@ -55,7 +56,8 @@ def test_load_from_file(tmp_path):
         load_reward_function(f"{tmp_path / 'missing.py'}:f")
 
 
-def _flaky(items):
+SCORER_REWARDS = """
+def flaky(items):
     out = []
     for item in items:
         if item["response"] == "boom":
@@ -67,40 +69,82 @@ def _flaky(items):
     return out
 
 
-def test_raising_reward_isolates_failing_samples(caplog):
-    scorer = RewardScorer(_flaky, fallback_reward=-1.0)
+def first_only(items):
+    return [{"overall": 1.0}]
+
+
+def bare_floats(items):
+    return [0.5 for _ in items]
+
+
+def constant(items):
+    return [{"overall": 1.0} for _ in items]
+"""
+
+
+@pytest.fixture()
+def scorer_for(tmp_path):
+    """``scorer_for(name, **cfg)``: a scorer over a started 2-process pool running ``name``."""
+    path = tmp_path / "scorer_rewards.py"
+    path.write_text(SCORER_REWARDS)
+    pools = []
+
+    def make(name, max_response_length=0, **cfg):
+        pool = RewardPool(RewardConfig(function=f"{path}:{name}", num_workers=2, timeout_s=10.0, **cfg))
+        pool.start()
+        pools.append(pool)
+        return RewardScorer(pool, pool.cfg, max_response_length)
+
+    yield make
+    for pool in pools:
+        pool.close()
+
+
+def test_raising_reward_isolates_failing_samples(scorer_for, caplog):
+    scorer = scorer_for("flaky")
+
+    async def go():
+        first = await scorer.score(_inputs(("ok", "a"), ("boom", "b"), ("nan", "c"), ("ok", "d")))
+        second = await scorer.score(_inputs(("boom", "e")))
+        return first, second
+
     with caplog.at_level(logging.WARNING, logger="async_rl.rewards.scoring"):
-        first = scorer.score(_inputs(("ok", "a"), ("boom", "b"), ("nan", "c"), ("ok", "d")))
-        second = scorer.score(_inputs(("boom", "e")))
-    assert [s.reward for s in first] == [1.0, -1.0, -1.0, 1.0]
+        first, second = asyncio.run(go())
+    # a failed sample gets 0.0 and the error; the learner drops its whole group
+    assert [s.reward for s in first] == [1.0, 0.0, 0.0, 1.0]
     assert first[0].error is None and first[0].components == {"accuracy": 1.0}
     assert first[1].error == "ZeroDivisionError: division by zero in my reward"
-    assert "non-finite" in first[2].error
+    assert "non-finite" in first[2].error and first[2].error.startswith("RewardOutputError: ")
     assert second[0].error == first[1].error
     c = scorer.counters
-    assert (c.scored, c.errors, c.distinct_errors) == (5, 3, 2)
-    # each distinct error is logged once, with its traceback
+    assert (c.scored, c.errors, c.timeouts, c.distinct_errors, scorer.restarts) == (5, 3, 0, 2, 0)
+    # each distinct error is logged once, with the reward process's traceback
     logged = [r.getMessage() for r in caplog.records]
-    assert len(logged) == 2 and "Traceback" in logged[0]
+    assert len(logged) == 2 and "Traceback" in logged[0] and "in flaky" in logged[0]
 
 
-def test_wrong_output_shape_is_an_error():
-    scorer = RewardScorer(lambda items: [{"overall": 1.0}], fallback_reward=0.0)
-    scores = scorer.score(_inputs(("a", "a"), ("b", "b")))
+def test_wrong_output_shape_is_an_error(scorer_for):
+    scorer = scorer_for("first_only")
+    scores = asyncio.run(scorer.score(_inputs(("a", "a"), ("b", "b"))))
     # the batch call returns 1 output for 2 inputs; one-by-one calls then succeed
     assert [s.reward for s in scores] == [1.0, 1.0] and scorer.counters.errors == 0
-    bad = RewardScorer(lambda items: [0.5 for _ in items], fallback_reward=0.0)
-    assert "not a dict with key 'overall'" in bad.score(_inputs(("a", "a")))[0].error
+    bad = scorer_for("bare_floats")
+    assert "not a dict with key 'overall'" in asyncio.run(bad.score(_inputs(("a", "a"))))[0].error
 
 
-def test_overlong_penalty_dapo():
-    scorer = RewardScorer(lambda items: [{"overall": 1.0} for _ in items], max_response_length=20, overlong_buffer=8, overlong_factor=1.0)
-    rewards = [scorer.score(_inputs(("x", ""), length=n))[0].reward for n in (12, 16, 20)]
-    assert rewards == pytest.approx([1.0, 0.5, 0.0])
+def test_overlong_penalty_dapo(scorer_for):
+    penalty = OverlongPenaltyConfig(enable=True, buffer_length=8, penalty_factor=1.0)
+    scorer = scorer_for("constant", max_response_length=20, overlong_penalty=penalty)
+
+    async def go():
+        return [(await scorer.score(_inputs(("x", ""), length=n)))[0].reward for n in (12, 16, 20)]
+
+    assert asyncio.run(go()) == pytest.approx([1.0, 0.5, 0.0])
 
 
 def test_dynamic_sampling_filter_counts():
-    scorer = RewardScorer(lambda items: [])
+    cfg = RewardConfig()
+    scorer = RewardScorer(RewardPool(cfg), cfg, max_response_length=16)  # keep_group never calls the pool
     assert scorer.keep_group([0.0, 1.0, 1.0])
     assert not scorer.keep_group([1.0, 1.0, 1.0])
     assert not scorer.keep_group([0.0, 0.0])

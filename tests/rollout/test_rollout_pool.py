@@ -15,12 +15,11 @@ import pytest
 import ray
 import torch
 
-from async_rl.config import load_config
+from async_rl.config import RewardConfig, load_config
 from async_rl.data.prompts import PromptFormatter, read_prompt_rows
 from async_rl.launch.ray_cluster import init_ray
 from async_rl.queue import EmbeddedRedis, ReplayQueue
-from async_rl.rewards import load_reward_function
-from async_rl.rewards.scoring import RewardScorer
+from async_rl.rewards import RewardPool, RewardScorer
 from async_rl.rollout.engine_args import engine_kwargs, openai_api_settings
 from async_rl.rollout.pool import ServerPool, ServerSpec
 from async_rl.rollout.server import Sampling
@@ -80,7 +79,17 @@ def queue():
         q.close()
 
 
-def _worker(cfg, pool, queue, reward=None, **overrides):
+_REWARD_POOLS: list[RewardPool] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_reward_pools():
+    yield
+    while _REWARD_POOLS:
+        _REWARD_POOLS.pop().close()
+
+
+def _worker(cfg, pool, queue, reward="exact_match", **overrides):
     from transformers import AutoTokenizer
 
     rows, _ = read_prompt_rows(cfg.data.train_files)
@@ -93,7 +102,10 @@ def _worker(cfg, pool, queue, reward=None, **overrides):
         max_prompt_length=cfg.data.max_prompt_length,
         **{"max_staleness": 4, "max_inflight": 4, "sampling": Sampling(temperature=1.0, max_tokens=cfg.rollout.max_response_length), **overrides},
     )
-    scorer = RewardScorer(reward or load_reward_function("exact_match"), fallback_reward=-1.0)
+    rewards = RewardPool(RewardConfig(function=reward, num_workers=1))
+    rewards.start()
+    _REWARD_POOLS.append(rewards)
+    scorer = RewardScorer(rewards, rewards.cfg, cfg.rollout.max_response_length)
     return RolloutWorker(settings, queue, rows, fmt.token_ids, scorer, pool.generate_fn(0))
 
 
@@ -147,21 +159,21 @@ def test_admission_bounds_groups_started(cfg, pool, queue):
     assert worker.counters.groups_put == 2 * cfg.learner.batch_size
 
 
-def test_raising_reward_marks_samples_and_counts(cfg, pool, queue):
+def test_raising_reward_marks_samples_and_counts(cfg, pool, queue, tmp_path):
     pool_, loop = pool
-
-    def flaky(items):
-        if any(len(i["response"]) % 2 for i in items):
-            raise RuntimeError("odd response length")
-        return [{"overall": 1.0} for _ in items]
-
-    worker = _worker(cfg, pool_, queue, reward=flaky)
+    (tmp_path / "flaky.py").write_text(
+        "def flaky(items):\n"
+        "    if any(len(i['response']) % 2 for i in items):\n"
+        "        raise RuntimeError('odd response length')\n"
+        "    return [{'overall': 1.0} for _ in items]\n"
+    )
+    worker = _worker(cfg, pool_, queue, reward=f"{tmp_path / 'flaky.py'}:flaky")
     _run(loop, worker, max_groups=4)
     samples = [s for _, g in queue.get(4, timeout=10) for s in g.samples]
     failed = [s for s in samples if s.error]
     assert len(samples) == 16
     assert len(failed) == worker.scorer.counters.errors
-    assert all(s.error == "RuntimeError: odd response length" and s.reward == -1.0 for s in failed)
+    assert all(s.error == "RuntimeError: odd response length" and s.reward == 0.0 for s in failed)
     assert all(s.reward == 1.0 for s in samples if not s.error)
 
 

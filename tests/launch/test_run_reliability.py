@@ -1,0 +1,116 @@
+"""Runs that always finish or say why (issue: run reliability), as a user runs them:
+`async-rl train` in a subprocess on the tiny assets, with real Redis, Ray, vLLM and learner.
+
+- a run SIGKILLed twice and resumed reaches its last step, training every group once and
+  neither skipping nor repeating a prompt (the ledger is reconciled at each start);
+- a reward function that fails on every probe stops the run before anything starts;
+- a reward function that hangs on some samples costs those samples, not the run;
+- one that fails on every real sample stops the run with exit 1 and the reason;
+- a run in which nothing progresses exits 1 and says what each side waits for.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from run_helpers import queue_state, start_train, train_cli, wait_for_version, wait_gone, write_config
+
+pytestmark = pytest.mark.integration
+
+
+def _reward_file(tmp_path: Path, body: str) -> str:
+    """``path:compute_score`` of a batch reward function whose per-item score is ``body``
+    (an expression of ``item``, which may also sleep or raise)."""
+    path = tmp_path / "reward.py"
+    path.write_text(
+        "import time\n\n"
+        "def fail(message):\n    raise ValueError(message)\n\n"
+        "def compute_score(reward_inputs):\n"
+        f"    return [{{'overall': {body}}} for item in reward_inputs]\n"
+    )
+    return f"{path}:compute_score"
+
+
+def _lineage(run_dir: Path) -> dict[int, dict[str, list]]:
+    """The last logged run of each version: its entry ids and prompt ids."""
+    lines = [json.loads(line) for line in (run_dir / "learner_steps.jsonl").read_text().splitlines()]
+    return {line["version"]: line for line in lines}
+
+
+def test_sigkill_and_resume_reach_the_last_step_every_time(tiny_assets, tmp_path):
+    steps = 12
+    config = write_config(tiny_assets, tmp_path, steps, trainer={"save_every": 3, "val_every": 0})
+    run_dir = tmp_path / "run"
+    for kill_at in (5, 8):  # each time after a checkpoint, with trained-but-uncommitted steps and groups queued
+        proc = start_train(config)
+        wait_for_version(proc, run_dir, kill_at)
+        proc.kill()
+        proc.wait(30)
+        assert wait_gone(run_dir) == [], "the killed run left processes behind"
+    done = train_cli(config, timeout_s=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    final = sorted((run_dir / "checkpoints").iterdir())[-1]
+    assert json.loads((final / "state.json").read_text())["version"] == steps
+    lineage = _lineage(run_dir)
+    assert sorted(lineage) == list(range(1, steps + 1))
+    entries = [e for line in lineage.values() for e in line["entry_ids"]]
+    trained = [p for line in lineage.values() for p in line["prompt_ids"]]
+    assert len(entries) == len(set(entries)) == 4 * steps  # each group trained once into the final model
+    state = queue_state(run_dir, config)
+    stats, queued, returned = state["stats"], state["queued"], state["returned"]
+    assert stats["pending"] == 0 and stats["inflight"] == 0
+    # No prompt skipped, none repeated: every claimed index is trained, queued, returned or dropped.
+    claimed = trained + queued + returned
+    assert len(claimed) == len(set(claimed))
+    assert len(claimed) + sum(stats["dropped"].values()) + stats["dead_lettered"] == stats["prompt_cursor"]
+    assert set(claimed) <= set(range(stats["prompt_cursor"]))
+
+
+def test_a_reward_function_failing_every_probe_stops_before_starting(tiny_assets, tmp_path):
+    config = write_config(tiny_assets, tmp_path, 4, rollout={"reward": {"function": _reward_file(tmp_path, "fail('no score')")}})
+    start = time.monotonic()
+    proc = train_cli(config, timeout_s=300)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "rollout.reward.function" in proc.stderr and "ValueError: no score" in proc.stderr and "Traceback" in proc.stderr
+    assert not (tmp_path / "run" / "redis").exists()  # nothing was started
+    assert time.monotonic() - start < 120
+
+
+def test_a_hanging_reward_function_costs_its_samples_not_the_run(tiny_assets, tmp_path):
+    # About one response in ten ends in 3: that call hangs until the pool kills it.
+    reward = _reward_file(tmp_path, "(time.sleep(3600) if item['response'].strip().endswith('3') else float(item['response'].strip() == item['ground_truth']))")
+    config = write_config(tiny_assets, tmp_path, 4, rollout={"reward": {"function": reward, "timeout_s": 2.0}}, trainer={"val_every": 0})
+    proc = train_cli(config, timeout_s=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "perf/tokens_per_s" in r]
+    assert [r["version"] for r in steps] == [1, 2, 3, 4]
+    assert steps[-1]["rollout/reward_timeouts"] > 0 and steps[-1]["rollout/reward_restarts"] > 0
+
+
+def test_a_reward_function_failing_on_every_sample_stops_the_run(tiny_assets, tmp_path):
+    # The start-up probe passes (its dummy response is empty); every real sample fails.
+    reward = _reward_file(tmp_path, "(fail('cannot parse') if item['response'] else 0.0)")
+    config = write_config(tiny_assets, tmp_path, 4, rollout={"reward": {"function": reward}})
+    proc = train_cli(config, timeout_s=600)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "nothing is trainable" in proc.stderr and "reward_error" in proc.stderr
+    state = queue_state(tmp_path / "run", config)
+    assert state["stats"]["pending"] == 0  # every dropped entry was acknowledged
+    assert state["stats"]["dropped"]["reward_error"] >= 40  # min(100, 10 x batch 4)
+    assert wait_gone(tmp_path / "run") == []
+
+
+def test_a_run_without_progress_exits_and_says_what_each_side_waits_for(tiny_assets, tmp_path):
+    reward = _reward_file(tmp_path, "(time.sleep(3600) if item['response'] else 0.0)")  # every real call hangs
+    config = write_config(tiny_assets, tmp_path, 4, rollout={"reward": {"function": reward, "timeout_s": 600.0}},
+                          trainer={"stall_timeout_s": 20.0, "val_every": 0})
+    proc = train_cli(config, timeout_s=600)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "no progress for" in proc.stderr and "trainer.stall_timeout_s=20" in proc.stderr
+    assert "learner at version 0 waits for 4 groups" in proc.stderr and "groups in flight" in proc.stderr
+    assert wait_gone(tmp_path / "run") == []

@@ -1,0 +1,112 @@
+"""Running `async-rl train` as a user would, for the end-to-end tests: a small config on the
+tiny assets, the CLI in a subprocess, and what the run left in Redis and the process table."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write_config(tiny_assets: Any, tmp_path: Path, steps: int, **sections: dict[str, Any]) -> Path:
+    """The quickstart config at a small scale (batches of 4 groups x 4 samples) with
+    ``sections`` merged in (e.g. ``trainer={"save_every": 3}``); returns its path."""
+    val = tmp_path / "val.jsonl"
+    val.write_text("".join(tiny_assets.val_path.read_text().splitlines(keepends=True)[:16]))
+    cfg = yaml.safe_load((ROOT / "configs" / "quickstart.yaml").read_text())
+    cfg["data"].update(train_files=str(tiny_assets.train_path), val_files=str(val))
+    cfg["learner"].update(model_path=str(tiny_assets.model_dir), batch_size=4)
+    cfg["rollout"].update(n=4, max_inflight=8)
+    cfg["trainer"].update(output_dir=str(tmp_path / "run"), run_name=f"e2e-{os.getpid()}", total_steps=steps, save_every=2, val_every=2, val_n=2)
+    cfg["logging"] = {"console": True, "wandb": {"enable": True, "mode": "offline"}}
+    for name, values in sections.items():
+        _merge(cfg.setdefault(name, {}), values)
+    path = tmp_path / "e2e.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _merge(into: dict[str, Any], values: dict[str, Any]) -> None:
+    for key, value in values.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = value
+
+
+def train_cli(config: Path, *overrides: str, timeout_s: float = 900) -> subprocess.CompletedProcess[str]:
+    """``async-rl train CONFIG OVERRIDES`` to the end; output in ``train.log`` beside the config."""
+    proc = subprocess.run([sys.executable, "-m", "async_rl.cli", "train", str(config), *overrides], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout_s)
+    with open(config.parent / "train.log", "a") as log:
+        log.write(proc.stdout + proc.stderr)
+    return proc
+
+
+def start_train(config: Path, *overrides: str) -> subprocess.Popen[str]:
+    """``async-rl train`` in the background, stdout and stderr together."""
+    return subprocess.Popen([sys.executable, "-m", "async_rl.cli", "train", str(config), *overrides], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def step_versions(run_dir: Path) -> list[int]:
+    """Versions of the learner steps logged so far in ``metrics.jsonl``."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [int(r["version"]) for r in records if "perf/tokens_per_s" in r]
+
+
+def wait_for_version(proc: subprocess.Popen[str], run_dir: Path, version: int, timeout_s: float = 600) -> None:
+    """Block until the run logged a step of ``version`` or more."""
+    deadline = time.monotonic() + timeout_s
+    while max(step_versions(run_dir), default=-1) < version:
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended (exit {proc.returncode}) before version {version}:\n{proc.stdout.read()[-3000:]}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no step of version {version} within {timeout_s} s")
+        time.sleep(0.3)
+
+
+def leftovers(run_dir: Path) -> list[str]:
+    """Processes of this run still alive: its redis-server, Ray workers, vLLM engines.
+    Zombies do not count: they are dead, waiting for a parent (in a container whose init
+    does not reap, orphans stay zombies forever)."""
+    out = subprocess.run(["ps", "-eo", "pid,ppid,stat,args"], capture_output=True, text=True).stdout.splitlines()[1:]
+    mine = str(run_dir)
+    alive = [line for line in out if not line.split(None, 3)[2].startswith("Z")]
+    return [line for line in alive if mine in line or "ray::" in line or "EngineCore" in line or "raylet" in line]
+
+
+def wait_gone(run_dir: Path, seconds: float = 30.0) -> list[str]:
+    """:func:`leftovers` once they are gone or ``seconds`` passed."""
+    deadline = time.monotonic() + seconds
+    while (left := leftovers(run_dir)) and time.monotonic() < deadline:
+        time.sleep(1.0)
+    return left
+
+
+def run_name(config: Path) -> str:
+    return str(yaml.safe_load(config.read_text())["trainer"]["run_name"])
+
+
+def queue_state(run_dir: Path, config: Path) -> dict[str, Any]:
+    """Restart the run's redis on its AOF and read the ledger: ``stats`` plus the prompt ids
+    of the groups still in the stream (``queued``) and of the returned prompts (``returned``)."""
+    from async_rl.queue import EmbeddedRedis, ReplayQueue
+    from async_rl.records import decode
+
+    with EmbeddedRedis(run_dir / "redis") as url, ReplayQueue(url, run_name(config)) as q:
+        client = q._client
+        queued = [decode(fields[b"group"]).prompt_id for _, fields in client.xrange(q.keys.rollouts)]
+        returned = [int(i) for i in client.lrange(q.keys.returned, 0, -1)]
+        return {"stats": q.stats(), "queued": queued, "returned": returned}
