@@ -50,7 +50,7 @@ STOP_TIMEOUT_S = 10.0
 _STOP = b"stop\n"
 _READY = b"ready\n"
 
-Table = dict[int, tuple[int, int]]
+_Table = dict[int, tuple[int, int]]
 """A snapshot of the live processes: pid -> (parent pid, start time)."""
 
 
@@ -72,15 +72,15 @@ def start_time(pid: int) -> int | None:
     return None if stat is None or stat[2] in ("Z", "X") else stat[1]
 
 
-def _snapshot() -> Table:
-    table: Table = {}
+def _snapshot() -> _Table:
+    table: _Table = {}
     for name in os.listdir("/proc"):
         if name.isdigit() and (stat := _stat(int(name))) is not None and stat[2] not in ("Z", "X"):
             table[int(name)] = (stat[0], stat[1])
     return table
 
 
-def _descendants(table: Table, roots: set[int]) -> set[int]:
+def _descendants(table: _Table, roots: set[int]) -> set[int]:
     """Pids in ``table`` below any of ``roots`` (the roots themselves excluded)."""
     children: dict[int, list[int]] = {}
     for pid, (ppid, _) in table.items():
@@ -122,7 +122,7 @@ class _Tracker:
         self.known = {pid: start for pid, start in self.known.items() if pid in table and table[pid][1] == start}
         found = _descendants(table, roots | set(self.known))
         found.update(pid for pid, (_, start) in table.items()
-                     if start >= self.driver_start and pid not in self.known and _has_token(pid, self.entry))
+                     if start >= self.driver_start and pid not in found and pid not in self.known and _has_token(pid, self.entry))
         found.discard(os.getpid())
         found.discard(self.driver)
         self.known.update((pid, table[pid][1]) for pid in found)
@@ -157,16 +157,16 @@ def watch(driver: int, driver_start: int, token: str, control: int, grace_s: flo
     tracker = _Tracker(driver, driver_start, token)
     tracker.update({driver})
     os.write(sys.stdout.fileno(), _READY)
-    received = b""
+    received, control_open = b"", True
     while tracker.driver_alive():
-        readable, _, _ = select.select([control], [], [], SCAN_INTERVAL_S)
-        if readable:
+        if not control_open:
+            time.sleep(SCAN_INTERVAL_S)
+        elif select.select([control], [], [], SCAN_INTERVAL_S)[0]:
             chunk = os.read(control, 64)
             received += chunk
             if received.startswith(_STOP):
                 return 0
-            if not chunk:
-                break  # the driver's end closed without a stop: it is gone
+            control_open = bool(chunk)  # closed without a stop: the driver is exiting
         tracker.update({driver})
     return _reap(tracker, grace_s)
 
@@ -203,7 +203,7 @@ def reap_on_exit(grace_s: float = GRACE_S) -> Iterator[None]:
     after ``grace_s``) by a watchdog if this process dies without leaving the context,
     SIGKILL included. Enter it before starting anything. Does nothing outside Linux."""
     pid = os.getpid()
-    me = None
+    me = start_time(pid) if sys.platform.startswith("linux") else None
     if me is None:
         yield
         return

@@ -15,7 +15,7 @@ import torch
 
 from async_rl.config import Config
 from async_rl.learner.loop import LearnerLoop
-from async_rl.learner.model import free_port
+from async_rl.learner.model import host_rendezvous_store
 from async_rl.sync.sender import WeightSender
 
 
@@ -32,8 +32,12 @@ class LearnerActor:
         self.sender: WeightSender | None = None
 
     def rendezvous(self) -> tuple[str, int]:
-        """Address and a free port of this actor's node, for the rank-0 TCP store."""
-        return ray.util.get_node_ip_address(), free_port()
+        """Rank 0: bind the process group's TCP store on a free port of this actor's node
+        (before :meth:`setup`); the address and port every rank's :meth:`setup` gets."""
+        if self.rank != 0:
+            raise RuntimeError(f"rank {self.rank} cannot host the rendezvous: rank 0 does")
+        host = ray.util.get_node_ip_address()
+        return host, host_rendezvous_store(host, self.world_size, self.cfg.sync.timeout_s)
 
     def setup(self, master_addr: str, master_port: int) -> None:
         """Join the process group, load and shard the model, resume (collective: call on all ranks at once)."""
@@ -42,20 +46,23 @@ class LearnerActor:
             self.sender = WeightSender(host=master_addr, bucket_mb=s.bucket_mb, backend=s.backend, timeout_s=s.timeout_s)
         self.loop = LearnerLoop(self.cfg, self.rank, self.world_size, master_addr, master_port, self.redis_url, self.sender)
 
+    def _loop(self) -> LearnerLoop:
+        if self.loop is None:
+            raise RuntimeError("LearnerActor: call setup() first")
+        return self.loop
+
     def sync_address(self) -> str | None:
         """ZeroMQ control endpoint of the weight sender (rank 0), for the inference servers."""
         return None if self.sender is None else self.sender.address
 
     def run(self, max_steps: int | None = None, wait_s: float | None = None) -> dict[str, Any]:
         """Run the loop (see :meth:`LearnerLoop.run`); returns ``{"version", "steps"}``."""
-        assert self.loop is not None, "call setup() first"
-        summary = self.loop.run(max_steps, wait_s)
+        summary = self._loop().run(max_steps, wait_s)
         return {"version": summary.version, "steps": summary.steps}
 
     def finish(self) -> int:
         """Checkpoint and commit what the last checkpoint does not hold (collective); the version."""
-        assert self.loop is not None, "call setup() first"
-        return self.loop.finish()
+        return self._loop().finish()
 
     def close(self) -> None:
         """Leave the process group and close the sender."""

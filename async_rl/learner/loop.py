@@ -289,11 +289,19 @@ class LearnerLoop:
         if not self.publishing:
             return
         self._settle(wait=False)
-        behind = self.publisher.behind(self._served) if self.publisher is not None else []
+        behind = self._lagging()
         names = _broadcast_bytes("\n".join(behind).encode(), self.info)
         if names:
             self.counters["sync_catch_up"] += 1
             self._publish(servers=behind)
+
+    def _lagging(self) -> list[str]:
+        """Rank 0: registered servers older than the served version (a catch-up sends the
+        current weights, which may be newer: with ``sync.every > 1`` that is fine)."""
+        if self.publisher is None:
+            return []
+        held = self.publisher.servers
+        return [sid for sid in self.publisher.behind(self._served) if (v := held.get(sid)) is None or v < self._served]
 
     def _publish(self, servers: list[str] | None = None) -> float:
         """Gather full parameters bucket by bucket and broadcast them (rank 0); return seconds.
@@ -335,7 +343,7 @@ class LearnerLoop:
         self._pending = None
         if not result.ok and result.servers:
             self.counters["sync_failed"] += 1
-        if self._served > self._announced and self.publisher.servers and not self.publisher.behind(self._served):
+        if self._served > self._announced and self.publisher.servers and not self._lagging():
             self.queue.publish_version(self._served)  # type: ignore[union-attr]
             self._announced = self._served
 

@@ -30,20 +30,45 @@ class DistInfo:
     device: torch.device
 
 
+_hosted_store: dist.TCPStore | None = None
+"""The learner's TCP store bound by :func:`host_rendezvous_store` on rank 0, until
+:func:`init_distributed` takes it."""
+
+
+def host_rendezvous_store(host: str, world_size: int, timeout_s: float) -> int:
+    """Rank 0, before the ranks join: bind the learner's TCP store on a free port of ``host``
+    and return that port (give it to every rank's :func:`init_distributed`).
+
+    The store holds the port from the bind on, so no other process can take it between the
+    choice of the port and the rendezvous. It is kept in this process until rank 0's
+    :func:`init_distributed` uses it; calling this again replaces one not yet used.
+    """
+    global _hosted_store
+    _hosted_store = dist.TCPStore(host, 0, world_size, is_master=True, wait_for_workers=False,
+                                  timeout=datetime.timedelta(seconds=timeout_s))
+    return int(_hosted_store.port)
+
+
 def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int, timeout_s: float) -> DistInfo:
     """Join the learner's default process group (NCCL with CUDA, else gloo); idempotent.
 
-    ``timeout_s`` bounds every collective of the group (a dead peer raises instead of hanging).
+    Rank 0 uses the store :func:`host_rendezvous_store` bound on ``master_port`` if there is
+    one, else it binds ``master_port`` itself; the other ranks connect to it. ``timeout_s``
+    bounds every collective of the group (a dead peer raises instead of hanging).
     """
+    global _hosted_store
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        store = dist.TCPStore(master_addr, master_port, world_size, is_master=rank == 0,
-                              timeout=datetime.timedelta(seconds=timeout_s))
-        dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if rank == 0 and _hosted_store is not None and _hosted_store.port == master_port:
+            store, _hosted_store = _hosted_store, None
+            store.set_timeout(timeout)
+        else:
+            store = dist.TCPStore(master_addr, master_port, world_size, is_master=rank == 0, timeout=timeout)
+        dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
     return DistInfo(dist.get_rank(), dist.get_world_size(), device)
 
 
@@ -147,8 +172,9 @@ def _full(param: Tensor) -> Tensor:
 
 
 def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (for a single-machine rendezvous)."""
+    """A TCP port of 127.0.0.1 that was free a moment ago: another process may bind it before
+    the caller does. For tests and benchmarks that must name a port before the ranks start;
+    the learner itself binds its store first (:func:`host_rendezvous_store`)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-

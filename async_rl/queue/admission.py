@@ -10,7 +10,8 @@ prompt bookkeeping (``inflight`` hash, ``returned`` list). A group's life, as se
    clears the ``inflight`` record atomically) or *abandoned* (:meth:`abandon`: the slot is
    released; the prompt either goes back to ``returned``, to be served first, or is done).
 3. The learner drops a group it reads but will not train (stale, malformed, failed
-   reward): :meth:`drop_script` acknowledges, counts and releases in one transaction.
+   reward): the queue acknowledges and counts it and :meth:`release_dropped` gives its
+   slot back, in one transaction.
 4. On every start, :meth:`reconcile` rebuilds the ledger from what is really there: prompts
    still recorded in flight (their worker is gone) are returned, and ``groups_started``
    becomes ``version * B + entries in the stream``.
@@ -22,6 +23,7 @@ flight`` at all times, and a crash or stop neither skips nor repeats a prompt.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 
@@ -148,6 +150,11 @@ class AdmissionLedger:
         (nothing changes then)."""
         done = self._abandon(keys=self._claim_keys, args=[ticket.index, ticket.claim, int(return_prompt)])
         return bool(done)
+
+    def release_dropped(self, pipe: Any, count: int) -> None:
+        """Queue on ``pipe`` (the consumer's drop transaction) the release of ``count`` slots:
+        groups read that will never be trained."""
+        pipe.hincrby(self._keys.counters, "groups_started", -count)
 
     def reconcile(self, version: int, batch_size: int) -> Reconciled:
         """Rebuild the ledger at a start (no producer may be running): return every prompt

@@ -1,11 +1,11 @@
 """A private ``redis-server`` child process for runs without ``queue.redis_url``.
 
-Binds 127.0.0.1 on a free port, requires a generated password, and keeps an append-only
-file (AOF) in its data directory. With ``appendfsync="always"`` (the default) Redis
-fsyncs the AOF before it answers a write, so anything a ``put`` returned for survives a
-crash of Redis *or* of the machine; ``"everysec"`` is faster but may lose the last
-second of writes on a power loss (a killed Redis alone loses nothing, the data is
-already in the OS page cache).
+Binds 127.0.0.1 on a free port (another one if a process takes it first), requires a
+generated password, and keeps an append-only file (AOF) in its data directory. With
+``appendfsync="always"`` (the default) Redis fsyncs the AOF before it answers a write, so
+anything a ``put`` returned for survives a crash of Redis *or* of the machine;
+``"everysec"`` is faster but may lose the last second of writes on a power loss (a killed
+Redis alone loses nothing, the data is already in the OS page cache).
 """
 
 from __future__ import annotations
@@ -39,9 +39,17 @@ _INSTALL_HINT = (
 
 _SAFE_PASSWORD = re.compile(r"[!#-\[\]-~]+")  # goes into redis.conf inside double quotes
 
+PORT_ATTEMPTS = 5
+"""Free ports tried when no port is given: another process may bind a port between the
+moment it is found free and the moment redis-server binds it."""
+
 
 class RedisNotInstalledError(FileNotFoundError):
     """No ``redis-server`` executable to start."""
+
+
+class _PortTaken(RuntimeError):
+    """Another process holds the port redis-server was to bind."""
 
 
 def _is_loopback(host: str) -> bool:
@@ -125,23 +133,41 @@ class EmbeddedRedis:
             self._tmp = tempfile.TemporaryDirectory(prefix="async-rl-redis-")
             self._data_dir = Path(self._tmp.name)
         self._data_dir.mkdir(parents=True, exist_ok=True)
-        if self.port is None:
-            # Small race with other processes picking ports; startup fails loudly if lost.
-            self.port = _free_port(self.host)
-        conf = self._data_dir / "redis.conf"
-        # The password goes in a 0600 file, not argv, so `ps` does not show it.
-        conf.touch(mode=0o600)
-        conf.write_text(self._config())
-        self._proc = subprocess.Popen(
-            [binary, str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent if _LIBC is not None else None,
-        )
+        pick = self.port is None
+        attempts = PORT_ATTEMPTS
         try:
-            self._wait_ready()
+            while True:
+                if pick:
+                    self.port = _free_port(self.host)
+                try:
+                    self._launch(binary)
+                    return self.url
+                except _PortTaken:
+                    attempts -= 1
+                    if not pick or attempts == 0:
+                        raise
+                    self._terminate()  # it lost the race for the port: try another one
         except BaseException:
             self.stop()
             raise
-        return self.url
+
+    def _launch(self, binary: str) -> None:
+        """Start redis-server on :attr:`port` and wait until it answers."""
+        conf = self.data_dir / "redis.conf"
+        # The password goes in a 0600 file, not argv, so `ps` does not show it.
+        conf.touch(mode=0o600)
+        conf.write_text(self._config())
+        log = self.data_dir / "redis.log"
+        log_start = log.stat().st_size if log.exists() else 0
+        self._proc = subprocess.Popen(
+            [binary, str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent if _LIBC is not None else None,
+            # Its own session: a Ctrl-C or SIGTERM sent to the owner's process group must not
+            # stop Redis before the owner's shutdown has committed to it (it still dies with
+            # the owner: PR_SET_PDEATHSIG).
+            start_new_session=True,
+        )
+        self._wait_ready(self._proc, log_start)
 
     def _config(self) -> str:
         lines = [
@@ -159,51 +185,57 @@ class EmbeddedRedis:
             lines.append(f'requirepass "{self.password}"')
         return "\n".join(lines) + "\n"
 
-    def _wait_ready(self) -> None:
-        assert self._proc is not None
+    def _wait_ready(self, proc: subprocess.Popen[bytes], log_start: int) -> None:
+        """Wait until ``proc`` answers on :attr:`port`; :class:`_PortTaken` if another
+        process holds the port (``log_start``: where this start's lines of redis.log begin)."""
         client = connect(self.url, socket_timeout_s=1.0)
         deadline = time.monotonic() + self.startup_timeout_s
         try:
             while True:
-                if self._proc.poll() is not None:
-                    raise RuntimeError(
-                        f"redis-server exited with code {self._proc.returncode}: "
-                        f"{self._log_tail()}"
-                    )
+                if proc.poll() is not None:
+                    log = self._log_tail(log_start)
+                    if "Address already in use" in log:
+                        raise _PortTaken(f"port {self.port} is held by another process: {log}")
+                    raise RuntimeError(f"redis-server exited with code {proc.returncode}: {log}")
                 try:
                     if client.ping():
-                        self._check_is_ours(client)
+                        pid = int(client.info("server")["process_id"])
+                        if pid != proc.pid:
+                            raise _PortTaken(f"port {self.port} is held by another Redis (pid {pid})")
                         return
                 except redis.AuthenticationError as exc:
-                    raise RuntimeError(f"port {self.port} is held by another Redis") from exc
-                except redis.BusyLoadingError:
-                    pass  # replaying the AOF
-                except redis.ConnectionError:
-                    pass  # not listening yet
+                    raise _PortTaken(f"port {self.port} is held by another Redis") from exc
+                except redis.RedisError:
+                    pass  # not listening yet, replaying the AOF, or another server answered (then ours exits)
                 if time.monotonic() > deadline:
                     raise TimeoutError(
                         f"redis-server not ready after {self.startup_timeout_s} s: "
-                        f"{self._log_tail()}"
+                        f"{self._log_tail(log_start)}"
                     )
                 time.sleep(0.02)
         finally:
             client.close()
 
-    def _check_is_ours(self, client: redis.Redis) -> None:
-        # A free port can be taken by another process before our server binds it.
-        assert self._proc is not None
-        pid = int(client.info("server")["process_id"])
-        if pid != self._proc.pid:
-            raise RuntimeError(f"port {self.port} is held by another Redis (pid {pid})")
-
-    def _log_tail(self, lines: int = 5) -> str:
+    def _log_tail(self, start: int, lines: int = 5) -> str:
+        """The last ``lines`` lines of redis.log written after byte ``start``."""
         log = self.data_dir / "redis.log"
         if not log.exists():
             return "(no log)"
-        return " | ".join(log.read_text(errors="replace").splitlines()[-lines:])
+        with log.open("rb") as f:
+            f.seek(start)
+            text = f.read().decode(errors="replace")
+        return " | ".join(text.splitlines()[-lines:]) or "(no log)"
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM (Redis flushes the AOF and exits), SIGKILL after ``timeout_s``."""
+        self._terminate(timeout_s)
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+            self._data_dir = None
+
+    def _terminate(self, timeout_s: float = 10.0) -> None:
+        """Stop the server process (its data directory stays)."""
         if self._proc is not None:
             if self._proc.poll() is None:
                 self._proc.send_signal(signal.SIGTERM)
@@ -213,10 +245,6 @@ class EmbeddedRedis:
                     self._proc.kill()
                     self._proc.wait()
             self._proc = None
-        if self._tmp is not None:
-            self._tmp.cleanup()
-            self._tmp = None
-            self._data_dir = None
 
     def __enter__(self) -> str:
         return self.start()
@@ -234,5 +262,5 @@ def _die_with_parent() -> None:
     killed with SIGKILL leaves no redis-server behind (Linux; the signal follows the
     *thread* that started it, so start the server from a long-lived thread). Redis saves
     nothing on SIGTERM that the AOF does not already hold."""
-    assert _LIBC is not None
-    _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if _LIBC is not None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)

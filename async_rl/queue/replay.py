@@ -393,8 +393,7 @@ class ReplayQueue:
         removed = [entry_id for entry_id, _, _ in dead] + [i for ids in dropped.values() for i in ids]
         if removed:
             self._ack_delete(pipe, removed)
-            # Their admission slots go back: these groups will never be trained.
-            pipe.hincrby(self.keys.counters, "groups_started", -len(removed))
+            self._ledger.release_dropped(pipe, len(removed))  # they will never be trained
         pipe.execute()
 
     # -- observability -------------------------------------------------------------

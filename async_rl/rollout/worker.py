@@ -169,7 +169,13 @@ class RolloutWorker:
         t0 = time.monotonic()
         try:
             while not stop.is_set():
-                ticket = await asyncio.to_thread(self.queue.admit, self.s.batch_size, self.s.max_staleness, self.s.server_id)
+                claim = asyncio.ensure_future(asyncio.to_thread(self.queue.admit, self.s.batch_size, self.s.max_staleness, self.s.server_id))
+                try:
+                    ticket = await asyncio.shield(claim)
+                except asyncio.CancelledError:  # the claim may still succeed: end its ticket
+                    if (late := await claim) is not None:
+                        self.queue.abandon(late, return_prompt=True)
+                    raise
                 if ticket is not None:
                     return ticket
                 await asyncio.sleep(self.s.admit_poll_s)
@@ -179,7 +185,8 @@ class RolloutWorker:
 
     async def _group(self, ticket: Ticket) -> None:
         """Generate, score and enqueue the group of ``ticket``; end the ticket exactly once."""
-        return_prompt = True  # unless it is done: enqueued, skipped or filtered
+        enqueued = False
+        return_prompt = True  # unless it is done: skipped or filtered
         try:
             row = self.row_for(ticket.index)
             prompt_ids = self._prompt_ids(row)
@@ -196,17 +203,18 @@ class RolloutWorker:
                     break
                 except TimeoutError:
                     log.warning("replay queue full for %.0f s; still holding group %s", self.s.put_timeout_s, group.group_id)
-            self.counters.groups_put += 1
-            return_prompt = False
-            ticket = None  # enqueued: the put ended it
+            enqueued = True
         except GenerationFailed as exc:
             log.warning("prompt index %d goes back to the queue: %s", ticket.index, exc)
         except Exception:  # noqa: BLE001 - one group's failure must not stop the worker
-            log.exception("group for prompt index %d failed; its prompt goes back to the queue", ticket.index if ticket else -1)
+            log.exception("group for prompt index %d failed; its prompt goes back to the queue", ticket.index)
         finally:
-            if ticket is not None:
-                # Synchronous: it must run even when this task is being cancelled.
-                self.queue.abandon(ticket, return_prompt=return_prompt)
+            # Synchronous, so it runs even while this task is being cancelled. The put script
+            # and the abandon script each end the ticket only if it is still open: a put
+            # cancelled mid-flight either won (the group is queued) or fails after this.
+            if not enqueued and not self.queue.abandon(ticket, return_prompt=return_prompt):
+                enqueued = True
+            self.counters.groups_put += enqueued
 
     async def _generate_group(self, index: int, row: PromptRow, prompt_ids: list[int]) -> RolloutGroup | None:
         """The scored group, or None when dynamic sampling filtered it."""

@@ -4,7 +4,8 @@
 - a run SIGKILLed twice and resumed reaches its last step, training every group once and
   neither skipping nor repeating a prompt (the ledger is reconciled at each start);
 - a reward function that fails on every probe stops the run before anything starts;
-- a reward function that hangs on some samples costs those samples, not the run;
+- a reward function that hangs on some samples costs those samples, not the run (the
+  resumed run above uses one);
 - one that fails on every real sample stops the run with exit 1 and the reason;
 - a run in which nothing progresses exits 1 and says what each side waits for.
 """
@@ -41,8 +42,12 @@ def _lineage(run_dir: Path) -> dict[int, dict[str, list]]:
 
 
 def test_sigkill_and_resume_reach_the_last_step_every_time(tiny_assets, tmp_path):
+    # About one response in ten ends in 3: that reward call hangs until the pool kills it,
+    # which costs those samples (their groups are dropped), not the run.
+    reward = _reward_file(tmp_path, "(time.sleep(3600) if item['response'].strip().endswith('3') else float(item['response'].strip() == item['ground_truth']))")
     steps = 12
-    config = write_config(tiny_assets, tmp_path, steps, trainer={"save_every": 3, "val_every": 0})
+    config = write_config(tiny_assets, tmp_path, steps, trainer={"save_every": 3, "val_every": 0},
+                          rollout={"reward": {"function": reward, "timeout_s": 2.0}})
     run_dir = tmp_path / "run"
     for kill_at in (5, 8):  # each time after a checkpoint, with trained-but-uncommitted steps and groups queued
         proc = start_train(config)
@@ -68,6 +73,8 @@ def test_sigkill_and_resume_reach_the_last_step_every_time(tiny_assets, tmp_path
     assert len(claimed) == len(set(claimed))
     assert len(claimed) + sum(stats["dropped"].values()) + stats["dead_lettered"] == stats["prompt_cursor"]
     assert set(claimed) <= set(range(stats["prompt_cursor"]))
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert sum(r.get("rollout/reward_timeouts", 0) for r in records) > 0 and stats["dropped"].get("reward_error", 0) > 0
 
 
 def test_a_reward_function_failing_every_probe_stops_before_starting(tiny_assets, tmp_path):
@@ -78,18 +85,6 @@ def test_a_reward_function_failing_every_probe_stops_before_starting(tiny_assets
     assert "rollout.reward.function" in proc.stderr and "ValueError: no score" in proc.stderr and "Traceback" in proc.stderr
     assert not (tmp_path / "run" / "redis").exists()  # nothing was started
     assert time.monotonic() - start < 120
-
-
-def test_a_hanging_reward_function_costs_its_samples_not_the_run(tiny_assets, tmp_path):
-    # About one response in ten ends in 3: that call hangs until the pool kills it.
-    reward = _reward_file(tmp_path, "(time.sleep(3600) if item['response'].strip().endswith('3') else float(item['response'].strip() == item['ground_truth']))")
-    config = write_config(tiny_assets, tmp_path, 4, rollout={"reward": {"function": reward, "timeout_s": 2.0}}, trainer={"val_every": 0})
-    proc = train_cli(config, timeout_s=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if "perf/tokens_per_s" in r]
-    assert [r["version"] for r in steps] == [1, 2, 3, 4]
-    assert steps[-1]["rollout/reward_timeouts"] > 0 and steps[-1]["rollout/reward_restarts"] > 0
 
 
 def test_a_reward_function_failing_on_every_sample_stops_the_run(tiny_assets, tmp_path):
@@ -108,9 +103,9 @@ def test_a_reward_function_failing_on_every_sample_stops_the_run(tiny_assets, tm
 def test_a_run_without_progress_exits_and_says_what_each_side_waits_for(tiny_assets, tmp_path):
     reward = _reward_file(tmp_path, "(time.sleep(3600) if item['response'] else 0.0)")  # every real call hangs
     config = write_config(tiny_assets, tmp_path, 4, rollout={"reward": {"function": reward, "timeout_s": 600.0}},
-                          trainer={"stall_timeout_s": 20.0, "val_every": 0})
+                          trainer={"stall_timeout_s": 10.0, "val_every": 0})
     proc = train_cli(config, timeout_s=600)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "no progress for" in proc.stderr and "trainer.stall_timeout_s=20" in proc.stderr
+    assert "no progress for" in proc.stderr and "trainer.stall_timeout_s=10" in proc.stderr
     assert "learner at version 0 waits for 4 groups" in proc.stderr and "groups in flight" in proc.stderr
     assert wait_gone(tmp_path / "run") == []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue as stdlib_queue
 import secrets
@@ -10,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,7 @@ import pytest
 import redis
 from queue_workers import SPAWN, make_group, produce
 
-from async_rl.queue import EmbeddedRedis, RedisNotInstalledError, ReplayQueue
+from async_rl.queue import EmbeddedRedis, RedisNotInstalledError, ReplayQueue, embedded
 from async_rl.queue.client import connect
 
 
@@ -89,6 +91,48 @@ def test_port_held_by_another_redis_is_an_error() -> None:
         assert first.port is not None
         with pytest.raises(RuntimeError, match=str(first.port)):
             EmbeddedRedis(port=first.port).start()
+
+
+@contextlib.contextmanager
+def _port_held(by: str) -> Iterator[int]:
+    """A port of 127.0.0.1 bound by a plain socket, a listening socket or another Redis."""
+    if by == "redis":
+        other = EmbeddedRedis()
+        with other:
+            assert other.port is not None
+            yield other.port
+        return
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        if by == "listening socket":
+            sock.listen()
+        yield sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("by", ["socket", "listening socket", "redis"])
+def test_a_free_port_taken_before_redis_binds_it_is_replaced(monkeypatch: pytest.MonkeyPatch, by: str) -> None:
+    """The race of a probed port: another process binds it first; the server starts on another one."""
+    probe = embedded._free_port
+    with _port_held(by) as taken:
+        first = iter([taken])
+        monkeypatch.setattr(embedded, "_free_port", lambda host: next(first, None) or probe(host))
+        server = EmbeddedRedis()
+        with server as url:
+            assert server.port != taken
+            client = connect(url, socket_timeout_s=2.0)
+            assert int(client.info("server")["process_id"]) == server.pid
+            client.close()
+
+
+def test_a_given_port_or_every_probed_port_taken_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    with _port_held("socket") as taken:
+        with pytest.raises(RuntimeError, match=f"port {taken} is held by another process"):
+            EmbeddedRedis(port=taken).start()  # a port given is not replaced
+        calls = []
+        monkeypatch.setattr(embedded, "_free_port", lambda host: calls.append(host) or taken)
+        with pytest.raises(RuntimeError, match=f"port {taken} is held by another process"):
+            EmbeddedRedis().start()
+        assert len(calls) == embedded.PORT_ATTEMPTS
 
 
 def test_loopback_without_auth_is_allowed(tmp_path: Path) -> None:

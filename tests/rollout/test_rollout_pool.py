@@ -214,10 +214,36 @@ def test_killed_server_is_restarted_and_no_group_lost_or_duplicated(cfg, pool, q
 
     counters = loop.run_until_complete(go())
     assert pool_.restarts == 1
-    assert counters.generate_failures >= 1 and counters.groups_lost_to_failures == 0
+    assert counters.generate_failures >= 1 and counters.groups_returned_after_failures == 0
     ids = [g.group_id for _, g in queue.get(groups, timeout=10)]
     assert len(ids) == groups and len(set(ids)) == groups
     assert loop.run_until_complete(pool_.handle(0).health.remote()).pid != pid
+
+
+def test_a_cancelled_worker_returns_its_prompts_and_leaks_no_slot(cfg, pool, queue):
+    """A stop that cancels groups mid-generation: every claimed prompt is enqueued or
+    returned (served first by the next admission), and no admission slot stays taken."""
+    pool_, loop = pool
+    long = Sampling(temperature=1.0, max_tokens=48, ignore_eos=True)
+    worker = _worker(cfg, pool_, queue, sampling=long, max_staleness=20, max_inflight=6)
+
+    async def go():
+        run = asyncio.ensure_future(worker.run(asyncio.Event()))
+        while worker.counters.groups_put < 2:
+            await asyncio.sleep(0.01)
+        run.cancel()
+        await asyncio.gather(run, return_exceptions=True)
+
+    loop.run_until_complete(go())
+    stats = queue.stats()
+    put = sorted(g.prompt_id for _, g in queue.get(100, timeout=1))
+    returned = [int(i) for i in queue._client.lrange(queue.keys.returned, 0, -1)]
+    assert len(put) == worker.counters.groups_put and returned
+    assert stats["inflight"] == 0 and stats["groups_started"] == len(put)
+    assert sorted(put + returned) == list(range(stats["prompt_cursor"]))  # none skipped, none twice
+    ticket = queue.admit(cfg.learner.batch_size, 20, "test")
+    assert ticket is not None and ticket.index == returned[0]
+    queue.abandon(ticket, return_prompt=True)
 
 
 def _greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
