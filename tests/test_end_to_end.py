@@ -96,4 +96,4 @@ def test_sigterm_checkpoints_and_leaves_nothing_running(tiny_assets, tmp_path):
     assert checkpoints, "no final checkpoint"
     assert wait_gone(run_dir) == []
     state = queue_state(run_dir, config)
-    assert state["stats"]["pending"] == 0 and state["stats"]["inflight"] == 0  # every group in flight ended its ticket
+    assert state["stats"]["pending"] == 0 and state["stats"]["inflight"] == 0, (state, output[-5000:])  # every group in flight ended its ticket

@@ -274,6 +274,8 @@ class _Run:
         for task in pending:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if tasks and (open_tickets := self.queue.stats()["inflight"]):  # each group ends its ticket: a bug if not
+            log.error("%d admission tickets are still open after the workers stopped; the next start returns their prompts", open_tickets)
 
     async def _drive_learner(self) -> None:
         total = self.cfg.trainer.total_steps

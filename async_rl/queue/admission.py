@@ -29,13 +29,24 @@ import redis
 
 from async_rl.queue.keys import RunKeys
 
-__all__ = ["AdmissionLedger", "Reconciled", "Ticket"]
+__all__ = ["ADMIT_REPLY_TTL_S", "AdmissionLedger", "Reconciled", "Ticket"]
 
-# KEYS: counters, inflight, returned. ARGV: B, eta, owner.
+ADMIT_REPLY_TTL_S = 300
+"""How long an admission's reply is kept for retries of the same call, seconds (longer
+than any ``op_timeout_s`` a producer retries for)."""
+
+# KEYS: counters, inflight, returned, this call's reply key. ARGV: B, eta, owner, ttl_s.
 # AReaL's rule: start a group only while groups_started < (v + eta + 1) * B. Checking,
 # counting and claiming in one script makes it exact however many producers race, and
-# leaves no moment where a slot is counted without its prompt being recorded.
+# leaves no moment where a slot is counted without its prompt being recorded. The reply
+# is kept under the call's own key for a while: a call retried after its reply was lost
+# gets the same ticket back instead of claiming a second one that nobody would hold.
 _ADMIT_LUA = """
+local previous = redis.call('GET', KEYS[4])
+if previous then
+  local sep = string.find(previous, ' ', 1, true)
+  return {tonumber(string.sub(previous, 1, sep - 1)), string.sub(previous, sep + 1)}
+end
 local v = tonumber(redis.call('HGET', KEYS[1], 'version') or '0')
 local started = tonumber(redis.call('HGET', KEYS[1], 'groups_started') or '0')
 if started >= (v + tonumber(ARGV[2]) + 1) * tonumber(ARGV[1]) then
@@ -48,6 +59,7 @@ if not index then
 end
 local claim = redis.call('HINCRBY', KEYS[1], 'tickets', 1) .. ' ' .. ARGV[3]
 redis.call('HSET', KEYS[2], index, claim)
+redis.call('SET', KEYS[4], index .. ' ' .. claim, 'EX', ARGV[4])
 return {tonumber(index), claim}
 """
 
@@ -133,14 +145,16 @@ class AdmissionLedger:
         """The last published policy version (0 before any publish)."""
         return int(self._client.hget(self._keys.counters, "version") or 0)
 
-    def admit(self, batch_size: int, max_staleness: int, owner: str) -> Ticket | None:
+    def admit(self, batch_size: int, max_staleness: int, owner: str, call_id: str) -> Ticket | None:
         """A :class:`Ticket` if AReaL's rule lets one more group start, else None.
 
-        ``owner`` (e.g. ``server-0/worker-1``) is recorded with the claimed prompt, for
-        ``redis-cli`` readers and diagnostics."""
+        ``owner`` (e.g. ``server-0``) is recorded with the claimed prompt, for ``redis-cli``
+        readers and diagnostics. ``call_id`` is unique per admission attempt and the same
+        for its retries (a retry whose first try was admitted returns that ticket)."""
         if batch_size <= 0 or max_staleness < 0:
             raise ValueError("need batch_size > 0 and max_staleness >= 0")
-        admitted = self._admit(keys=self._claim_keys, args=[batch_size, max_staleness, owner])
+        keys = [*self._claim_keys, self._keys.admit_reply(call_id)]
+        admitted = self._admit(keys=keys, args=[batch_size, max_staleness, owner, ADMIT_REPLY_TTL_S])
         return None if admitted is None else Ticket(int(admitted[0]), admitted[1].decode())
 
     def abandon(self, ticket: Ticket, *, return_prompt: bool) -> bool:

@@ -23,6 +23,8 @@ class RunKeys:
       not yet enqueued (``counters.tickets`` numbers the tickets).
     - ``returned``: list of prompt indices claimed but never enqueued, served first.
     - ``staleness``: hash ``staleness (versions) -> groups read``.
+    - ``admit_reply(call)``: ``"<index> <claim>"`` of one admission, kept a few minutes
+      (makes retried admissions idempotent).
     - ``last_put(producer)``: ``"<seq> <entry id>"`` of a producer's last put, expiring
       a minute after its retries end (makes retried puts idempotent).
     """
@@ -52,6 +54,9 @@ class RunKeys:
     @property
     def staleness(self) -> str:
         return f"{self.run}:staleness"
+
+    def admit_reply(self, call_id: str) -> str:
+        return f"{self.run}:admit-reply:{call_id}"
 
     def last_put(self, producer: str) -> str:
         return f"{self.run}:last-put:{producer}"

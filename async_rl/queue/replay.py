@@ -221,7 +221,8 @@ class ReplayQueue:
     def admit(self, batch_size: int, max_staleness: int, owner: str) -> Ticket | None:
         """AReaL admission and a prompt claim (:meth:`AdmissionLedger.admit`): a ticket to
         end with :meth:`put` or :meth:`abandon`, or None while the rule holds producers back."""
-        return self._call("admit", lambda: self._ledger.admit(batch_size, max_staleness, owner))
+        call_id = secrets.token_hex(8)  # the same for this call's retries
+        return self._call("admit", lambda: self._ledger.admit(batch_size, max_staleness, owner, call_id))
 
     def abandon(self, ticket: Ticket, *, return_prompt: bool) -> bool:
         """End ``ticket`` without a group (:meth:`AdmissionLedger.abandon`)."""

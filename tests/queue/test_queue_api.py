@@ -227,3 +227,13 @@ def test_unreachable_redis_raises_after_op_timeout(run: str) -> None:
 def test_encoded_size_is_packed(run: str) -> None:
     group = make_group(0, run=run)
     assert len(encode(group)) < 400  # bytes fields, not per-token msgpack ints
+
+
+def test_a_retried_admission_returns_the_same_ticket(queue: ReplayQueue) -> None:
+    """A retry after a lost reply (same call id) must not claim a second prompt."""
+    ledger = queue._ledger
+    first = ledger.admit(4, 0, "test", call_id="call-1")
+    assert ledger.admit(4, 0, "test", call_id="call-1") == first
+    assert ledger.admit(4, 0, "test", call_id="call-2").index == first.index + 1
+    stats = queue.stats()
+    assert stats["groups_started"] == 2 and stats["inflight"] == 2

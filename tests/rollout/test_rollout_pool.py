@@ -316,3 +316,15 @@ def test_openai_api_serves_the_same_engine(cfg, pool):
     served = loop.run_until_complete(handle.generate.remote(prompt, 1, Sampling(temperature=0.0, max_tokens=8, ignore_eos=True)))[0]
     assert choice["token_ids"] == served.token_ids
     assert choice["text"] == served.text
+
+
+def test_heal_replaces_a_server_that_lags_the_learner(cfg, pool):
+    """The driver's health check: a server holding the learner's version stays; one that has
+    held an older version longer than ``max_lag_s`` is replaced (a fresh process)."""
+    pool_, loop = pool
+    before = loop.run_until_complete(pool_.handle(0).health.remote())
+    assert loop.run_until_complete(pool_.heal(before.version, max_lag_s=0.0)) == []
+    assert loop.run_until_complete(pool_.heal(before.version + 3, max_lag_s=60.0)) == []  # lagging, not for long yet
+    actions = loop.run_until_complete(pool_.heal(before.version + 3, max_lag_s=0.0))
+    assert len(actions) == 1 and actions[0].startswith("server-0 has held version") and actions[0].endswith("replaced")
+    assert loop.run_until_complete(pool_.handle(0).health.remote()).pid != before.pid
