@@ -175,8 +175,7 @@ async def _generate_alone(cfg, url: str, groups: int, cores: str | None) -> floa
 
     from async_rl.data.prompts import PromptFormatter, read_prompt_rows
     from async_rl.queue import ReplayQueue
-    from async_rl.rewards import load_reward_function
-    from async_rl.rewards.scoring import RewardScorer
+    from async_rl.rewards import RewardPool, RewardScorer
     from async_rl.rollout.engine_args import engine_kwargs, openai_api_settings
     from async_rl.rollout.pool import ServerPool, ServerSpec
     from async_rl.rollout.server import Sampling
@@ -194,8 +193,8 @@ async def _generate_alone(cfg, url: str, groups: int, cores: str | None) -> floa
         batch_size=groups, max_staleness=0, max_inflight=r.max_inflight,
         max_prompt_length=cfg.data.max_prompt_length, seed=cfg.data.seed,
     )
-    with ReplayQueue(url, cfg.trainer.run_name, max_depth=groups) as queue:
-        worker = RolloutWorker(settings, queue, rows, fmt.token_ids, RewardScorer(load_reward_function(r.reward.function)), pool.generate_fn(0))
+    with ReplayQueue(url, cfg.trainer.run_name, max_depth=groups) as queue, RewardPool(r.reward) as rewards:
+        worker = RolloutWorker(settings, queue, rows, fmt.token_ids, RewardScorer(rewards, r.reward, r.max_response_length), pool.generate_fn(0))
         start = time.monotonic()
         await worker.run(asyncio.Event(), max_groups=groups)
         elapsed = time.monotonic() - start

@@ -124,8 +124,7 @@ async def _pool(cfg, count: int, rounds: int) -> tuple[list[float], float, float
     from async_rl.data.prompts import PromptFormatter, read_prompt_rows
     from async_rl.launch.ray_cluster import init_ray
     from async_rl.queue import EmbeddedRedis, ReplayQueue
-    from async_rl.rewards import load_reward_function
-    from async_rl.rewards.scoring import RewardScorer
+    from async_rl.rewards import RewardPool, RewardScorer
     from async_rl.rollout.engine_args import engine_kwargs, openai_api_settings
     from async_rl.rollout.pool import ServerPool, ServerSpec
     from async_rl.rollout.server import Sampling
@@ -146,8 +145,9 @@ async def _pool(cfg, count: int, rounds: int) -> tuple[list[float], float, float
         batch_size=count, max_staleness=0, max_inflight=count, max_prompt_length=cfg.data.max_prompt_length, shuffle=False,
     )
     model = AutoModelForCausalLM.from_pretrained(cfg.learner.model_path, dtype=torch.float32)
-    with EmbeddedRedis() as url, ReplayQueue(url, run="bench", max_depth=count) as queue:
-        worker = RolloutWorker(settings, queue, rows, fmt.token_ids, RewardScorer(load_reward_function("exact_match")), pool.generate_fn(0))
+    with EmbeddedRedis() as url, ReplayQueue(url, run="bench", max_depth=count) as queue, RewardPool(cfg.rollout.reward) as rewards:
+        scorer = RewardScorer(rewards, cfg.rollout.reward, cfg.rollout.max_response_length)  # rewards in their process pool, as in a run
+        worker = RolloutWorker(settings, queue, rows, fmt.token_ids, scorer, pool.generate_fn(0))
         await worker.run(asyncio.Event(), max_groups=4)  # warm-up, same as raw
         queue.get(4, timeout=5)
         sender.wait_for_servers(1, timeout_s=60)

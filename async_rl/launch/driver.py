@@ -101,7 +101,6 @@ class _Run:
         self.server_busy_s: list[float] = []
         self.failure: str | None = None
         """Why the run stopped early (exit status 1), or None."""
-        self.last_progress = time.monotonic()
         self.workers: list[RolloutWorker] = []
 
     # -- lifecycle ------------------------------------------------------------------
@@ -137,11 +136,11 @@ class _Run:
             self.stop.set()
 
     async def _start(self, stack: contextlib.AsyncExitStack) -> None:
-        stack.enter_context(reap_on_exit())  # first: whatever starts below ends with this process, even on SIGKILL
         cfg = self.cfg
         layout = cpu_layout(cfg)
         if layout:  # before Redis and Ray start: they and their workers inherit the rollout cores
             stack.enter_context(pinned_to(support_cores(layout)))
+        stack.enter_context(reap_on_exit())  # before any process starts: each ends with this one, even on SIGKILL
         from transformers import AutoTokenizer
 
         # What can fail on the user's files fails here, before Redis, Ray and vLLM start.
@@ -285,7 +284,6 @@ class _Run:
                 results = await asyncio.gather(*(a.run.remote(1, LEARNER_WAIT_S) for a in self.learners))
                 self.version = results[0]["version"]
                 for metrics in results[0]["steps"]:
-                    self.last_progress = time.monotonic()
                     tokens = sum(w.counters.tokens_generated for w in self.workers)
                     now = time.monotonic()
                     metrics.update(self._rollout_metrics(tokens - last_tokens, now - last_time))
@@ -313,14 +311,14 @@ class _Run:
         (neither a group generated nor a learner step taken for ``trainer.stall_timeout_s``)."""
         cfg = self.cfg
         period_s = min(HEALTH_PERIOD_S, cfg.trainer.stall_timeout_s / 4)
-        marker = None
+        marker, last_progress = None, time.monotonic()
         while not self.stop.is_set():
             await asyncio.sleep(period_s)
             progress = (self.version, sum(w.counters.groups_put + w.counters.tokens_generated for w in self.workers))
             if progress != marker:
-                marker, self.last_progress = progress, time.monotonic()
-            elif time.monotonic() - self.last_progress > cfg.trainer.stall_timeout_s:
-                self._fail(f"no progress for {time.monotonic() - self.last_progress:.0f} s (trainer.stall_timeout_s="
+                marker, last_progress = progress, time.monotonic()
+            elif time.monotonic() - last_progress > cfg.trainer.stall_timeout_s:
+                self._fail(f"no progress for {time.monotonic() - last_progress:.0f} s (trainer.stall_timeout_s="
                            f"{cfg.trainer.stall_timeout_s:g}): {await self._diagnose()}")
                 return
             for line in await self.pool.heal(self.version, cfg.sync.max_lag_s):

@@ -92,11 +92,6 @@ class RewardScorer:
         self.counters = RewardCounters()
         self._seen_errors: Counter[str] = Counter()
 
-    @property
-    def restarts(self) -> int:
-        """Reward processes the pool replaced (shared by every scorer of the pool)."""
-        return self.pool.restarts
-
     async def score(self, inputs: list[dict[str, Any]]) -> list[Score]:
         """Score a batch; ``inputs`` have ``response``, ``response_length`` (tokens) and ``ground_truth``.
 

@@ -133,45 +133,31 @@ class RolloutWorker:
 
     async def run(self, stop: asyncio.Event, max_groups: int | None = None) -> WorkerCounters:
         """Generate until ``stop`` is set (or ``max_groups`` were started); waits for groups in flight."""
-        inflight: set[asyncio.Task] = set()
-        tickets: dict[asyncio.Task, Ticket] = {}
+        inflight: dict[asyncio.Task, Ticket] = {}
         started = 0
         try:
             while not stop.is_set() and (max_groups is None or started < max_groups):
                 if len(inflight) >= self.s.max_inflight:
-                    _, inflight = await asyncio.wait(inflight, return_when=asyncio.FIRST_COMPLETED)
-                    continue
-                ticket = await self._admit(stop)
-                if ticket is None:
-                    break
-                started += 1
-                task = asyncio.create_task(self._group(ticket))
-                tickets[task] = ticket
-                task.add_done_callback(self._forget_ended(tickets))
-                inflight.add(task)
-                inflight = {t for t in inflight if not t.done()}
+                    await asyncio.wait(inflight, return_when=asyncio.FIRST_COMPLETED)
+                else:
+                    ticket = await self._admit(stop)
+                    if ticket is None:
+                        break
+                    started += 1
+                    inflight[asyncio.create_task(self._group(ticket))] = ticket
+                inflight = {t: ticket for t, ticket in inflight.items() if not t.done()}
             if inflight:
                 await asyncio.gather(*inflight)
         finally:  # cancelled: every group task ends its ticket in its own finally...
             for task in inflight:
                 task.cancel()
             await asyncio.gather(*inflight, return_exceptions=True)
-            # ...except a task cancelled before it ever ran: end those tickets here (a ticket
-            # that already ended is left as it is).
-            for task, ticket in tickets.items():
+            # ...unless it was cancelled before its first step (its finally never ran); a
+            # ticket that already ended is left as it is.
+            for task, ticket in inflight.items():
                 if task.cancelled():
                     self.queue.abandon(ticket, return_prompt=True)
         return self.counters
-
-    @staticmethod
-    def _forget_ended(tickets: dict[asyncio.Task, Ticket]) -> Callable[[asyncio.Task], None]:
-        """Done callback: a group task that ran ended its own ticket; keep only the cancelled ones."""
-
-        def forget(task: asyncio.Task) -> None:
-            if not task.cancelled():
-                tickets.pop(task, None)
-
-        return forget
 
     def _prompt_ids(self, row: PromptRow) -> list[int] | None:
         ids = self.encode(row.prompt)

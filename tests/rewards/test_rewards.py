@@ -117,7 +117,7 @@ def test_raising_reward_isolates_failing_samples(scorer_for, caplog):
     assert "non-finite" in first[2].error and first[2].error.startswith("RewardOutputError: ")
     assert second[0].error == first[1].error
     c = scorer.counters
-    assert (c.scored, c.errors, c.timeouts, c.distinct_errors, scorer.restarts) == (5, 3, 0, 2, 0)
+    assert (c.scored, c.errors, c.timeouts, c.distinct_errors, scorer.pool.restarts) == (5, 3, 0, 2, 0)
     # each distinct error is logged once, with the reward process's traceback
     logged = [r.getMessage() for r in caplog.records]
     assert len(logged) == 2 and "Traceback" in logged[0] and "in flaky" in logged[0]
