@@ -203,8 +203,24 @@ class FsdpConfig:
     """Dtype of gradient reduction."""
     reshard_after_forward: bool = True
     """Free gathered parameters after forward (ZeRO-3 behaviour); false keeps them (ZeRO-2)."""
-    gradient_checkpointing: bool = False
-    """Recompute activations in backward to save memory."""
+    gradient_checkpointing: Literal["auto", "on", "off"] = "auto"
+    """Recompute each decoder layer's activations in backward (true/false also work): ``auto``
+    turns it on for a GPU learner when the memory estimate (``--dry-run``) does not fit without it."""
+
+
+@dataclass
+class KernelsConfig:
+    """Attention and fused kernels of the learner; each falls back cleanly and the choice is logged."""
+
+    attention: Literal["auto", "flash_attention_2", "flex_attention", "sdpa"] = "auto"
+    """Attention over packed rows that keeps samples apart: ``auto`` is flash-attn's varlen
+    kernel where installed on GPU, else ``flex_attention`` on GPU, else ``sdpa`` run per sample
+    (CPU: no ``[T, T]`` mask is built)."""
+    liger: Literal["auto", "on", "off"] = "auto"
+    """Liger kernels (RMSNorm, SwiGLU, RoPE): ``auto`` uses them on GPU when ``liger_kernel`` is
+    installed; ``on`` fails before start where they cannot be used."""
+    compile: bool = False
+    """``torch.compile`` each decoder layer (GPU; slow first step)."""
 
 
 @dataclass
@@ -222,7 +238,14 @@ class LearnerConfig:
     ppo_epochs: int = 1
     """Passes over each batch."""
     max_tokens_per_microbatch: int = 8192
-    """Token budget of one micro-batch (prompt + response, after packing)."""
+    """Token budget of one micro-batch: samples (prompt + response) are packed into one row of
+    at most this many tokens, without padding."""
+    logprob_chunk_tokens: int = 2048
+    """Response tokens per chunk of the LM head + log-softmax: the ``[chunk, vocab]`` float32
+    logits are the largest tensor of a step (2048 x 151936 x 4 B = 1.2 GB), recomputed in backward."""
+    gpu_memory_gb: Optional[float] = None
+    """Memory of one learner GPU in GB, to check the plan against (``--dry-run``); null: the
+    GPU's own memory, or 80 when planning on a machine without a GPU."""
     cpus_per_rank: float = 1.0
     """CPU cores reserved for each learner rank's Ray actor."""
     gpus_per_rank: float = 0.0
@@ -231,6 +254,8 @@ class LearnerConfig:
     """Optimizer and schedule."""
     fsdp: FsdpConfig = field(default_factory=FsdpConfig)
     """Sharding and precision."""
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    """Attention implementation and fused kernels."""
 
 
 @dataclass
@@ -403,7 +428,8 @@ class Config:
 
 
 #: String fields whose documented words YAML reads as booleans (``resume: off``).
-_BOOL_WORDS = {"trainer.resume": {False: "off", True: "auto"}}
+_BOOL_WORDS = {"trainer.resume": {False: "off", True: "auto"}, "learner.fsdp.gradient_checkpointing": {False: "off", True: "on"},
+               "learner.kernels.liger": {False: "off", True: "on"}}
 
 #: Estimators whose baseline comes from the other samples of the same prompt.
 GROUP_ESTIMATORS = ("grpo", "rloo", "grpo_passk", "reinforce_pp_baseline", "opo")
@@ -502,6 +528,8 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
         return _convert(inner[0], value, key)
     if origin is Literal:
         choices = typing.get_args(tp)
+        if isinstance(value, bool) and key in _BOOL_WORDS:
+            value = _BOOL_WORDS[key][value]
         if value not in choices:
             close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
@@ -597,6 +625,7 @@ def validate(cfg: Config) -> None:
     need(bool(r.openai_host), "rollout.openai_host must not be empty (0.0.0.0 binds every interface)")
     need(r.vllm.kv_cache_space_gb > 0, f"rollout.vllm.kv_cache_space_gb={r.vllm.kv_cache_space_gb} must be > 0")
     need(lrn.optim.lr > 0, f"learner.optim.lr={lrn.optim.lr} must be > 0")
+    need(lrn.gpu_memory_gb is None or lrn.gpu_memory_gb > 0, f"learner.gpu_memory_gb={lrn.gpu_memory_gb} must be > 0 (or null: the GPU's own memory)")
     need(lrn.optim.grad_clip >= 0, f"learner.optim.grad_clip={lrn.optim.grad_clip} must be >= 0 (0 disables clipping)")
     need(len(lrn.optim.betas) == 2 and all(0 <= b < 1 for b in lrn.optim.betas), f"learner.optim.betas={lrn.optim.betas} must be two numbers in [0, 1)")
     need(0 <= lrn.optim.min_lr_ratio <= 1, f"learner.optim.min_lr_ratio={lrn.optim.min_lr_ratio} must be in [0, 1]")
@@ -666,6 +695,7 @@ def _positive_ints(cfg: Config) -> list[tuple[str, int]]:
         ("learner.ppo_mini_batches", cfg.learner.ppo_mini_batches),
         ("learner.ppo_epochs", cfg.learner.ppo_epochs),
         ("learner.max_tokens_per_microbatch", cfg.learner.max_tokens_per_microbatch),
+        ("learner.logprob_chunk_tokens", cfg.learner.logprob_chunk_tokens),
         ("sync.every", cfg.sync.every),
         ("sync.bucket_mb", cfg.sync.bucket_mb),
         ("trainer.total_steps", cfg.trainer.total_steps),

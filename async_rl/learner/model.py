@@ -79,14 +79,15 @@ def compute_dtype(fsdp: FsdpConfig, device: torch.device) -> torch.dtype:
     return getattr(torch, fsdp.param_dtype)
 
 
-def load_sharded(model_path: str, fsdp: FsdpConfig, device: torch.device, trainable: bool) -> nn.Module:
+def load_sharded(model_path: str, fsdp: FsdpConfig, device: torch.device, trainable: bool, checkpointing: bool = False) -> nn.Module:
     """Load a causal LM with float32 master weights and shard it: ``fully_shard`` per decoder
     layer, then at the root (embeddings, final norm, LM head).
 
-    ``trainable=False`` gives the frozen reference model (no gradients, eval mode).
+    ``trainable=False`` gives the frozen reference model (no gradients, eval mode);
+    ``checkpointing`` recomputes each decoder layer in backward (trainable models only).
     """
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    if fsdp.gradient_checkpointing and trainable:
+    if checkpointing and trainable:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype(fsdp, device), reduce_dtype=getattr(torch, fsdp.reduce_dtype))
     for layer in _decoder_layers(model):
