@@ -29,6 +29,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from async_rl.learner import collectives
+
 _PREFIX = "step_"
 _STATE = "state.json"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
@@ -94,7 +96,7 @@ def save(
     dcp.save(model_sd, checkpoint_id=path / "model")
     dcp.save(optim_sd, checkpoint_id=path / "optim")
     _write_durable(path / "rng" / f"rank_{rank}.pt", lambda f: torch.save(_rng_state(), f))
-    dist.barrier()
+    collectives.barrier()
     if rank == 0:
         _copy_hf_files(Path(model_path), path / "hf")
         _write_durable(path / _STATE, lambda f: f.write(json.dumps(asdict(state), indent=1).encode()))
@@ -102,7 +104,7 @@ def save(
         _fsync_dir(path.parent)
         for old in list_checkpoints(path.parent.parent)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
+    collectives.barrier()
 
 
 def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> TrainingState:

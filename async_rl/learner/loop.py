@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from async_rl.config import Config
-from async_rl.learner import checkpoint
+from async_rl.learner import checkpoint, collectives
 from async_rl.learner.batching import prepare, screen_group
 from async_rl.learner.model import DistInfo, init_distributed, iter_full_parameters, load_sharded
 from async_rl.learner.train_step import Trainer, staleness_metrics
@@ -366,14 +366,12 @@ class LearnerLoop:
 
 def _broadcast_bytes(payload: bytes, info: DistInfo) -> bytes:
     """Rank 0's ``payload`` on every rank (length first, then the bytes as a uint8 tensor)."""
-    length = torch.tensor([len(payload)], dtype=torch.long, device=info.device)
-    dist.broadcast(length, 0)
+    length = collectives.broadcast(torch.tensor([len(payload)], dtype=torch.long, device=info.device), info.device, 0, "payload length")
     if info.rank == 0 or int(length) == 0:
         if int(length):
-            dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(info.device), 0)
+            collectives.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(info.device), info.device, 0, "payload")
         return payload if info.rank == 0 else b""
-    data = torch.empty(int(length), dtype=torch.uint8, device=info.device)
-    dist.broadcast(data, 0)
+    data = collectives.broadcast(torch.empty(int(length), dtype=torch.uint8, device=info.device), info.device, 0, "payload")
     return data.cpu().numpy().tobytes()
 
 
@@ -381,12 +379,11 @@ def _broadcast_groups(groups: list[RolloutGroup], info: DistInfo) -> list[Rollou
     """Rank 0's ``groups`` on every rank, as msgspec bytes; None everywhere for a wait beat
     (rank 0 passed no groups)."""
     encoded = [encode(g) for g in groups] if info.rank == 0 else []
-    count = torch.tensor([len(encoded)], dtype=torch.long, device=info.device)
-    dist.broadcast(count, 0)
+    count = collectives.broadcast(torch.tensor([len(encoded)], dtype=torch.long, device=info.device), info.device, 0, "group count")
     if int(count) == 0:
         return None
     sizes = torch.tensor([len(e) for e in encoded] or [0] * int(count), dtype=torch.long, device=info.device)
-    dist.broadcast(sizes, 0)
+    collectives.broadcast(sizes, info.device, 0, "group sizes")
     if info.rank == 0:
         _broadcast_bytes(b"".join(encoded), info)
         return list(groups)

@@ -19,11 +19,11 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from async_rl.algos import advantages, losses
 from async_rl.config import AlgorithmConfig, LearnerConfig, OptimConfig
+from async_rl.learner import collectives
 from async_rl.learner.batching import Batch, plan_micro_batches, split_groups
 from async_rl.learner.model import DistInfo, token_logprobs
 
@@ -183,15 +183,14 @@ class Trainer:
     def _all_rows_logp(self, model: nn.Module, batch: Batch) -> Tensor:
         """Log-probs ``[N, T]`` of every sample under ``model`` (no gradient): each rank
         computes its share, one all-reduce assembles the whole table on every rank."""
-        table = torch.zeros_like(batch.behav_logp)
+        table = torch.zeros(batch.behav_logp.shape, device=self.info.device)
         plan = plan_micro_batches(batch.lengths.tolist(), range(batch.size), self.info.world_size, self.learner.max_tokens_per_microbatch)
         for rows in plan[self.info.rank]:
             micro = _micro(batch, rows)
             logp, _ = token_logprobs(model, *self._inputs(micro), temperature=self.temperature)
             if rows:
-                table[rows] = logp.cpu() * micro.response_mask
-        dist.all_reduce(table)
-        return table
+                table[rows] = logp * micro.response_mask.to(logp.device)
+        return collectives.all_reduce(table, self.info.device, "proximal/reference log-probs")
 
     def _inputs(self, micro: Batch) -> tuple[Tensor, Tensor, Tensor]:
         device = self.info.device
@@ -264,8 +263,7 @@ def _all_reduce_sum(values: dict[str, float], device: torch.device) -> dict[str,
     """Sum float metrics over ranks (keys are the same on every rank: filler passes report too)."""
     keys = sorted(values)
     tensor = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=device)
-    dist.all_reduce(tensor)
-    return dict(zip(keys, tensor.tolist()))
+    return dict(zip(keys, collectives.all_reduce(tensor, device, "metrics").tolist()))
 
 
 def staleness_metrics(batch: Batch, version: int) -> dict[str, float]:

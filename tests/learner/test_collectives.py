@@ -1,0 +1,54 @@
+"""Every learner collective gets its tensors on the group's device: a learner step on the CPU,
+with the group's device declared ``cuda`` (simulated, see ``simulated_cuda``) and the
+collectives strict, runs every path that reduces or broadcasts a tensor."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+from learner_helpers import learner_config, make_groups
+from simulated_cuda import simulated_cuda
+
+from async_rl.learner import collectives
+from async_rl.learner.batching import prepare
+from async_rl.learner.loop import _broadcast_bytes, _broadcast_groups
+from async_rl.learner.model import DistInfo, load_sharded
+from async_rl.learner.train_step import Trainer
+
+
+def test_strict_mode_names_a_tensor_left_on_the_cpu(one_rank: DistInfo) -> None:
+    with simulated_cuda() as cuda:
+        with pytest.raises(collectives.CollectiveDeviceError, match="metrics: tensor on cpu.*runs on cuda"):
+            collectives.all_reduce(torch.ones(2), cuda, "metrics")
+        assert collectives.all_reduce(torch.ones(2, device=cuda), cuda, "metrics").tolist() == [1.0, 1.0]
+
+
+def test_outside_strict_mode_a_stray_tensor_is_moved_and_counted(one_rank: DistInfo) -> None:
+    before = collectives.moved["probe"]
+    with simulated_cuda() as cuda, collectives.strict_devices(False):
+        stray = torch.ones(2)
+        assert collectives.all_reduce(stray, cuda, "probe") is stray and stray.tolist() == [1.0, 1.0]
+    assert collectives.moved["probe"] == before + 1
+
+
+@pytest.mark.parametrize("overrides", [
+    ("learner.ppo_mini_batches=2", "learner.ppo_epochs=2", "algorithm.loss.kl_coef=0.1", "algorithm.loss.entropy_coef=0.01"),
+    ("algorithm.loss.name=tis", "algorithm.recompute_proximal=false"),
+], ids=["recompute-proximal-and-reference", "single-update"])
+def test_a_learner_step_puts_every_collective_tensor_on_the_device(
+    tiny_model: Path, one_rank: DistInfo, tmp_path: Path, overrides: tuple[str, ...]
+) -> None:
+    cfg = learner_config(tiny_model, tmp_path, "strict", *overrides)
+    policy = load_sharded(str(tiny_model), cfg.learner.fsdp, one_rank.device, trainable=True)
+    reference = load_sharded(str(tiny_model), cfg.learner.fsdp, one_rank.device, trainable=False) if cfg.algorithm.loss.kl_coef > 0 else None
+    batch = prepare(make_groups(4, seed=5), 64, 512).batch
+    with simulated_cuda() as cuda:
+        info = dataclasses.replace(one_rank, device=cuda)
+        trainer = Trainer(policy, reference, cfg.learner, cfg.algorithm, info, cfg.trainer.total_steps, cfg.trainer.seed)
+        result = trainer.step(batch, 0)
+        groups = _broadcast_groups(make_groups(2, seed=6), info)
+        assert _broadcast_bytes(b"stop", info) == b"stop"
+    assert result.optimizer_steps >= 1 and groups is not None and len(groups) == 2
