@@ -3,8 +3,8 @@
     .venv/bin/python benchmarks/learner_throughput.py --json benchmarks/results/learner_throughput.json
 
 1. Training: the learner (groups decoded from queue records -> ``batching.prepare`` ->
-   ``Trainer.step`` on an FSDP2 model) against a plain PyTorch loop doing the same
-   forward/backward/AdamW step on the same model, the same micro-batches and tokens
+   ``Trainer.step`` on an FSDP2 model) against the plain packed loop of ``_plain_packed.py``
+   (HF model, packed rows, chunked log-softmax, AdamW) on the same model, micro-batches and tokens
    (``ratio_vs_plain``; target >= 0.9). One rank, float32, on this machine's CPU.
 2. Publishing: gathering full parameters from the FSDP shards bucket by bucket
    (``iter_full_parameters``), packing and broadcasting the buckets on a
@@ -28,6 +28,7 @@ import datetime
 import json
 import multiprocessing as mp
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -36,14 +37,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from async_rl.config import load_config
-from async_rl.learner.batching import plan_micro_batches, prepare
-from async_rl.learner.model import DistInfo, free_port, iter_full_parameters, load_sharded, token_logprobs
-from async_rl.learner.train_step import Trainer
-from async_rl.records import RolloutGroup, Sample, decode, encode
-from async_rl.sync.buckets import plan_buckets, tensor_specs
-from async_rl.sync.group import Rendezvous, WeightGroup, connect_store, host_store
-from async_rl.sync.sender import stream_buckets
+sys.path.insert(0, str(Path(__file__).parent))
+from _plain_packed import plain_packed_step  # noqa: E402
+
+from async_rl.config import load_config  # noqa: E402
+from async_rl.learner.batching import plan_micro_batches, prepare  # noqa: E402
+from async_rl.learner.model import DistInfo, iter_full_parameters, load_sharded  # noqa: E402
+from async_rl.learner.train_step import Trainer  # noqa: E402
+from async_rl.records import RolloutGroup, Sample, decode, encode  # noqa: E402
+from async_rl.sync.buckets import plan_buckets, tensor_specs  # noqa: E402
+from async_rl.sync.group import Rendezvous, WeightGroup, connect_store, host_store  # noqa: E402
+from async_rl.sync.sender import stream_buckets  # noqa: E402
 
 VOCAB, MAX_TOKENS = 4096, 2048
 
@@ -82,7 +86,7 @@ def learner_step(model_dir: Path, records: list[bytes], total_steps: int) -> tup
                              f"learner.max_tokens_per_microbatch={MAX_TOKENS}", "data.max_prompt_length=64",
                              "rollout.max_response_length=192", "queue.max_depth=256", "learner.optim.lr=1e-5"])
     info = DistInfo(0, 1, torch.device("cpu"))
-    policy = load_sharded(str(model_dir), cfg.learner.fsdp, info.device, trainable=True)
+    policy = load_sharded(str(model_dir), cfg.learner, info.device, trainable=True)
     trainer = Trainer(policy, None, cfg.learner, cfg.algorithm, info, total_steps, 1)
     steps = iter(range(total_steps))
 
@@ -96,25 +100,13 @@ def learner_step(model_dir: Path, records: list[bytes], total_steps: int) -> tup
 
 
 def plain_step(model_dir: Path, records: list[bytes], plan: list[list[int]]) -> Callable[[], int]:
-    """A plain HF model + AdamW step on the same micro-batches (REINFORCE-style loss)."""
+    """The plain packed loop (``_plain_packed.py``: HF model, packed rows, REINFORCE-style
+    loss, AdamW) on the same micro-batches."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
     batch = prepare([decode(r) for r in records], MAX_TOKENS, VOCAB).batch
-    micro = [batch.select(rows) for rows in plan]
-    total = float(batch.response_mask.sum())
-
-    def step() -> int:
-        for mb in micro:
-            logp, _ = token_logprobs(model, mb.input_ids, mb.attention_mask, mb.response_positions)
-            (-(logp * mb.response_mask * (mb.rewards[:, None] - 0.5)).sum() / total).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return int(batch.lengths.sum())
-
-    return step
+    return plain_packed_step(model, batch, plan, torch.device("cpu"), 4096, torch.float32)
 
 
 def interleaved_rates(runs: dict[str, Callable[[], int]], rounds: int) -> dict[str, float]:
@@ -142,9 +134,9 @@ def _receiver(rv: Rendezvous, sizes: list[int], rounds: int) -> None:
 
 def sync_rates(model_dir: Path, bucket_bytes: int, rounds: int) -> tuple[float, float, int]:
     """(publishing GB/s, raw broadcast GB/s, bytes per update) over a gloo WeightGroup of 2."""
-    from async_rl.config import FsdpConfig
+    from async_rl.config import LearnerConfig
 
-    policy = load_sharded(str(model_dir), FsdpConfig(), torch.device("cpu"), trainable=True)
+    policy = load_sharded(str(model_dir), LearnerConfig(), torch.device("cpu"), trainable=True)
     specs = tensor_specs(policy.named_parameters())
     buckets = plan_buckets(specs, bucket_bytes)
     sizes = [b.nbytes for b in buckets]

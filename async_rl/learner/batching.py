@@ -213,9 +213,9 @@ def plan_micro_batches(lengths: Sequence[int], rows: Sequence[int], world_size: 
     """Assign samples ``rows`` (with ``lengths[row]`` tokens) to ranks and pack them into micro-batches.
 
     Returns ``plan[rank][micro_batch] = [row, ...]``. Ranks get balanced token counts (longest
-    first to the least-loaded rank); each rank packs its samples longest-first so a micro-batch
-    holds similar lengths and its padded size ``len(rows) * longest`` stays within
-    ``max_tokens``. Every rank gets the same number of micro-batches: a rank that needs fewer
+    first to the least-loaded rank); each rank packs its samples first-fit, longest first,
+    into micro-batches of at most ``max_tokens`` tokens in all (they become one packed row,
+    :func:`pack`). Every rank gets the same number of micro-batches: a rank that needs fewer
     gets empty ones at the end (it still runs a zero-weight pass so collectives match).
     Deterministic: equal inputs give equal plans on every rank.
     """
@@ -232,11 +232,65 @@ def plan_micro_batches(lengths: Sequence[int], rows: Sequence[int], world_size: 
 
 
 def _pack(rows: list[int], lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
-    """Next-fit over rows sorted longest first: the first row of a bin is its longest."""
+    """First-fit over rows sorted longest first: each row goes to the first bin with room."""
     bins: list[list[int]] = []
+    used: list[int] = []
     for row in rows:
-        if bins and (len(bins[-1]) + 1) * lengths[bins[-1][0]] <= max_tokens:
-            bins[-1].append(row)
-        else:
-            bins.append([row])
+        k = next((i for i, u in enumerate(used) if u + lengths[row] <= max_tokens), len(bins))
+        if k == len(bins):
+            bins.append([])
+            used.append(0)
+        bins[k].append(row)
+        used[k] += lengths[row]
     return bins
+
+
+@dataclass(frozen=True)
+class PackedRow:
+    """The samples of a micro-batch concatenated into one row, without padding (CPU tensors).
+
+    ``input_ids`` and ``position_ids`` ``[1, S]`` (positions restart at 0 for each sample);
+    ``bounds`` the sample boundaries ``[0, ..., S]``. For the ``M`` response tokens:
+    ``logit_rows`` ``[M]`` the row position whose logits predict each (its position minus
+    one), ``targets`` ``[M]`` the token ids and ``dest`` ``[M]`` its index in the flattened
+    ``[n, T]`` response grid of the micro-batch (:func:`unpack`).
+    """
+
+    input_ids: Tensor
+    position_ids: Tensor
+    bounds: tuple[int, ...]
+    logit_rows: Tensor
+    targets: Tensor
+    dest: Tensor
+    grid: tuple[int, int]
+    """``(n, T)``: samples and response width of the micro-batch."""
+
+
+def pack(micro: Batch) -> PackedRow:
+    """One packed row of ``micro``'s samples (in order). A sample's response tokens are those
+    with a position > 0 (``response_mask`` may be zero, as in a filler pass)."""
+    n, width = micro.response_positions.shape
+    ids, pos, logit_rows, targets, dest, bounds = [], [], [], [], [], [0]
+    for i in range(n):
+        length = int(micro.lengths[i])
+        responses = micro.response_positions[i]
+        count = int((responses > 0).sum())
+        offset = bounds[-1]
+        ids.append(micro.input_ids[i, :length])
+        pos.append(torch.arange(length))
+        logit_rows.append(responses[:count] - 1 + offset)
+        targets.append(micro.input_ids[i].index_select(0, responses[:count]))
+        dest.append(torch.arange(count) + i * width)
+        bounds.append(offset + length)
+    return PackedRow(
+        input_ids=torch.cat(ids).unsqueeze(0), position_ids=torch.cat(pos).unsqueeze(0), bounds=tuple(bounds),
+        logit_rows=torch.cat(logit_rows), targets=torch.cat(targets), dest=torch.cat(dest), grid=(n, width),
+    )
+
+
+def unpack(values: Tensor, row: PackedRow) -> Tensor:
+    """Per-response-token ``values`` ``[M]`` of :func:`pack`'s order as the ``[n, T]`` grid
+    (0 on padding); differentiable."""
+    n, width = row.grid
+    grid = values.new_zeros(n * width)
+    return grid.index_copy(0, row.dest.to(values.device), values).view(n, width)

@@ -18,7 +18,9 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM
 
-from async_rl.config import FsdpConfig
+from async_rl.config import FsdpConfig, LearnerConfig
+from async_rl.learner import attention, kernels
+from async_rl.learner.logprobs import install_logprob_head
 
 
 @dataclass(frozen=True)
@@ -79,18 +81,25 @@ def compute_dtype(fsdp: FsdpConfig, device: torch.device) -> torch.dtype:
     return getattr(torch, fsdp.param_dtype)
 
 
-def load_sharded(model_path: str, fsdp: FsdpConfig, device: torch.device, trainable: bool, checkpointing: bool = False) -> nn.Module:
+def load_sharded(model_path: str, learner: LearnerConfig, device: torch.device, trainable: bool, checkpointing: bool = False) -> nn.Module:
     """Load a causal LM with float32 master weights and shard it: ``fully_shard`` per decoder
     layer, then at the root (embeddings, final norm, LM head).
 
-    ``trainable=False`` gives the frozen reference model (no gradients, eval mode);
-    ``checkpointing`` recomputes each decoder layer in backward (trainable models only).
+    The model attends over packed rows (``learner.kernels.attention``, see ``attention.py``)
+    and its ``lm_head`` returns log-probs and entropies in chunks (``logprobs.py``); call it
+    through :func:`async_rl.learner.logprobs.token_logprobs`. ``trainable=False`` gives the
+    frozen reference model (no gradients, eval mode); ``checkpointing`` recomputes each
+    decoder layer in backward (trainable models only).
     """
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    fsdp = learner.fsdp
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
+                                                 attn_implementation=attention.choose(learner.kernels, device))
+    install_logprob_head(model, learner.logprob_chunk_tokens)
     if checkpointing and trainable:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    kernels.apply(model, decoder_layers(model), learner.kernels, device)
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype(fsdp, device), reduce_dtype=getattr(torch, fsdp.reduce_dtype))
-    for layer in _decoder_layers(model):
+    for layer in decoder_layers(model):
         fully_shard(layer, mp_policy=policy, reshard_after_forward=fsdp.reshard_after_forward)
     fully_shard(model, mp_policy=policy, reshard_after_forward=fsdp.reshard_after_forward)
     model.to(device)
@@ -99,45 +108,13 @@ def load_sharded(model_path: str, fsdp: FsdpConfig, device: torch.device, traina
     return model
 
 
-def _decoder_layers(model: nn.Module) -> nn.ModuleList:
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The model's list of decoder layers (``model.<base>.layers``)."""
     base = getattr(model, model.base_model_prefix)
     layers = getattr(base, "layers", None)
     if not isinstance(layers, nn.ModuleList):
         raise TypeError(f"{type(model).__name__}: no decoder layer list at {model.base_model_prefix}.layers")
     return layers
-
-
-def token_logprobs(
-    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, positions: Tensor, with_entropy: bool = False,
-    temperature: float = 1.0, entropy_grad: bool = False,
-) -> tuple[Tensor, Tensor | None]:
-    """Log-probability of the tokens at ``positions`` under ``model`` (natural log).
-
-    Shapes: ``input_ids``, ``attention_mask`` ``[n, L]``; ``positions`` ``[n, T]`` (indices >= 1
-    into ``input_ids``; padding entries may be anything in range and should be masked by the
-    caller). Returns ``logp`` ``[n, T]`` float32 and, if ``with_entropy``, the entropy ``[n, T]``
-    of the predicted distribution at each position. Token ``t`` is predicted by the logits at
-    ``t - 1``; only the ``T`` needed rows of the ``[n, L, V]`` logits are normalised.
-    ``temperature`` divides the logits first, matching the distribution the servers sampled
-    from (their behaviour log-probs are vLLM's processed, temperature-scaled ones).
-    The entropy is differentiable only with ``entropy_grad`` (an entropy loss term); as a
-    metric it is computed without autograd, which keeps the ``[n, T, V]`` softmax out of
-    the graph (time and memory).
-    """
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-    rows = (positions - 1).clamp_min(0)
-    picked = logits.gather(1, rows.unsqueeze(-1).expand(-1, -1, logits.shape[-1])).float()  # [n, T, V]
-    if temperature != 1.0:
-        picked = picked / temperature
-    targets = input_ids.gather(1, positions)
-    log_norm = torch.logsumexp(picked, dim=-1)
-    logp = picked.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_norm
-    if not with_entropy:
-        return logp, None
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        probs = torch.softmax(picked, dim=-1)
-        entropy = log_norm - (probs * picked).sum(-1)
-    return logp, entropy
 
 
 def iter_full_parameters(model: nn.Module, bucket_bytes: int, dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, Tensor]]]:

@@ -24,8 +24,10 @@ from torch import Tensor, nn
 from async_rl.algos import advantages, losses
 from async_rl.config import AlgorithmConfig, LearnerConfig, OptimConfig
 from async_rl.learner import collectives
-from async_rl.learner.batching import Batch, plan_micro_batches, split_groups
-from async_rl.learner.model import DistInfo, token_logprobs
+from async_rl.learner.attention import attention_kwargs
+from async_rl.learner.batching import Batch, pack, plan_micro_batches, split_groups, unpack
+from async_rl.learner.logprobs import token_logprobs
+from async_rl.learner.model import DistInfo
 
 # Options each advantage estimator accepts from AdvantageConfig (gae also needs critic values,
 # which this learner has not: it is rejected in Trainer.__init__).
@@ -187,14 +189,22 @@ class Trainer:
         plan = plan_micro_batches(batch.lengths.tolist(), range(batch.size), self.info.world_size, self.learner.max_tokens_per_microbatch)
         for rows in plan[self.info.rank]:
             micro = _micro(batch, rows)
-            logp, _ = token_logprobs(model, *self._inputs(micro), temperature=self.temperature)
+            logp, _ = self._logprobs(model, micro)
             if rows:
                 table[rows] = logp * micro.response_mask.to(logp.device)
         return collectives.all_reduce(table, self.info.device, "proximal/reference log-probs")
 
-    def _inputs(self, micro: Batch) -> tuple[Tensor, Tensor, Tensor]:
+    def _logprobs(self, model: nn.Module, micro: Batch, with_entropy: bool = False, entropy_grad: bool = False) -> tuple[Tensor, Tensor | None]:
+        """Log-probs (and entropies) ``[n, T]`` of ``micro``'s response tokens under ``model``,
+        from one packed row on this rank's device (0 on padding)."""
         device = self.info.device
-        return micro.input_ids.to(device), micro.attention_mask.to(device), micro.response_positions.to(device)
+        row = pack(micro)
+        logp, entropy = token_logprobs(
+            model, row.input_ids.to(device), row.position_ids.to(device), row.logit_rows.to(device), row.targets.to(device),
+            temperature=self.temperature, with_entropy=with_entropy, entropy_grad=entropy_grad,
+            **attention_kwargs(model.config._attn_implementation, row.bounds, device),
+        )
+        return unpack(logp, row), None if entropy is None else unpack(entropy, row)
 
     def _accumulate(self, batch: Batch, rows: list[int], adv: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None) -> dict[str, float]:
         """Forward/backward of this rank's micro-batches of one mini-batch; returns the
@@ -207,8 +217,7 @@ class Trainer:
             micro = _micro(batch, micro_rows)
             share = self._weight(batch, micro_rows) / total
             index = micro_rows or [0]  # a filler pass reads row 0 under a zero mask
-            logp, entropy = token_logprobs(self.policy, *self._inputs(micro), with_entropy=True, temperature=self.temperature,
-                                           entropy_grad=loss_cfg.entropy_coef != 0)
+            logp, entropy = self._logprobs(self.policy, micro, with_entropy=True, entropy_grad=loss_cfg.entropy_coef != 0)
             device = logp.device
             mask = micro.response_mask.to(device)
             behav = micro.behav_logp.to(device)

@@ -73,11 +73,11 @@ def gather_main(rank: int, world_size: int, port: int, model_dir: str, bucket_by
     """Body of a rank that gathers its FSDP model bucket by bucket; rank 0 saves the buckets."""
     import torch
 
-    from async_rl.config import FsdpConfig
+    from async_rl.config import LearnerConfig
     from async_rl.learner.model import init_distributed, iter_full_parameters, load_sharded
 
     info = init_distributed(rank, world_size, "127.0.0.1", port, 60.0)
-    model = load_sharded(model_dir, FsdpConfig(), info.device, trainable=True)
+    model = load_sharded(model_dir, LearnerConfig(), info.device, trainable=True)
     buckets = list(iter_full_parameters(model, bucket_bytes))
     if rank == 0:
         torch.save([[(name, t.clone()) for name, t in bucket] for bucket in buckets], out)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from learner_helpers import make_groups
 
-from async_rl.learner.batching import plan_micro_batches, prepare, split_groups
+from async_rl.learner.batching import pack, plan_micro_batches, prepare, split_groups, unpack
 from async_rl.records import RolloutGroup, Sample
 
 
@@ -43,10 +43,12 @@ def test_plan_covers_every_row_once_within_budget_and_balanced(world_size: int) 
     assert sorted(flat) == rows
     for rank in plan:
         for micro in rank:
-            assert not micro or len(micro) * max(lengths[r] for r in micro) <= 64
+            assert not micro or sum(lengths[r] for r in micro) <= 64  # one packed row, no padding
     loads = [sum(lengths[r] for micro in rank for r in micro) for rank in plan]
     assert max(loads) - min(loads) <= max(lengths)
     assert plan == plan_micro_batches(lengths, rows, world_size, max_tokens=64)
+    micro_batches = sum(len(m) > 0 for rank in plan for m in rank)
+    assert micro_batches <= -(-sum(lengths) // 64) + world_size  # first-fit packs rows nearly full
 
 
 def test_plan_gives_empty_micro_batches_to_ranks_without_rows() -> None:
@@ -82,3 +84,19 @@ def test_screen_group_dead_letters_bad_tokens_and_drops_untrainable_groups() -> 
     assert screen_group(group([3], ok, Sample.from_lists([7], [-1.0], 0, 0.0, error="ValueError: boom")), 64, 512) == (
         "reward_error", "ValueError: boom", False)
     assert screen_group(group([3] * 60, Sample.from_lists([5] * 10, [-1.0] * 10, 0, 1.0)), 64, 512) == ("too_long", "no sample is trainable", False)
+
+
+def test_pack_concatenates_samples_with_restarting_positions() -> None:
+    batch = prepare(make_groups(1, seed=4, samples=3), 64, 512).batch
+    row = pack(batch)
+    lengths = batch.lengths.tolist()
+    assert row.bounds == (0, lengths[0], lengths[0] + lengths[1], sum(lengths))
+    assert row.position_ids[0].tolist() == [p for n in lengths for p in range(n)]
+    for i, (a, b) in enumerate(zip(row.bounds, row.bounds[1:])):
+        assert row.input_ids[0, a:b].tolist() == batch.input_ids[i, : lengths[i]].tolist()
+    # each response token is predicted by the logits one position earlier in the row
+    assert row.targets.tolist() == row.input_ids[0, row.logit_rows + 1].tolist()
+    grid = unpack(row.targets.float(), row)
+    mask = batch.response_mask.bool()
+    assert grid[mask].tolist() == batch.input_ids.gather(1, batch.response_positions)[mask].float().tolist()
+    assert (grid[~mask] == 0).all()

@@ -42,8 +42,8 @@ def test_a_learner_step_puts_every_collective_tensor_on_the_device(
     tiny_model: Path, one_rank: DistInfo, tmp_path: Path, overrides: tuple[str, ...]
 ) -> None:
     cfg = learner_config(tiny_model, tmp_path, "strict", *overrides)
-    policy = load_sharded(str(tiny_model), cfg.learner.fsdp, one_rank.device, trainable=True)
-    reference = load_sharded(str(tiny_model), cfg.learner.fsdp, one_rank.device, trainable=False) if cfg.algorithm.loss.kl_coef > 0 else None
+    policy = load_sharded(str(tiny_model), cfg.learner, one_rank.device, trainable=True)
+    reference = load_sharded(str(tiny_model), cfg.learner, one_rank.device, trainable=False) if cfg.algorithm.loss.kl_coef > 0 else None
     batch = prepare(make_groups(4, seed=5), 64, 512).batch
     with simulated_cuda() as cuda:
         info = dataclasses.replace(one_rank, device=cuda)

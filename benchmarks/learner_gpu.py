@@ -1,0 +1,206 @@
+"""Learner step against a plain packed loop, on a random-init model of a real shape (no downloads).
+
+    .venv/bin/python benchmarks/learner_gpu.py --shape tiny --json benchmarks/results/learner_gpu_tiny_cpu.json
+    python3 benchmarks/learner_gpu.py --shape qwen2.5-1.5b --json benchmarks/results/learner_gpu_qwen2.5-1.5b_h100.json  # on a GPU
+
+Batch: 16 prompts x 8 samples, prompts 128-384 tokens, responses 128-1024 (about 106k tokens;
+``tiny``: 4 prompts, about 26k tokens), micro-batches of ``--micro-tokens`` (16384). The
+learner (``prepare`` -> ``Trainer.step`` on an FSDP2 model, one rank, packed rows, chunked
+log-probs, the shipped defaults) and the plain loop of ``_plain_packed.py`` train the same
+tokens on the same device, alternating step by step; each is rated by its median step.
+``tiny`` is 2 layers of hidden size 64 with the real 151,936-token vocabulary: one
+``[16384, 151936]`` float32 tensor is 10 GB, so on a CPU the log-prob memory problem is real
+in miniature (target: ``peak_memory_gb <= 6``, ``ratio_vs_plain >= 0.8``).
+
+JSON: ``tokens_per_s``, ``plain_tokens_per_s``, ``ratio_vs_plain``, ``mfu`` (``6 * params *
+tokens / time / peak``, peak bf16 dense FLOP/s of the GPU from a table; null on CPU),
+``peak_memory_gb`` (GPU: peak allocated; CPU: peak resident memory the step adds, sampled
+every 2 ms), the same for the plain loop, and the learner's step-time split.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _plain_packed import plain_packed_step  # noqa: E402
+
+from async_rl.config import load_config  # noqa: E402
+from async_rl.learner.batching import plan_micro_batches, prepare  # noqa: E402
+from async_rl.learner.memory import resolve_gradient_checkpointing  # noqa: E402
+from async_rl.learner.model import DistInfo, compute_dtype, free_port, init_distributed, load_sharded  # noqa: E402
+from async_rl.learner.train_step import StepTimes, Trainer  # noqa: E402
+from async_rl.records import RolloutGroup, Sample  # noqa: E402
+
+VOCAB = 151936
+SHAPES: dict[str, dict[str, object]] = {
+    "tiny": {"hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1},
+    "qwen2.5-0.5b": {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2},
+    "qwen2.5-1.5b": {"hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2},
+}
+PROMPTS = {"tiny": 4, "qwen2.5-0.5b": 16, "qwen2.5-1.5b": 16}
+#: Dense bf16 tensor-core peak (FLOP/s) by a substring of the device name.
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
+
+
+def build_model(shape: str, out: Path) -> None:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=VOCAB, max_position_embeddings=32768, tie_word_embeddings=True, rope_theta=1e6,
+                         **SHAPES[shape])  # type: ignore[arg-type]
+    Qwen2ForCausalLM(config).save_pretrained(out)
+
+
+def make_groups(prompts: int, samples: int, seed: int) -> list[RolloutGroup]:
+    """``prompts`` groups of ``samples`` responses: prompts 128-384 tokens, responses 128-1024."""
+    rng = random.Random(seed)
+    groups = []
+    for g in range(prompts):
+        prompt = [rng.randrange(2, VOCAB) for _ in range(rng.randint(128, 384))]
+        members = []
+        for _ in range(samples):
+            n = rng.randint(128, 1024)
+            members.append(Sample.from_lists([rng.randrange(2, VOCAB) for _ in range(n)], [-2.0] * n, 0, rng.random()))
+        groups.append(RolloutGroup.from_lists("bench", f"g{g}", g, prompt, members, "s", 0.0, created_at=0.0))
+    return groups
+
+
+class PeakMemory:
+    """Peak memory a block adds: CUDA peak allocated, or resident set size sampled every 2 ms."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.peak_gb = device, 0.0
+
+    def __enter__(self) -> PeakMemory:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            return self
+        self._base, self._peak, self._stop = _rss(), _rss(), threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.002):
+            self._peak = max(self._peak, _rss())
+
+    def __exit__(self, *exc: object) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            self.peak_gb = torch.cuda.max_memory_allocated() / 1e9
+            return
+        self._stop.set()
+        self._thread.join()
+        self.peak_gb = (max(self._peak, _rss()) - self._base) / 1e9
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    parser.add_argument("--json", type=Path, required=True, help="write the results here")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps of each (after one warm-up each)")
+    parser.add_argument("--micro-tokens", type=int, default=16384, help="learner.max_tokens_per_microbatch")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="more config overrides (learner.kernels.attention=sdpa, ...)")
+    args = parser.parse_args()
+
+    cuda = torch.cuda.is_available()
+    info = init_distributed(0, 1, "127.0.0.1", free_port(), 600.0) if cuda else DistInfo(0, 1, torch.device("cpu"))
+    if not cuda:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=datetime.timedelta(seconds=600))
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp) / args.shape
+        build_model(args.shape, model_dir)
+        cfg = load_config(None, [f"learner.model_path={model_dir}", f"learner.batch_size={PROMPTS[args.shape]}", "rollout.n=8",
+                                 f"learner.max_tokens_per_microbatch={args.micro_tokens}", "data.max_prompt_length=384",
+                                 "rollout.max_response_length=1024", "queue.max_depth=256", "learner.optim.lr=1e-6",
+                                 f"learner.gpus_per_rank={1 if cuda else 0}", *args.set])
+        lrn = cfg.learner
+        model_config = json.loads((model_dir / "config.json").read_text())
+        checkpointing = resolve_gradient_checkpointing(lrn, model_config, info.device.type)
+        policy = load_sharded(str(model_dir), lrn, info.device, trainable=True, checkpointing=checkpointing)
+        params = sum(p.numel() for p in policy.parameters())
+        trainer = Trainer(policy, None, lrn, cfg.algorithm, info, args.steps + 2, 1)
+        batch = prepare(make_groups(PROMPTS[args.shape], 8, seed=0), args.micro_tokens, VOCAB).batch
+        tokens = int(batch.lengths.sum())
+        plan = plan_micro_batches(batch.lengths.tolist(), range(batch.size), 1, args.micro_tokens)[0]
+
+        from transformers import AutoModelForCausalLM
+
+        dtype = compute_dtype(lrn.fsdp, info.device)
+        plain_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                           attn_implementation="flex_attention" if cuda else "sdpa").to(info.device)
+        if checkpointing:
+            plain_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        plain = plain_packed_step(plain_model, batch, plan, info.device, 4096, dtype)
+
+        times: dict[str, list[float]] = {"learner": [], "plain": []}
+        peaks: dict[str, float] = {"learner": 0.0, "plain": 0.0}
+        splits: list[StepTimes] = []
+        counter = iter(range(10**6))
+
+        def learner() -> int:
+            result = trainer.step(batch, next(counter))
+            splits.append(result.times)
+            return result.tokens
+
+        runs: dict[str, Callable[[], int]] = {"learner": learner, "plain": plain}
+        for round_ in range(args.steps + 1):  # round 0 warms up
+            for name, fn in runs.items():
+                with PeakMemory(info.device) as peak:
+                    start = time.perf_counter()
+                    fn()
+                    if cuda:
+                        torch.cuda.synchronize()
+                    elapsed = time.perf_counter() - start
+                peaks[name] = max(peaks[name], peak.peak_gb)
+                if round_:
+                    times[name].append(elapsed)
+                print(f"{name:8s} round {round_}: {elapsed:7.2f} s, peak {peak.peak_gb:6.2f} GB", flush=True)
+
+    rate = {name: tokens / statistics.median(t) for name, t in times.items()}
+    name = torch.cuda.get_device_name() if cuda else "cpu"
+    peak_flops = next((v for k, v in PEAK_FLOPS.items() if k in name), None) if cuda else None
+    timed = splits[1:]
+    result = {
+        "tokens_per_s": rate["learner"], "plain_tokens_per_s": rate["plain"], "ratio_vs_plain": rate["learner"] / rate["plain"],
+        "mfu": 6 * params * rate["learner"] / peak_flops if peak_flops else None,
+        "plain_mfu": 6 * params * rate["plain"] / peak_flops if peak_flops else None,
+        "peak_memory_gb": peaks["learner"], "plain_peak_memory_gb": peaks["plain"],
+        "step_time_split_s": {k: statistics.median(getattr(t, k) for t in timed) for k in ("prox", "fwd_bwd", "optim")},
+        "setup": {"shape": args.shape, "device": name, "params": params, "tokens_per_step": tokens, "samples": batch.size,
+                  "micro_batches": len(plan), "max_tokens_per_microbatch": args.micro_tokens, "gradient_checkpointing": checkpointing,
+                  "logprob_chunk_tokens": lrn.logprob_chunk_tokens, "attention": policy.config._attn_implementation,
+                  "compute_dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(), "steps": args.steps,
+                  "overrides": args.set, "plain": "HF model, packed rows, flex_attention (GPU) / sdpa (CPU), autocast, "
+                  "LM head + log-softmax in checkpointed 4096-token chunks, AdamW",
+                  "method": "median of interleaved steps after one warm-up each", "date": datetime.date.today().isoformat()},
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
