@@ -43,8 +43,8 @@ class ChunkedLogProbs(torch.autograd.Function):
             log_norm[start:end] = torch.logsumexp(z, dim=-1)
             z.sub_(log_norm[start:end, None])  # now log p
             logp[start:end] = z.gather(1, targets[start:end, None]).squeeze(1)
-            if with_entropy:
-                entropy[start:end] = torch.special.entr(z.exp_()).sum(-1)
+            if with_entropy:  # H = -sum_j p_j log p_j, as a batched dot product (no second [c, V] temporary)
+                entropy[start:end] = -torch.bmm(z.exp().unsqueeze(1), z.unsqueeze(2)).flatten()
         ctx.save_for_backward(hidden, weight, targets, log_norm, entropy)
         ctx.temperature, ctx.chunk = temperature, chunk
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not zeros
@@ -62,21 +62,23 @@ class ChunkedLogProbs(torch.autograd.Function):
             end = min(start + chunk, hidden.shape[0])
             h = hidden[start:end]
             grad = _scaled_logits(h, weight, temperature).sub_(log_norm[start:end, None])  # log p
-            probs = grad.exp()
             # dL/dz = g_logp * onehot - p * (g_logp + g_ent * (log p + H)), built in place in ``grad``
             if grad_entropy is not None:
+                probs = grad.exp()
                 grad.add_(entropy[start:end, None]).mul_(grad_entropy[start:end, None].float())
-            else:
-                grad.zero_()
-            grad.add_(g_logp[start:end, None]).mul_(probs).neg_()
-            del probs
+                grad.add_(g_logp[start:end, None]).mul_(probs).neg_()
+                del probs
+            else:  # the usual case (entropy as a metric): one buffer, in place
+                grad.exp_().mul_(-g_logp[start:end, None])
             grad.scatter_add_(1, targets[start:end, None], g_logp[start:end, None])
             if temperature != 1.0:
                 grad.div_(temperature)
             grad = grad.to(weight.dtype)
             if grad_hidden is not None:
                 grad_hidden[start:end] = grad @ weight
-            if grad_weight is not None:
+            if grad_weight is not None and grad.dtype == torch.float32:
+                grad_weight.addmm_(grad.T, h)
+            elif grad_weight is not None:
                 grad_weight += (grad.T @ h).float()
         return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None, None
 
