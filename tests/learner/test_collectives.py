@@ -5,6 +5,7 @@ collectives strict, runs every path that reduces or broadcasts a tensor."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -52,3 +53,12 @@ def test_a_learner_step_puts_every_collective_tensor_on_the_device(
         groups = _broadcast_groups(make_groups(2, seed=6), info)
         assert _broadcast_bytes(b"stop", info) == b"stop"
     assert result.optimizer_steps >= 1 and groups is not None and len(groups) == 2
+
+
+def test_no_learner_module_calls_a_collective_directly() -> None:
+    """The simulated-CUDA step proves the paths it runs; this covers every other line."""
+    package = Path(collectives.__file__).parent
+    direct = re.compile(r"\bdist\.(all_reduce|broadcast|barrier|all_gather\w*|reduce_scatter\w*|gather|scatter|send|recv|reduce)\(")
+    offenders = [f"{path.name}:{n}" for path in sorted(package.glob("*.py")) if path.name != "collectives.py"
+                 for n, line in enumerate(path.read_text().splitlines(), 1) if direct.search(line)]
+    assert offenders == [], f"call learner.collectives instead of torch.distributed at {offenders}"
