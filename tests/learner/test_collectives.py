@@ -35,10 +35,20 @@ def test_outside_strict_mode_a_stray_tensor_is_moved_and_counted(one_rank: DistI
     assert collectives.moved["probe"] == before + 1
 
 
-@pytest.mark.parametrize("overrides", [
-    ("learner.ppo_mini_batches=2", "learner.ppo_epochs=2", "algorithm.loss.kl_coef=0.1", "algorithm.loss.entropy_coef=0.01"),
-    ("algorithm.loss.name=tis", "algorithm.recompute_proximal=false"),
-], ids=["recompute-proximal-and-reference", "single-update"])
+def _combinations() -> list[tuple[str, ...]]:
+    """Every loss x a group estimator and REINFORCE++ x one or several updates per step x KL
+    on or off (entropy loss with the KL), trimmed to the pairs that exercise different paths."""
+    out = []
+    for loss in ("ppo", "decoupled_ppo", "tis", "gspo", "cispo"):
+        for updates in (("learner.ppo_mini_batches=1",), ("learner.ppo_mini_batches=2", "learner.ppo_epochs=2")):
+            for kl in ((), ("algorithm.loss.kl_coef=0.1", "algorithm.loss.entropy_coef=0.01")):
+                recompute = ("algorithm.recompute_proximal=false",) if loss == "tis" else ()
+                advantage = "algorithm.advantage.name=reinforce_pp" if kl else "algorithm.advantage.name=grpo"
+                out.append((f"algorithm.loss.name={loss}", advantage, *recompute, *updates, *kl))
+    return out
+
+
+@pytest.mark.parametrize("overrides", _combinations(), ids=lambda o: "-".join(x.split("=")[1] for x in o))
 def test_a_learner_step_puts_every_collective_tensor_on_the_device(
     tiny_model: Path, one_rank: DistInfo, tmp_path: Path, overrides: tuple[str, ...]
 ) -> None:
