@@ -41,7 +41,6 @@ from _plain_packed import plain_packed_step  # noqa: E402
 
 from async_rl.config import load_config  # noqa: E402
 from async_rl.learner.batching import plan_micro_batches, prepare  # noqa: E402
-from async_rl.learner.memory import resolve_gradient_checkpointing  # noqa: E402
 from async_rl.learner.model import DistInfo, compute_dtype, free_port, init_distributed, load_sharded  # noqa: E402
 from async_rl.learner.train_step import StepTimes, Trainer  # noqa: E402
 from async_rl.records import RolloutGroup, Sample  # noqa: E402
@@ -115,6 +114,38 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+MATRIX = [
+    (f"algorithm.loss.name={loss}", *(("algorithm.recompute_proximal=false",) if loss == "tis" else ()), *updates, *kl)
+    for loss in ("ppo", "decoupled_ppo", "tis", "gspo", "cispo")
+    for updates in ((), ("learner.ppo_mini_batches=2", "learner.ppo_epochs=2"))
+    for kl in ((), ("algorithm.loss.kl_coef=0.1", "algorithm.loss.entropy_coef=0.01", "algorithm.advantage.name=reinforce_pp"))
+]
+"""Config overrides of ``--matrix``: every loss, with one or several updates per step (recomputed
+proximal log-probs), with and without the reference model."""
+
+
+def run_matrix(model_dir: Path, base: list[str], info: DistInfo, args: argparse.Namespace) -> None:
+    """One step per :data:`MATRIX` entry; writes ``{"ok": n, "failed": {combination: error}}``."""
+    batch = prepare(make_groups(4, 8, seed=1), args.micro_tokens, VOCAB).batch
+    failed: dict[str, str] = {}
+    for overrides in MATRIX:
+        name = " ".join(overrides)
+        cfg = load_config(None, [*base, *overrides])
+        try:
+            policy = load_sharded(str(model_dir), cfg.learner, info.device, trainable=True)
+            reference = load_sharded(str(model_dir), cfg.learner, info.device, trainable=False) if cfg.algorithm.loss.kl_coef > 0 else None
+            Trainer(policy, reference, cfg.learner, cfg.algorithm, info, 2, 1).step(batch, 0)
+            print(f"ok      {name}", flush=True)
+        except Exception as exc:  # report every combination, then the failures
+            failed[name] = f"{type(exc).__name__}: {exc}"
+            print(f"FAILED  {name}: {failed[name]}", flush=True)
+    result = {"ok": len(MATRIX) - len(failed), "failed": failed, "device": torch.cuda.get_device_name() if info.device.type == "cuda" else "cpu",
+              "shape": args.shape, "date": datetime.date.today().isoformat()}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
@@ -122,6 +153,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2, help="timed steps of each (after one warm-up each)")
     parser.add_argument("--micro-tokens", type=int, default=16384, help="learner.max_tokens_per_microbatch")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="more config overrides (learner.kernels.attention=sdpa, ...)")
+    parser.add_argument("--matrix", action="store_true", help="instead: one learner step per loss x updates x KL combination "
+                        "(the NCCL device check; 4 prompts of the batch), each reported as ok or its error")
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -131,14 +164,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / args.shape
         build_model(args.shape, model_dir)
-        cfg = load_config(None, [f"learner.model_path={model_dir}", f"learner.batch_size={PROMPTS[args.shape]}", "rollout.n=8",
-                                 f"learner.max_tokens_per_microbatch={args.micro_tokens}", "data.max_prompt_length=384",
-                                 "rollout.max_response_length=1024", "queue.max_depth=256", "learner.optim.lr=1e-6",
-                                 f"learner.gpus_per_rank={1 if cuda else 0}", *args.set])
+        overrides = [f"learner.model_path={model_dir}", f"learner.batch_size={PROMPTS[args.shape]}", "rollout.n=8",
+                     f"learner.max_tokens_per_microbatch={args.micro_tokens}", "data.max_prompt_length=384",
+                     "rollout.max_response_length=1024", "queue.max_depth=256", "learner.optim.lr=1e-6",
+                     f"learner.gpus_per_rank={1 if cuda else 0}", *args.set]
+        if args.matrix:
+            run_matrix(model_dir, overrides, info, args)
+            dist.destroy_process_group()
+            return
+        cfg = load_config(None, overrides)
         lrn = cfg.learner
-        model_config = json.loads((model_dir / "config.json").read_text())
-        checkpointing = resolve_gradient_checkpointing(lrn, model_config, info.device.type)
-        policy = load_sharded(str(model_dir), lrn, info.device, trainable=True, checkpointing=checkpointing)
+        policy = load_sharded(str(model_dir), lrn, info.device, trainable=True)
+        checkpointing = bool(policy.is_gradient_checkpointing)
         params = sum(p.numel() for p in policy.parameters())
         trainer = Trainer(policy, None, lrn, cfg.algorithm, info, args.steps + 2, 1)
         batch = prepare(make_groups(PROMPTS[args.shape], 8, seed=0), args.micro_tokens, VOCAB).batch

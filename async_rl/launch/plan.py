@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from async_rl.config import Config
+from async_rl.learner.memory import MemoryEstimate, budget_gb, estimate, max_fitting_tokens, resolve_gradient_checkpointing
 
 
 @dataclass
@@ -39,6 +43,10 @@ class Plan:
     """Problems that stop the run before it starts (missing files)."""
     warnings: list[str] = field(default_factory=list)
     """Things to know (resources that only a cluster has, hub model ids)."""
+    memory: MemoryEstimate | None = None
+    """Per-rank memory estimate of the learner; None when the model's config.json is not here."""
+    checkpointing_auto: bool = False
+    """Whether ``memory.checkpointing`` was chosen by ``learner.fsdp.gradient_checkpointing: auto``."""
 
 
 def is_hub_id(path: str) -> bool:
@@ -74,6 +82,7 @@ def make_plan(cfg: Config) -> Plan:
         gpus_here=torch.cuda.device_count() if gpu else 0,
     )
     _check_files(cfg, plan)
+    _check_memory(cfg, plan)
     if cfg.ray.address is not None and cfg.queue.redis_url is None:
         plan.warnings.append("the embedded redis-server listens on 127.0.0.1 only: on a multi-node cluster set queue.redis_url "
                              "to a Redis that every node reaches (learner rank 0 may run on another node)")
@@ -108,6 +117,101 @@ def _check_files(cfg: Config, plan: Plan) -> None:
             plan.errors.append(f"{key}={path!r} not found")
 
 
+def learner_device_type(cfg: Config) -> str:
+    """``cuda`` for a GPU learner (``learner.gpus_per_rank > 0``), else ``cpu``."""
+    return "cuda" if cfg.learner.gpus_per_rank > 0 else "cpu"
+
+
+def read_model_config(model_path: str) -> dict[str, Any] | None:
+    """The ``config.json`` of ``model_path``: a local directory, or a hub id already in the local
+    Hugging Face cache (nothing is downloaded); None when there is none here."""
+    path = Path(model_path) / "config.json"
+    if model_path and not path.is_file() and is_hub_id(model_path):
+        try:
+            from huggingface_hub import try_to_load_from_cache
+        except ImportError:
+            return None
+        cached = try_to_load_from_cache(model_path, "config.json")
+        path = Path(cached) if isinstance(cached, str) else path
+    if not model_path or not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} is not a JSON object")
+    return data
+
+
+def _check_memory(cfg: Config, plan: Plan) -> None:
+    """Estimate the learner's per-rank memory; an error naming the knobs when it does not fit."""
+    lrn = cfg.learner
+    try:
+        model_config = read_model_config(lrn.model_path)
+    except ValueError as exc:  # json.JSONDecodeError is a ValueError
+        plan.warnings.append(f"no learner memory estimate: cannot read learner.model_path's config.json ({exc})")
+        return
+    if model_config is None:
+        if lrn.model_path and is_hub_id(lrn.model_path):
+            plan.warnings.append(f"no learner memory estimate: learner.model_path={lrn.model_path!r} has no local config.json "
+                                 "(point it at a local copy, or at a directory holding the model's config.json, to check memory)")
+        return  # an empty or missing model directory is already an error
+    device_type = learner_device_type(cfg)
+    reference = cfg.algorithm.loss.kl_coef > 0
+    try:
+        budget = budget_gb(lrn, device_type)
+        checkpointing = resolve_gradient_checkpointing(lrn, model_config, device_type, reference)
+        est = estimate(model_config, lrn, checkpointing, budget, device_type, reference)
+    except ValueError as exc:
+        plan.warnings.append(f"no learner memory estimate for learner.model_path={lrn.model_path!r}: {exc}")
+        return
+    plan.memory, plan.checkpointing_auto = est, lrn.fsdp.gradient_checkpointing == "auto"
+    if not est.fits:
+        plan.errors.append(_does_not_fit(cfg, model_config, est, device_type, reference))
+
+
+def _does_not_fit(cfg: Config, model_config: dict[str, Any], est: MemoryEstimate, device_type: str,
+                  reference: bool) -> str:
+    """The error of a plan whose learner does not fit: the budget, and what each knob would give."""
+    lrn = cfg.learner
+    budget = est.budget_gb
+
+    def total(checkpointing: bool = est.checkpointing, **changes: Any) -> float:
+        trial = dataclasses.replace(lrn, **changes)
+        return estimate(model_config, trial, checkpointing, budget, device_type, reference).total_gb
+
+    if device_type == "cuda":
+        source = ("learner.gpu_memory_gb" if lrn.gpu_memory_gb is not None
+                  else "this GPU's memory" if _has_gpu() else "assumed for a GPU not on this machine; set learner.gpu_memory_gb")
+    else:
+        source = f"this machine's memory / learner.world_size={lrn.world_size}"
+    fit_tokens = max_fitting_tokens(model_config, lrn, est.checkpointing, budget, device_type, reference)
+    sample = cfg.data.max_prompt_length + cfg.rollout.max_response_length
+    tokens = (f"at most {fit_tokens} fits" if fit_tokens else "no size fits") + (
+        f", but one sample needs {sample}" if fit_tokens < sample else "")
+    if est.checkpointing:
+        ckpt = "learner.fsdp.gradient_checkpointing is on already"
+    else:
+        on_tokens = max_fitting_tokens(model_config, lrn, True, budget, device_type, reference)
+        ckpt = (f"learner.fsdp.gradient_checkpointing=on: {total(checkpointing=True):.1f} GB "
+                f"({f'then at most {on_tokens} tokens fit' if on_tokens else 'still no micro-batch size fits'})")
+    ws = lrn.world_size * 2
+    sharded = est.params_gb + est.grads_gb + est.optimizer_gb
+    world = total(world_size=ws)
+    small_chunk = min(1024, lrn.logprob_chunk_tokens)
+    chunk = total(logprob_chunk_tokens=small_chunk)
+    return (f"learner memory: the estimate {est.total_gb:.1f} GB per rank exceeds the {budget:.4g} GB budget ({source}). "
+            f"Turn: learner.max_tokens_per_microbatch={lrn.max_tokens_per_microbatch} (activations {est.activations_gb:.1f} GB; "
+            f"{tokens}); {ckpt}; learner.world_size={lrn.world_size} (params, grads and optimizer {sharded:.1f} GB, sharded over the ranks: "
+            f"world_size={ws} gives {world:.1f} GB); learner.logprob_chunk_tokens={lrn.logprob_chunk_tokens} "
+            f"(log-prob chunk {est.logprob_chunk_gb:.1f} GB; {small_chunk} gives {chunk:.1f} GB)")
+
+
+def _has_gpu() -> bool:
+    """Whether this machine has a CUDA GPU."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _redact(url: str) -> str:
     scheme, sep, rest = url.partition("://")
     creds, at, host = rest.rpartition("@")
@@ -121,6 +225,7 @@ def render(plan: Plan) -> str:
         f"ray: {plan.ray}",
         f"redis: {plan.redis}",
         f"resources: {plan.cpus_needed:g} CPUs, {plan.gpus_needed:g} GPUs for actors (this machine: {plan.cpus_here} CPUs, {plan.gpus_here} GPUs)",
+        *([plan.memory.summary(auto=plan.checkpointing_auto)] if plan.memory is not None else []),
         "processes:",
         *(f"  {p.role:<22} cpus={p.cpus:g} gpus={p.gpus:g}  {p.detail}" for p in plan.processes),
         "ports: chosen free at start (redis, weight-sync control, process-group store, vLLM workers, OpenAI API unless "

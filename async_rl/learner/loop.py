@@ -94,7 +94,7 @@ class LearnerLoop:
         timeout_s = 2 * max(cfg.queue.timeout_s, cfg.sync.timeout_s)
         self.info: DistInfo = init_distributed(rank, world_size, master_addr, master_port, timeout_s)
         lrn = cfg.learner
-        policy = load_sharded(lrn.model_path, lrn, self.info.device, trainable=True, checkpointing=lrn.fsdp.gradient_checkpointing == "on")
+        policy = load_sharded(lrn.model_path, lrn, self.info.device, trainable=True, reference_model=cfg.algorithm.loss.kl_coef > 0)
         reference = load_sharded(lrn.model_path, lrn, self.info.device, trainable=False) if cfg.algorithm.loss.kl_coef > 0 else None
         self.vocab_size = int(policy.config.vocab_size)
         self.trainer = Trainer(policy, reference, lrn, cfg.algorithm, self.info, cfg.trainer.total_steps, cfg.trainer.seed,

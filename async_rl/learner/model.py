@@ -8,6 +8,7 @@ compute with float32 gradient reduction on GPU.
 from __future__ import annotations
 
 import datetime
+import logging
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,8 +20,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM
 
 from async_rl.config import FsdpConfig, LearnerConfig
-from async_rl.learner import attention, kernels
+from async_rl.learner import attention, kernels, memory
 from async_rl.learner.logprobs import install_logprob_head
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -81,22 +84,28 @@ def compute_dtype(fsdp: FsdpConfig, device: torch.device) -> torch.dtype:
     return getattr(torch, fsdp.param_dtype)
 
 
-def load_sharded(model_path: str, learner: LearnerConfig, device: torch.device, trainable: bool, checkpointing: bool = False) -> nn.Module:
+def load_sharded(model_path: str, learner: LearnerConfig, device: torch.device, trainable: bool, reference_model: bool = False) -> nn.Module:
     """Load a causal LM with float32 master weights and shard it: ``fully_shard`` per decoder
     layer, then at the root (embeddings, final norm, LM head).
 
     The model attends over packed rows (``learner.kernels.attention``, see ``attention.py``)
     and its ``lm_head`` returns log-probs and entropies in chunks (``logprobs.py``); call it
     through :func:`async_rl.learner.logprobs.token_logprobs`. ``trainable=False`` gives the
-    frozen reference model (no gradients, eval mode); ``checkpointing`` recomputes each
-    decoder layer in backward (trainable models only).
+    frozen reference model (no gradients, eval mode). The trainable model recomputes each
+    decoder layer in backward when ``learner.fsdp.gradient_checkpointing`` resolves to on
+    (``auto``: the memory estimate, with a reference model beside it when
+    ``reference_model``, does not fit this GPU without it).
     """
     fsdp = learner.fsdp
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
                                                  attn_implementation=attention.choose(learner.kernels, device))
     install_logprob_head(model, learner.logprob_chunk_tokens)
-    if checkpointing and trainable:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if trainable:
+        checkpointing = memory.resolve_gradient_checkpointing(learner, model.config.to_dict(), device.type, reference_model)
+        log.info("learner gradient checkpointing: %s (learner.fsdp.gradient_checkpointing=%s)", "on" if checkpointing else "off",
+                 fsdp.gradient_checkpointing)
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     kernels.apply(model, decoder_layers(model), learner.kernels, device)
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype(fsdp, device), reduce_dtype=getattr(torch, fsdp.reduce_dtype))
     for layer in decoder_layers(model):

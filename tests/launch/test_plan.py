@@ -95,3 +95,85 @@ def test_dry_run_rejects_unknown_algorithm_and_option_names(override: str, key: 
     res = _dry_run(str(ROOT / "configs" / "quickstart.yaml"), f"data.train_files={data}", override)
     assert res.returncode == 2, res.stdout + res.stderr
     assert key in res.stdout + res.stderr
+
+
+# --------------------------------------------------------------------------- learner memory
+
+#: config.json of the models the shipped GPU configs name (hub ids), written out: the plan
+#: reads only these keys, so a directory holding only config.json plans like the real model.
+MODEL_CONFIGS = {
+    "Qwen/Qwen2.5-0.5B-Instruct": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 896,
+                                   "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
+                                   "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True},
+    "Qwen/Qwen2.5-1.5B-Instruct": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 1536,
+                                   "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12,
+                                   "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True},
+}
+
+
+def _config_only_model(tmp_path: Path, hub_id: str) -> Path:
+    import json
+
+    out = tmp_path / hub_id.replace("/", "--")
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(MODEL_CONFIGS[hub_id]))
+    return out
+
+
+@pytest.mark.parametrize("config", GPU_CONFIGS, ids=lambda p: p.name)
+def test_gpu_configs_fit_80gb_gpus_with_margin(config: Path, data: Path, tmp_path: Path):
+    hub_id = load_config(config).learner.model_path
+    model = _config_only_model(tmp_path, hub_id)
+    cfg = load_config(config, [f"learner.model_path={model}", f"data.train_files={data}", f"data.val_files={data}",
+                               "learner.gpu_memory_gb=80"])
+    plan = make_plan(cfg)
+    assert plan.errors == [], plan.errors
+    est = plan.memory
+    assert est is not None and est.fits and est.budget_gb == 80.0
+    assert est.total_gb <= 0.7 * 80, est.summary()
+    assert est.tokens == cfg.learner.max_tokens_per_microbatch == 16384
+    if "1.5B" in hub_id:  # the issue: 1.5B at 16k-token micro-batches within 40 GB
+        assert est.checkpointing and est.total_gb <= 40, est.summary()
+    lines = render(plan).splitlines()
+    assert any(line.startswith("learner memory: ") and "GB of 80 GB per rank" in line for line in lines)
+
+
+def _too_big(tmp_path: Path, data: Path) -> list[str]:
+    model = _config_only_model(tmp_path, "Qwen/Qwen2.5-1.5B-Instruct")
+    return [f"learner.model_path={model}", f"data.train_files={data}", "learner.gpus_per_rank=1", "learner.gpu_memory_gb=40",
+            "learner.max_tokens_per_microbatch=262144", "learner.fsdp.gradient_checkpointing=off"]
+
+
+def test_plan_that_does_not_fit_names_the_knobs(tmp_path: Path, data: Path):
+    plan = make_plan(load_config(None, _too_big(tmp_path, data)))
+    assert plan.memory is not None and not plan.memory.fits
+    (error,) = [e for e in plan.errors if e.startswith("learner memory")]
+    for knob in ("learner.max_tokens_per_microbatch=262144", "learner.fsdp.gradient_checkpointing=on",
+                 "learner.world_size=1", "learner.logprob_chunk_tokens=2048", "40 GB", f"{plan.memory.total_gb:.1f} GB"):
+        assert knob in error, error
+    assert "at most" in error  # the largest micro-batch that fits
+    assert render(plan).splitlines()[-1].startswith("error: learner memory")
+
+
+def test_dry_run_exits_2_when_the_learner_does_not_fit(tmp_path: Path, data: Path):
+    res = _dry_run(str(ROOT / "configs" / "quickstart.yaml"), *_too_big(tmp_path, data))
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "error: learner memory: the estimate" in res.stdout
+    assert "learner memory: " in res.stdout.splitlines()[4]  # the plan's line, after the resources
+
+
+def test_auto_checkpointing_in_the_plan(tmp_path: Path, data: Path):
+    model = _config_only_model(tmp_path, "Qwen/Qwen2.5-1.5B-Instruct")
+    base = [f"learner.model_path={model}", f"data.train_files={data}", "learner.max_tokens_per_microbatch=16384"]
+    gpu = make_plan(load_config(None, [*base, "learner.gpus_per_rank=1", "learner.gpu_memory_gb=40"]))
+    assert gpu.memory is not None and gpu.memory.checkpointing and gpu.errors == []
+    assert "gradient checkpointing on (auto)" in render(gpu)
+    cpu = make_plan(load_config(None, base))  # a CPU learner: auto never checkpoints
+    assert cpu.memory is not None and not cpu.memory.checkpointing
+
+
+def test_hub_model_without_local_config_gets_no_memory_estimate(data: Path):
+    plan = make_plan(load_config(None, ["learner.model_path=async-rl-tests/no-such-model", f"data.train_files={data}"]))
+    assert plan.memory is None and plan.errors == []
+    assert any(w.startswith("no learner memory estimate") and "async-rl-tests/no-such-model" in w for w in plan.warnings)
+    assert "learner memory:" not in render(plan)

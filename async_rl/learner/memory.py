@@ -1,0 +1,325 @@
+"""Per-rank memory estimate of the learner, from the model's ``config.json`` and the learner config.
+
+Used by ``async-rl train --dry-run`` (the ``learner memory`` line of the plan, an error when it
+does not fit) and by ``learner.fsdp.gradient_checkpointing: auto``. Pure arithmetic: no
+process group, no model, no GPU needed (torch is imported lazily, only to read a GPU's memory).
+
+Units: GB = 10^9 bytes throughout (as ``torch.cuda.max_memory_allocated() / 1e9`` in the
+benchmarks); "per token" means per token of a packed micro-batch row.
+
+What one learner rank holds (``P`` parameters, ``W`` = ``learner.world_size``, ``c`` bytes per
+element of the compute dtype: 2 for bf16, 4 for float32; ``V`` vocabulary, ``H`` hidden size):
+
+* params: float32 master weights, sharded: ``4 P / W``;
+* grads: float32 gradients, sharded, ``4 P / W``, plus the unsharded gradients in flight during
+  backward: the LM head's (float32 accumulator of the chunked head and its compute-dtype copy,
+  ``(4 + c) V H``, alive while the decoder layers run backward) and one layer's before its
+  reduce-scatter, ``(4 + c) P_layer``;
+* optimizer: AdamW's two float32 states, sharded: ``8 P / W``;
+* compute copies: the gathered compute-dtype parameters: the root (embeddings, final norm, and
+  the LM head when not tied) stays gathered through forward and backward, and two decoder layers
+  (the running one and the prefetched one): ``c (P_root + 2 P_layer)``;
+* activations at ``learner.max_tokens_per_microbatch`` tokens (:func:`activation_bytes_per_token`,
+  :func:`layer_activation_bytes`);
+* log-prob chunk: the ``[chunk, V]`` tensors of one chunk of the LM head + log-softmax, alive at
+  once in its forward or backward: the logits in the compute dtype, their float32 copy and the
+  float32 softmax/gradient: ``chunk V (c + 8)``, ``chunk = min(logprob_chunk_tokens, tokens)``;
+* reference (only with a KL penalty): the frozen reference's float32 shard and gathered root;
+* overhead: fixed (:data:`GPU_OVERHEAD_GB`: CUDA context, NCCL and workspaces) plus allocator
+  fragmentation, :data:`FRAGMENTATION` (10%) of activations + log-prob chunk.
+
+Calibration (docs/learner.md#memory-estimate): one H100, bf16, 16384-token packed rows,
+4096-token log-prob chunks, the plain packed loop of ``benchmarks/_plain_packed.py`` measured
+43.7 GB peak allocated for Qwen2.5-0.5B without checkpointing and 36.7 GB for 1.5B with it;
+this estimate gives 43.9 GB (+0.5%) and 40.3 GB (+10%) (``tests/learner/test_memory.py``). The
+learner keeps less than that loop (a bf16 residual stream where autocast keeps float32), so
+against the learner it errs further on the safe side.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from async_rl.config import LearnerConfig
+
+GB = 1e9
+"""Bytes per GB."""
+
+GPU_OVERHEAD_GB = 1.5
+"""Fixed memory of a GPU rank that no tensor of the model accounts for: the CUDA context and
+kernel images (about 0.5-0.6 GB on an H100, outside the caching allocator and so absent from
+``max_memory_allocated``), NCCL's communicator buffers (a few hundred MB) and cuBLAS /
+attention workspaces."""
+
+CPU_OVERHEAD_GB = 0.5
+"""The same on a CPU rank: the Python process with torch, transformers and Ray imported."""
+
+FRAGMENTATION = 0.10
+"""Allocator fragmentation, as a fraction of the tensors sized by the micro-batch (activations
+and the log-prob chunk): packed rows differ in length every micro-batch, so the caching
+allocator reuses freed blocks only in part, while parameters, gradients and optimizer states are
+allocated once at fixed sizes. 10% puts the estimate at or above both GPU measurements."""
+
+_SMALL_PER_TOKEN = 64
+"""Bytes per token of the integer inputs and float32 per-token outputs of a micro-batch
+(input ids, positions, targets, log-probs, entropies, log-normalisers, advantages, masks)."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a Qwen2 / Llama style decoder that the estimate needs."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+
+    @classmethod
+    def from_config(cls, model_config: Mapping[str, Any]) -> ModelShape:
+        """Read a Hugging Face ``config.json`` dict; raise ``ValueError`` naming missing keys."""
+        required = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+        missing = [k for k in required if not isinstance(model_config.get(k), int)]
+        if missing:
+            raise ValueError(f"config.json lacks {', '.join(missing)} (a Qwen2/Llama style decoder is expected)")
+        heads = int(model_config["num_attention_heads"])
+        hidden = int(model_config["hidden_size"])
+        qwen2 = model_config.get("model_type") in (None, "qwen2")  # no model_type: assume Qwen2, the larger count
+        attention_bias = bool(model_config.get("attention_bias", False))
+        return cls(
+            hidden=hidden,
+            intermediate=int(model_config["intermediate_size"]),
+            layers=int(model_config["num_hidden_layers"]),
+            heads=heads,
+            kv_heads=int(model_config.get("num_key_value_heads") or heads),
+            head_dim=int(model_config.get("head_dim") or hidden // heads),
+            vocab=int(model_config["vocab_size"]),
+            # Absent means untied: a separate LM head, the larger (safer) count.
+            tied=bool(model_config.get("tie_word_embeddings", False)),
+            qkv_bias=qwen2 or attention_bias,  # Qwen2 always has q/k/v biases, Llama has them with attention_bias
+            o_bias=not qwen2 and attention_bias,
+            mlp_bias=bool(model_config.get("mlp_bias", False)),
+        )
+
+    @property
+    def layer_params(self) -> int:
+        """Parameters of one decoder layer (attention, SwiGLU MLP, two RMSNorms)."""
+        h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
+        attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0) + (h if self.o_bias else 0)
+        mlp = 3 * h * i + (2 * i + h if self.mlp_bias else 0)
+        return attn + mlp + 2 * h
+
+    @property
+    def root_params(self) -> int:
+        """Parameters outside the decoder layers: embeddings, final norm, LM head when not tied."""
+        return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
+
+    @property
+    def params(self) -> int:
+        """All parameters."""
+        return self.layers * self.layer_params + self.root_params
+
+
+def parameter_count(model_config: Mapping[str, Any]) -> int:
+    """Number of parameters of the model of ``model_config`` (a ``config.json`` dict)."""
+    return ModelShape.from_config(model_config).params
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Memory of one learner rank at its peak (the start of a micro-batch's backward), in GB."""
+
+    params_gb: float
+    """Float32 master weights, this rank's shard."""
+    grads_gb: float
+    """Float32 gradient shard plus the unsharded gradients in flight in backward."""
+    optimizer_gb: float
+    """AdamW's two float32 states, this rank's shard."""
+    compute_copies_gb: float
+    """Gathered compute-dtype parameters: the root and two decoder layers."""
+    activations_gb: float
+    """Tensors saved for backward (and backward's working set) at ``tokens`` tokens."""
+    logprob_chunk_gb: float
+    """The ``[chunk, vocab]`` tensors of one chunk of the LM head + log-softmax."""
+    overhead_gb: float
+    """CUDA context, communication buffers, workspaces, allocator fragmentation."""
+    reference_gb: float
+    """The frozen reference model (KL penalty), 0 without one."""
+    tokens: int
+    """Tokens of one micro-batch (``learner.max_tokens_per_microbatch``)."""
+    checkpointing: bool
+    """Gradient checkpointing of the decoder layers."""
+    budget_gb: float
+    """Memory one rank may use."""
+
+    @property
+    def total_gb(self) -> float:
+        """Sum of the parts."""
+        return (self.params_gb + self.grads_gb + self.optimizer_gb + self.compute_copies_gb + self.activations_gb
+                + self.logprob_chunk_gb + self.overhead_gb + self.reference_gb)
+
+    @property
+    def fits(self) -> bool:
+        """Whether the estimate is within the budget."""
+        return self.total_gb <= self.budget_gb
+
+    def summary(self, auto: bool = False) -> str:
+        """One line: ``learner memory: T GB of B GB per rank (parts...)``; ``auto`` notes that
+        ``gradient_checkpointing: auto`` chose the checkpointing."""
+        parts = [f"params {self.params_gb:.1f}", f"grads {self.grads_gb:.1f}", f"optimizer {self.optimizer_gb:.1f}",
+                 f"compute copies {self.compute_copies_gb:.1f}",
+                 f"activations {self.activations_gb:.1f} at {self.tokens} tokens with gradient checkpointing "
+                 f"{'on' if self.checkpointing else 'off'}{' (auto)' if auto else ''}",
+                 f"log-prob chunk {self.logprob_chunk_gb:.1f}"]
+        if self.reference_gb:
+            parts.append(f"reference model {self.reference_gb:.1f}")
+        parts.append(f"overhead {self.overhead_gb:.1f}")
+        return f"learner memory: {self.total_gb:.1f} GB of {self.budget_gb:.4g} GB per rank ({', '.join(parts)})"
+
+
+def compute_bytes(learner: LearnerConfig, device_type: str) -> int:
+    """Bytes per element of the compute dtype (``learner.fsdp.param_dtype``; ``auto``: bf16 on GPU)."""
+    dtype = learner.fsdp.param_dtype
+    if dtype == "auto":
+        return 2 if device_type == "cuda" else 4
+    return 2 if dtype == "bfloat16" else 4
+
+
+def _sdpa_attention(learner: LearnerConfig, device_type: str) -> bool:
+    """Whether attention runs as per-sample sdpa (which repeats k/v for grouped-query attention)."""
+    return learner.kernels.attention == "sdpa" or device_type != "cuda"
+
+
+def layer_activation_bytes(shape: ModelShape, c: int, repeat_kv: bool = False) -> int:
+    """Bytes per token that one decoder layer of the Hugging Face Qwen2/Llama code saves for
+    backward (checked against ``saved_tensors_hooks`` on a bf16 layer in the tests)::
+
+        A_layer = 2 (4 H + 2 c H + 4)         two RMSNorms: float32 input, normalised (cast back), output, rsqrt
+                + c (3 nh d + 2 kv d) + 4 nh  q and k after RoPE, v, the attention output and the
+                                               o_proj input (its contiguous copy), float32 logsumexp
+                + 4 c I                       SwiGLU: gate, SiLU(gate), up, their product
+
+    ``c`` bytes per compute-dtype element, ``nh d`` the query width, ``kv d`` the key/value
+    width (``kv = nh`` when ``repeat_kv``: per-sample sdpa saves the repeated keys and values).
+    Liger's RMSNorm/SwiGLU save less; they are not counted (the estimate stays on the safe side).
+    """
+    h, q, i = shape.hidden, shape.heads * shape.head_dim, shape.intermediate
+    kv = q if repeat_kv else shape.kv_heads * shape.head_dim
+    return 2 * (4 * h + 2 * c * h + 4) + c * (3 * q + 2 * kv) + 4 * shape.heads + 4 * c * i
+
+
+def activation_bytes_per_token(shape: ModelShape, c: int, checkpointing: bool, repeat_kv: bool = False) -> int:
+    """Bytes per token of the tensors saved for backward, plus backward's working set.
+
+    Outside the layers: ``A_out = 2 c d`` (RoPE cos/sin) ``+ 4 H + 2 c H`` (final norm) ``+ c H``
+    (hidden states of the response positions, kept by the chunked head) ``+ 64`` (integer inputs,
+    per-token float32 outputs). Backward's working set: ``A_bwd = 3 c I + 8 H`` (one MLP's
+    gradients in flight, float32 residual-stream gradients). With ``A_layer`` of
+    :func:`layer_activation_bytes`:
+
+    * without checkpointing: ``L A_layer + A_out + A_bwd``;
+    * with it (each layer's input kept, one layer recomputed at a time):
+      ``L c H + A_layer + A_out + A_bwd``.
+    """
+    h = shape.hidden
+    layer = layer_activation_bytes(shape, c, repeat_kv)
+    outer = 2 * c * shape.head_dim + 4 * h + 2 * c * h + c * h + _SMALL_PER_TOKEN
+    backward = 3 * c * shape.intermediate + 8 * h
+    kept = shape.layers * c * h + layer if checkpointing else shape.layers * layer
+    return kept + outer + backward
+
+
+def estimate(model_config: Mapping[str, Any], learner: LearnerConfig, checkpointing: bool, budget_gb: float,
+             device_type: str = "cuda", reference_model: bool = False) -> MemoryEstimate:
+    """Peak memory of one learner rank in GB (see the module docstring for each part).
+
+    ``model_config`` is the model's ``config.json`` (Qwen2/Llama keys; raises ``ValueError``
+    when one is missing); ``checkpointing`` the resolved gradient checkpointing; ``budget_gb``
+    what a rank may use (:func:`budget_gb`); ``device_type`` ``cuda`` or ``cpu`` (compute dtype,
+    attention path, overhead); ``reference_model`` adds the frozen reference (KL penalty).
+    """
+    shape = ModelShape.from_config(model_config)
+    c = compute_bytes(learner, device_type)
+    world = learner.world_size
+    p, v_h = shape.params, shape.vocab * shape.hidden
+    tokens = learner.max_tokens_per_microbatch
+    chunk = min(learner.logprob_chunk_tokens, tokens)
+    per_token = activation_bytes_per_token(shape, c, checkpointing, _sdpa_attention(learner, device_type))
+    activations, chunk_bytes = per_token * tokens, chunk * shape.vocab * (c + 8)
+    fixed = GPU_OVERHEAD_GB if device_type == "cuda" else CPU_OVERHEAD_GB
+    return MemoryEstimate(
+        params_gb=4 * p / world / GB,
+        grads_gb=(4 * p / world + (4 + c) * (v_h + shape.layer_params)) / GB,
+        optimizer_gb=8 * p / world / GB,
+        compute_copies_gb=c * (shape.root_params + 2 * shape.layer_params) / GB,
+        activations_gb=activations / GB,
+        logprob_chunk_gb=chunk_bytes / GB,
+        overhead_gb=fixed + FRAGMENTATION * (activations + chunk_bytes) / GB,
+        reference_gb=(4 * p / world + c * shape.root_params) / GB if reference_model else 0.0,
+        tokens=tokens,
+        checkpointing=checkpointing,
+        budget_gb=budget_gb,
+    )
+
+
+def max_fitting_tokens(model_config: Mapping[str, Any], learner: LearnerConfig, checkpointing: bool, budget_gb: float,
+                       device_type: str = "cuda", reference_model: bool = False) -> int:
+    """Largest ``learner.max_tokens_per_microbatch`` (a multiple of 1024) whose estimate fits
+    ``budget_gb``, all else as in ``learner``; 0 if none does."""
+
+    def fits(tokens: int) -> bool:
+        trial = dataclasses.replace(learner, max_tokens_per_microbatch=tokens)
+        return estimate(model_config, trial, checkpointing, budget_gb, device_type, reference_model).fits
+
+    if not fits(1024):
+        return 0
+    low, high = 1, 2
+    while fits(high * 1024):  # activations grow linearly: double, then bisect
+        low, high = high, high * 2
+        if high > 1 << 20:  # a billion tokens: the budget is not the limit
+            return low * 1024
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid * 1024) else (low, mid)
+    return low * 1024
+
+
+def budget_gb(learner: LearnerConfig, device_type: str) -> float:
+    """Memory one learner rank may use, in GB.
+
+    GPU (``device_type == "cuda"``): ``learner.gpu_memory_gb`` if set, else the memory of this
+    machine's current GPU, else 80 (planning on a machine without one). CPU: this machine's
+    physical memory divided by ``learner.world_size`` (the ranks share it).
+    """
+    if device_type != "cuda":
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GB / learner.world_size
+    if learner.gpu_memory_gb is not None:
+        return float(learner.gpu_memory_gb)
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / GB
+    return 80.0
+
+
+def resolve_gradient_checkpointing(learner: LearnerConfig, model_config: Mapping[str, Any], device_type: str,
+                                   reference_model: bool = False) -> bool:
+    """Whether to checkpoint the decoder layers: ``on`` -> True, ``off`` -> False, ``auto`` ->
+    True only on GPU (``device_type == "cuda"``) when the estimate without checkpointing does
+    not fit :func:`budget_gb` (CPU: memory is plentiful and recomputation costs more than it saves)."""
+    mode = learner.fsdp.gradient_checkpointing
+    if mode != "auto":
+        return mode == "on"
+    if device_type != "cuda":
+        return False
+    return not estimate(model_config, learner, False, budget_gb(learner, device_type), device_type, reference_model).fits
