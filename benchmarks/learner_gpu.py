@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _plain_packed import plain_packed_step  # noqa: E402
+from _report import report  # noqa: E402
 
 from async_rl.config import load_config  # noqa: E402
 from async_rl.learner.batching import plan_micro_batches, prepare  # noqa: E402
@@ -141,9 +142,7 @@ def run_matrix(model_dir: Path, base: list[str], info: DistInfo, args: argparse.
             print(f"FAILED  {name}: {failed[name]}", flush=True)
     result = {"ok": len(MATRIX) - len(failed), "failed": failed, "device": torch.cuda.get_device_name() if info.device.type == "cuda" else "cpu",
               "shape": args.shape, "date": datetime.date.today().isoformat()}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+    report(result, args.json)
 
 
 def main() -> None:
@@ -233,9 +232,7 @@ def main() -> None:
                   "LM head + log-softmax in checkpointed 4096-token chunks, AdamW",
                   "method": "median of interleaved steps after one warm-up each", "date": datetime.date.today().isoformat()},
     }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+    report(result, args.json)
     dist.destroy_process_group()
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from async_rl.config import Config
+from async_rl.learner import attention, kernels
 from async_rl.learner.memory import MemoryEstimate, budget_gb, estimate, max_fitting_tokens, resolve_gradient_checkpointing
 
 
@@ -82,6 +83,7 @@ def make_plan(cfg: Config) -> Plan:
         gpus_here=torch.cuda.device_count() if gpu else 0,
     )
     _check_files(cfg, plan)
+    _check_kernels(cfg, plan)
     _check_memory(cfg, plan)
     if cfg.ray.address is not None and cfg.queue.redis_url is None:
         plan.warnings.append("the embedded redis-server listens on 127.0.0.1 only: on a multi-node cluster set queue.redis_url "
@@ -139,6 +141,16 @@ def read_model_config(model_path: str) -> dict[str, Any] | None:
     if not isinstance(data, dict):
         raise ValueError(f"{path} is not a JSON object")
     return data
+
+
+def _check_kernels(cfg: Config, plan: Plan) -> None:
+    """Kernels the learner's device cannot run (whether flash_attn is installed on the learner's
+    machines is checked when the policy loads)."""
+    device_type = learner_device_type(cfg)
+    for why in (attention.problem(cfg.learner.kernels, device_type, flash_installed=True),
+                kernels.liger_problem(cfg.learner.kernels, device_type, installed=True)):
+        if why is not None:
+            plan.errors.append(why)
 
 
 def _check_memory(cfg: Config, plan: Plan) -> None:

@@ -62,19 +62,28 @@ def register() -> None:
     AttentionInterface.register(PACKED_SDPA, packed_sdpa)
 
 
+def problem(kernels: KernelsConfig, device_type: str, flash_installed: bool) -> str | None:
+    """Why ``kernels.attention`` cannot run on ``device_type`` (``cuda`` or ``cpu``), or None."""
+    want = kernels.attention
+    if want in ("flash_attention_2", "flex_attention") and device_type != "cuda":
+        return f"learner.kernels.attention={want!r} needs a GPU learner; use 'sdpa' (or 'auto') on the CPU"
+    if want == "flash_attention_2" and not flash_installed:
+        return "learner.kernels.attention='flash_attention_2' needs the flash_attn package; use 'auto' or 'flex_attention'"
+    return None
+
+
 def choose(kernels: KernelsConfig, device: torch.device) -> str:
     """The transformers attention implementation for ``kernels.attention`` on ``device``
     (``auto``: flash-attn varlen, else flex attention on GPU; :data:`PACKED_SDPA` on CPU).
-    A named kernel that cannot run here raises ``RuntimeError`` saying why."""
+    A named kernel that cannot run here raises ``RuntimeError`` saying why (:func:`problem`)."""
     cuda = device.type == "cuda"
     has_flash = importlib.util.find_spec("flash_attn") is not None
+    why = problem(kernels, device.type, has_flash)
+    if why is not None:
+        raise RuntimeError(why)
     want = kernels.attention
     if want == "auto":
         want = ("flash_attention_2" if has_flash else "flex_attention") if cuda else "sdpa"
-    if want in ("flash_attention_2", "flex_attention") and not cuda:
-        raise RuntimeError(f"learner.kernels.attention={want!r} needs a GPU; use 'sdpa' (or 'auto') on the CPU")
-    if want == "flash_attention_2" and not has_flash:
-        raise RuntimeError("learner.kernels.attention='flash_attention_2' needs the flash_attn package; use 'auto' or 'flex_attention'")
     register()
     name = PACKED_SDPA if want == "sdpa" else want
     log.info("learner attention: %s (learner.kernels.attention=%s, device %s)", name, kernels.attention, device.type)

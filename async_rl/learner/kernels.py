@@ -19,15 +19,21 @@ from async_rl.config import KernelsConfig
 log = logging.getLogger(__name__)
 
 
+def liger_problem(kernels: KernelsConfig, device_type: str, installed: bool) -> str | None:
+    """Why ``liger: on`` cannot run on ``device_type`` (``cuda`` or ``cpu``), or None."""
+    if kernels.liger == "on" and (device_type != "cuda" or not installed):
+        return ("learner.kernels.liger=on needs a GPU learner and the liger_kernel package "
+                f"(device {device_type}, liger_kernel {'installed' if installed else 'not installed'}); use auto or off")
+    return None
+
+
 def use_liger(kernels: KernelsConfig, device: torch.device) -> bool:
     """Whether Liger kernels apply: ``on`` raises where they cannot run, ``auto`` falls back."""
     installed = importlib.util.find_spec("liger_kernel") is not None
-    if kernels.liger == "on":
-        if device.type != "cuda" or not installed:
-            raise RuntimeError("learner.kernels.liger=on needs a GPU and the liger_kernel package "
-                               f"(device {device.type}, liger_kernel {'installed' if installed else 'not installed'}); use auto or off")
-        return True
-    return kernels.liger == "auto" and installed and device.type == "cuda"
+    why = liger_problem(kernels, device.type, installed)
+    if why is not None:
+        raise RuntimeError(why)
+    return kernels.liger == "on" or (kernels.liger == "auto" and installed and device.type == "cuda")
 
 
 def apply(model: nn.Module, layers: nn.ModuleList, kernels: KernelsConfig, device: torch.device) -> None:

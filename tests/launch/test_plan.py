@@ -177,3 +177,12 @@ def test_hub_model_without_local_config_gets_no_memory_estimate(data: Path):
     assert plan.memory is None and plan.errors == []
     assert any(w.startswith("no learner memory estimate") and "async-rl-tests/no-such-model" in w for w in plan.warnings)
     assert "learner memory:" not in render(plan)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("learner.kernels.attention=flex_attention", "learner.kernels.attention='flex_attention' needs a GPU learner"),
+    ("learner.kernels.liger=on", "learner.kernels.liger=on needs a GPU learner"),
+])
+def test_a_gpu_kernel_on_a_cpu_learner_is_a_plan_error(data: Path, override: str, message: str) -> None:
+    plan = make_plan(load_config(None, [f"data.train_files={data}", override]))
+    assert any(message in e for e in plan.errors), plan.errors
