@@ -3,18 +3,27 @@ padded forward pass over the whole ``[n, T, V]`` logits (float32, CPU)."""
 
 from __future__ import annotations
 
+import math
+import random
 from pathlib import Path
 
 import pytest
 import torch
-from learner_helpers import make_groups
+from learner_helpers import learner_config, make_groups
 from reference_logprobs import padded_logprobs
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 from transformers import AutoModelForCausalLM
 
 from async_rl.config import KernelsConfig
 from async_rl.learner import attention
 from async_rl.learner.batching import pack, prepare, unpack
 from async_rl.learner.logprobs import ChunkedLogProbs, LogProbHead, install_logprob_head, token_logprobs
+from async_rl.learner.model import DistInfo, load_sharded
+from async_rl.learner.train_step import Trainer
+from async_rl.records import RolloutGroup, Sample
+
+VOCAB = 151936
 
 
 def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -94,3 +103,51 @@ def test_the_head_refuses_a_plain_forward(tiny_model: Path) -> None:
     assert isinstance(model.lm_head, LogProbHead) and model.lm_head.weight is weight  # same parameter: names, tying, sharding
     with pytest.raises(RuntimeError, match="token_logprobs"):
         model(input_ids=torch.tensor([[3, 4]]))
+
+
+class _LargestTensors(TorchDispatchMode):
+    """Records the shape of every tensor an operation returns (forward and backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: set[tuple[int, ...]] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.shapes.add(tuple(t.shape))
+        return out
+
+
+def test_a_learner_step_with_the_real_vocabulary_builds_no_tokens_by_vocab_or_row_by_row_tensor(
+    one_rank: DistInfo, tmp_path: Path
+) -> None:
+    """151,936-token vocabulary, 4096-token packed rows of samples of at most 600 tokens, chunks
+    of 512: no tensor of the step (forward or backward) is larger than one ``[512, vocab]``
+    chunk (a ``[tokens, vocab]`` logits tensor would be) or has two dimensions above 600 (a
+    ``[row, row]`` attention matrix would)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                         vocab_size=VOCAB, max_position_embeddings=4096, tie_word_embeddings=True)
+    Qwen2ForCausalLM(config).save_pretrained(tmp_path / "model")
+    cfg = learner_config(tmp_path / "model", tmp_path, "vocab", "learner.max_tokens_per_microbatch=4096", "learner.logprob_chunk_tokens=512",
+                         "data.max_prompt_length=100", "rollout.max_response_length=500", "algorithm.loss.entropy_coef=0.01")
+    rng = random.Random(0)
+    groups = []
+    for g in range(2):
+        prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(50, 100))]
+        samples = [Sample.from_lists(toks := [rng.randrange(VOCAB) for _ in range(rng.randint(300, 500))], [-11.0] * len(toks), 0, rng.random())
+                   for _ in range(4)]
+        groups.append(RolloutGroup.from_lists("vocab", f"g{g}", g, prompt, samples, "s", 0.0, created_at=0.0))
+    batch = prepare(groups, 4096, VOCAB).batch
+    policy = load_sharded(str(tmp_path / "model"), cfg.learner, one_rank.device, trainable=True)
+    trainer = Trainer(policy, None, cfg.learner, cfg.algorithm, one_rank, 2, 0)
+    with _LargestTensors() as seen:
+        result = trainer.step(batch, 0)
+    assert result.optimizer_steps == 1 and batch.lengths.sum() > 3500  # one packed row of 3500+ tokens
+    big = sorted(s for s in seen.shapes if sum(d > 600 for d in s) >= 2 or math.prod(s) > 512 * VOCAB)
+    assert big == [], big
+    assert (512, VOCAB) in seen.shapes  # the chunks did run
