@@ -10,12 +10,18 @@ PORT="${RAY_PORT:-6379}"
 # Ray starts workers at nice 15; our actors (vLLM servers, learner ranks) need normal
 # priority or the driver and Redis take their CPU (async_rl/launch/ray_cluster.py).
 export RAY_worker_niceness="${RAY_worker_niceness:-0}"
+# Ray 2.60 clusters use token authentication: every node and every driver (`async-rl train`)
+# needs RAY_AUTH_MODE=token and the head's ~/.ray/auth_token (copy it to each node).
+export RAY_AUTH_MODE="${RAY_AUTH_MODE:-token}"
 case "${1:-}" in
   head)
+    "$RAY" get-auth-token --generate >/dev/null  # ~/.ray/auth_token, unless there is one
     "$RAY" start --head --port="$PORT" --include-dashboard=false
     ;;
   worker)
     HEAD="${2:?usage: deploy/ray_node.sh worker HEAD_IP}"
+    [[ -n "${RAY_AUTH_TOKEN:-}" || -f "${RAY_AUTH_TOKEN_PATH:-$HOME/.ray/auth_token}" ]] || \
+      { echo "no Ray auth token: copy ~/.ray/auth_token from the head node (or set RAY_AUTH_TOKEN)" >&2; exit 2; }
     "$RAY" start --address="$HEAD:$PORT"
     ;;
   stop)

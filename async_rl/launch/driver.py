@@ -157,7 +157,10 @@ class _Run:
         redis_url = cfg.queue.redis_url or stack.enter_context(EmbeddedRedis(self.run_dir / "redis"))
         self.queue = stack.enter_context(ReplayQueue(redis_url, cfg.trainer.run_name, cfg.queue.max_depth, op_timeout_s=cfg.queue.timeout_s))
 
-        init_ray(cfg.ray.address, cfg.ray.num_cpus, configure_logging=False)
+        try:
+            init_ray(cfg.ray.address, cfg.ray.num_cpus, configure_logging=False)
+        except ConnectionError as exc:
+            raise StartupError(str(exc)) from None
         stack.callback(ray.shutdown)
         self._install_signal_handlers()
         self.learners = await asyncio.to_thread(start_learners, cfg, redis_url, layout[1] if layout else None)

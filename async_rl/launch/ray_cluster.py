@@ -9,6 +9,8 @@ normal priority; ``deploy/ray_node.sh`` does the same for clusters started by ha
 
 from __future__ import annotations
 
+import os
+
 WORKER_NICENESS = 0
 """Niceness of Ray worker processes in a cluster started here (Ray's default is 15)."""
 
@@ -26,6 +28,21 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, **kwargs) 
     kwargs.setdefault("include_dashboard", False)
     kwargs.setdefault("log_to_driver", False)
     if address is None:
-        ray.init(num_cpus=num_cpus, _system_config={"worker_niceness": WORKER_NICENESS}, **kwargs)
-    else:
+        # "local": a cluster of our own even when another runs on this machine (plain ray.init()
+        # would join the one /tmp/ray/ray_current_cluster names and refuse our settings).
+        ray.init(address="local", num_cpus=num_cpus, _system_config={"worker_niceness": WORKER_NICENESS}, **kwargs)
+        return
+    try:
         ray.init(address=address, **kwargs)
+    except ConnectionError as exc:
+        raise ConnectionError(f"cannot join the Ray cluster at ray.address={address!r}: {exc}{_auth_hint()}") from exc
+
+
+def _auth_hint() -> str:
+    """What to try when joining failed and token authentication may be the reason."""
+    if os.environ.get("RAY_AUTH_MODE") == "token":
+        return ""
+    # Ray reads RAY_AUTH_MODE when it is imported, so it must be set before the process starts.
+    return (". Clusters started with `ray start` may use token authentication (Ray 2.60): run with RAY_AUTH_MODE=token "
+            "and the head node's token in ~/.ray/auth_token (or RAY_AUTH_TOKEN), as every `ray start --address` needs too "
+            "(deploy/ray_node.sh, docs/training.md#a-ray-cluster)")
