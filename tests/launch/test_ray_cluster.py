@@ -3,37 +3,24 @@ another Ray cluster runs on this machine; a failed join says how to authenticate
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-RAY = str(Path(sys.executable).parent / "ray")
+from ray_nodes import start_node, stop_nodes, wait_for_log
 
 
 @pytest.fixture()
 def other_cluster(tmp_path: Path) -> Iterator[str]:
-    """A Ray head started with ``ray start --block`` (someone else's cluster); its GCS address."""
-    log = tmp_path / "head.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([RAY, "start", "--head", "--port=0", "--num-cpus=1", "--include-dashboard=false", "--block"],
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    """A Ray head started with ``ray start`` (someone else's cluster); its GCS address."""
+    head = start_node(["--head", "--port=0", "--num-cpus=1", "--include-dashboard=false"], tmp_path / "head.log")
     try:
-        deadline = time.monotonic() + 120
-        while not (found := re.search(r"ray start --address='([^']+)'", log.read_text())):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"ray start --head did not come up:\n{log.read_text()}")
-            time.sleep(0.5)
-        yield found.group(1)
+        yield wait_for_log(tmp_path / "head.log", head, r"ray start --address='([^']+)'").group(1)
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(60)
+        stop_nodes([head])
 
 
 _OWN = """
