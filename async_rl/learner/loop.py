@@ -209,9 +209,11 @@ class LearnerLoop:
         metrics.update({"time/wait": wait_s, "time/step": step_s, "perf/idle_fraction": wait_s / max(step_s, 1e-9)})
         metrics.update({f"counters/{k}": float(v) for k, v in self.counters.items()})
         self.uncommitted.extend(entry_id for entry_id, _ in entries)
+        # Log before the checkpoint: a kill between the two then repeats the line (a resumed
+        # run retrains the version; the last line counts) instead of losing the step's record.
+        self._log(metrics, entries)
         if self.version % self.cfg.trainer.save_every == 0:
             self._save()
-        self._log(metrics, entries)
         return metrics
 
     def _next_batch(self, deadline: float | None = None) -> list[tuple[str, RolloutGroup]] | None:

@@ -254,7 +254,10 @@ class ReplayQueue:
                 self._client.xreadgroup, CONSUMER_GROUP, self.consumer,
                 {self.keys.rollouts: ">"}, count=n - len(out), block=max(1, int(block_s * 1000)),
             )
-            reply = cast(StreamReply, self._call("get", read, deadline))
+            # ``timeout`` bounds the wait for data, not the recovery from a Redis stall: a reply
+            # slower than the socket timeout (an fsync, a loaded machine) is retried for
+            # ``op_timeout_s`` like every other operation instead of failing the learner.
+            reply = cast(StreamReply, self._call("get", read, max(deadline, time.monotonic() + self.op_timeout_s)))
             if reply:
                 out.extend(self._screen(reply[0][1], staleness, check, report))
             if len(out) >= n or time.monotonic() >= deadline:

@@ -237,3 +237,13 @@ def test_a_retried_admission_returns_the_same_ticket(queue: ReplayQueue) -> None
     assert ledger.admit(4, 0, "test", call_id="call-2").index == first.index + 1
     stats = queue.stats()
     assert stats["groups_started"] == 2 and stats["inflight"] == 2
+
+
+def test_get_rides_out_a_redis_stall_longer_than_the_socket_timeout(redis_url: str, run: str) -> None:
+    """A reply slower than the socket timeout (an fsync, a loaded machine) is retried for
+    ``op_timeout_s``, even when the get's own wait is shorter: it is not a dead Redis."""
+    with ReplayQueue(redis_url, run, max_depth=8, socket_timeout_s=0.5, op_timeout_s=10.0) as q:
+        redis.Redis.from_url(redis_url).execute_command("CLIENT", "PAUSE", 1500, "ALL")
+        start = time.monotonic()
+        assert q.get(1, Staleness(0, 0), timeout=0.2) == []
+        assert 1.0 < time.monotonic() - start < 10.0
