@@ -110,7 +110,7 @@ class RewardConfig:
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments passed to every call of the function (EasyR1's ``reward_function_kwargs``), e.g. ``{max_response_length: 256}``."""
     num_workers: int = 2
-    """Processes of the reward pool on each rollout host; a call runs in one of them, so a hung or crashing function never blocks generation."""
+    """Processes of the reward pool of each inference server (and one more pool in the driver for validation); a call runs in one of them, so a hung or crashing function never blocks generation."""
     timeout_s: float = 60.0
     """Longest one reward call may take, seconds; the process is then killed and replaced and the call's samples get the error (their group is not trained)."""
     dynamic_sampling: bool = False
@@ -126,7 +126,7 @@ class RolloutConfig:
     num_servers: int = 1
     """Number of persistent vLLM inference servers (independent of the learner's size)."""
     workers_per_server: int = 1
-    """Rollout worker loops feeding each server."""
+    """Rollout worker loops in each server's process (each keeps up to ``rollout.max_inflight`` groups in flight)."""
     n: int = 8
     """Samples per prompt (the group size)."""
     temperature: float = 1.0

@@ -3,8 +3,9 @@
 Same model, same prompts, same sampling, one run:
 
 * raw: ``vllm.LLM.generate`` of all prompts (``n`` samples each) in this process;
-* pool: a Ray-hosted inference server + a rollout worker (cursor, admission, reward,
-  msgspec records, Redis ``put``) producing the same number of groups;
+* pool: a Ray-hosted inference server running its rollout worker in its own process
+  (cursor, admission, reward pool, msgspec records, Redis ``put``: the path of a run)
+  producing the same number of groups;
 * responses have a fixed length (``ignore_eos``) in both, so the numbers measure steady
   generation throughput rather than the start-up of a sub-second batch (the tiny model
   answers in 3-4 tokens, which made a 96-prompt run last under one second);
@@ -117,56 +118,62 @@ def _raw(cfg, prompts: list[list[int]], rounds: int) -> list[float]:
 
 async def _pool(cfg, count: int, rounds: int) -> tuple[list[float], float, float, float]:
     """Tokens/s through the pool per round; then one more round with an in-flight weight
-    update: its tokens/s, and the update's pause and total seconds."""
-    import ray
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    update: its tokens/s, and the update's pause and total seconds.
 
-    from async_rl.data.prompts import PromptFormatter, read_prompt_rows
+    The worker runs in the server's process and writes to Redis, as in a run. A round is
+    admitted by publishing a version (``B = count``, ``eta = 0``) and ends when its
+    ``count`` groups are in the queue; the first round (admitted at start) is the warm-up."""
+    import ray
+    from transformers import AutoModelForCausalLM
+
+    from async_rl.data.prompts import read_prompt_rows
     from async_rl.launch.ray_cluster import init_ray
     from async_rl.queue import EmbeddedRedis, ReplayQueue
-    from async_rl.rewards import RewardPool, RewardScorer
     from async_rl.rollout.engine_args import engine_kwargs, openai_api_settings
+    from async_rl.rollout.host import WorkerHostSpec
     from async_rl.rollout.pool import ServerPool, ServerSpec
     from async_rl.rollout.server import Sampling
-    from async_rl.rollout.worker import RolloutWorker, WorkerSettings
+    from async_rl.rollout.worker import WorkerSettings
     from async_rl.sync.sender import WeightSender
 
     init_ray(num_cpus=os.cpu_count())
     sender = WeightSender(bucket_mb=cfg.sync.bucket_mb, timeout_s=120.0)
     env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
-    pool = ServerPool(ServerSpec(engine_kwargs(cfg), num_cpus=1, env_vars=env, sender_address=sender.address,
-                                 openai_api=openai_api_settings(cfg)), 1)
-    await pool.start()
     rows, _ = read_prompt_rows(cfg.data.train_files)
-    fmt = PromptFormatter(AutoTokenizer.from_pretrained(cfg.learner.model_path))
     settings = WorkerSettings(
-        run_id="bench", server_id="server-0", n=cfg.rollout.n,
+        run_id="bench", server_id="", n=cfg.rollout.n,
         sampling=Sampling(temperature=1.0, max_tokens=cfg.rollout.max_response_length, ignore_eos=True),
         batch_size=count, max_staleness=0, max_inflight=count, max_prompt_length=cfg.data.max_prompt_length, shuffle=False,
     )
     model = AutoModelForCausalLM.from_pretrained(cfg.learner.model_path, dtype=torch.float32)
-    with EmbeddedRedis() as url, ReplayQueue(url, run="bench", max_depth=count) as queue, RewardPool(cfg.rollout.reward) as rewards:
-        scorer = RewardScorer(rewards, cfg.rollout.reward, cfg.rollout.max_response_length)  # rewards in their process pool, as in a run
-        worker = RolloutWorker(settings, queue, rows, fmt.token_ids, scorer, pool.generate_fn(0))
-        await worker.run(asyncio.Event(), max_groups=4)  # warm-up, same as raw
-        queue.get(4, timeout=5)
+    with EmbeddedRedis() as url, ReplayQueue(url, run="bench", max_depth=count) as queue:
+        # rewards in the server's reward pool, as in a run
+        hosted = WorkerHostSpec(url, "bench", count, 30.0, settings, 1, cfg.rollout.reward, cfg.rollout.max_response_length)
+        pool = ServerPool(ServerSpec(engine_kwargs(cfg), num_cpus=1, env_vars=env, sender_address=sender.address,
+                                     openai_api=openai_api_settings(cfg)), 1, workers=hosted, rows=ray.put(rows))
+        await pool.start()
+
+        async def round_tokens() -> int:
+            while queue.stats()["depth"] < count:
+                await asyncio.sleep(0.005)
+            return sum(s.num_tokens for _, g in queue.get(count, timeout=30) for s in g.samples)
+
+        await round_tokens()  # warm-up: the round admitted at version 0
         sender.wait_for_servers(1, timeout_s=60)
         rates = []
         for version in range(1, rounds + 2):
-            queue.publish_version(version)  # admits this round's groups (B = count, eta = 0)
             t0 = time.perf_counter()
-            tokens0 = worker.counters.tokens_generated
             if version > rounds:  # the last round: one in-flight update
                 sent: dict = {}
                 update = threading.Thread(target=_send_later, args=(sender, model, sent))
                 update.start()
-            await worker.run(asyncio.Event(), max_groups=count)
-            rates.append((worker.counters.tokens_generated - tokens0) / (time.perf_counter() - t0))
-            queue.get(count, timeout=30)  # the queue holds one round
+            queue.publish_version(version)  # admits this round's groups
+            rates.append(await round_tokens() / (time.perf_counter() - t0))
         update.join()
         health = await pool.handle(0).health.remote()
         assert health.version == 1 and sent["result"].ok, f"the weight update did not reach the server: {sent['result']}"
-    await pool.shutdown()
+        await pool.stop_workers(5.0)
+        await pool.shutdown()
     sender.close()
     ray.shutdown()
     return rates[:-1], rates[-1], health.last_update_pause_s, sent["result"].total_s

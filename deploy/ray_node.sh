@@ -3,6 +3,7 @@
 #   deploy/ray_node.sh head              # on the head node (run `async-rl train` here)
 #   deploy/ray_node.sh worker HEAD_IP    # on every other node
 # Every node needs the same async-rl install (scripts/setup.sh) and the model/data paths.
+# Every node must reach queue.redis_url: the inference servers on it write their groups there.
 set -euo pipefail
 VENV="${VENV:-.venv}"
 RAY="$VENV/bin/ray"

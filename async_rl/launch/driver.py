@@ -2,12 +2,13 @@
 
 The driver (this process) owns the run's lifecycle. It starts, in order: the embedded
 redis-server (unless ``queue.redis_url``), Ray, the learner ranks (their rank 0 hosts the
-weight sender), the inference servers (registered with that sender) and the rollout
-workers (asyncio tasks here, feeding the servers). It then calls the learner one step at
-a time with a bounded wait, so it can log progress, start validation and react to Ctrl-C
-/ SIGTERM. Shutdown (normal end or signal) runs in reverse: workers stop, the learner
-writes a final checkpoint and commits its queue entries, servers and learner actors stop,
-Ray stops, the embedded Redis stops.
+weight sender) and the inference servers (registered with that sender), each running its
+rollout workers in its own process (:mod:`async_rl.rollout.host`): generated groups go
+from the server straight to Redis, never through this process. It then calls the learner
+one step at a time with a bounded wait, so it can log progress (rollout counters read from
+Redis), start validation and react to Ctrl-C / SIGTERM. Shutdown (normal end or signal)
+runs in reverse: workers stop, the learner writes a final checkpoint and commits its queue
+entries, servers and learner actors stop, Ray stops, the embedded Redis stops.
 """
 
 from __future__ import annotations
@@ -37,10 +38,9 @@ from async_rl.queue import EmbeddedRedis, ReplayQueue
 from async_rl.rewards.pool import RewardPool
 from async_rl.rewards.scoring import RewardScorer, RewardStartupError, check_reward_function
 from async_rl.rollout.engine_args import engine_kwargs, on_gpu, openai_api_settings
+from async_rl.rollout.host import COUNTERS, WorkerHostSpec
 from async_rl.rollout.pool import ServerPool, ServerSpec
-from async_rl.rollout.server import Sampling
 from async_rl.rollout.validation import ValidationResult, validate
-from async_rl.rollout.worker import RolloutWorker, WorkerSettings
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,6 @@ class _Run:
         self.server_busy_s: list[float] = []
         self.failure: str | None = None
         """Why the run stopped early (exit status 1), or None."""
-        self.workers: list[RolloutWorker] = []
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -179,7 +178,8 @@ class _Run:
         spec = ServerSpec(engine_kwargs(cfg), cfg.rollout.cpus_per_server, cfg.rollout.gpus_per_server, env, sender_address=sender_address,
                           openai_api=openai_api_settings(cfg))
         self.pool = ServerPool(spec, cfg.rollout.num_servers, on_start=self._on_server_start,
-                               env_per_server=[{"VLLM_CPU_OMP_THREADS_BIND": cores} for cores in layout[0]] if layout else None)
+                               env_per_server=[{"VLLM_CPU_OMP_THREADS_BIND": cores} for cores in layout[0]] if layout else None,
+                               workers=WorkerHostSpec.from_config(cfg, redis_url), rows=ray.put(self.rows), on_lost=self.queue.release_owner)
         stack.push_async_callback(self.pool.shutdown)
         self.tracker = Tracker(cfg, self.run_dir, cfg.trainer.total_steps)
         stack.callback(self.tracker.close)
@@ -225,15 +225,12 @@ class _Run:
     async def _train(self) -> None:
         learner = asyncio.create_task(self._drive_learner())
         watcher: asyncio.Task | None = None
-        worker_tasks: list[asyncio.Task] = []
         try:
-            await self.pool.start()
+            await self.pool.start()  # each server's rollout workers start once it holds the current weights
+            started = time.monotonic()
             if self.cfg.logging.console and any(self.pool.openai_urls()):
                 self.tracker.console.print(f"OpenAI-compatible API: {' '.join(u or '-' for u in self.pool.openai_urls())} "
                                            f"(servers listed in {self.run_dir / 'servers.json'})", highlight=False)
-            self.workers = self._make_workers()
-            started = time.monotonic()
-            worker_tasks = [asyncio.create_task(w.run(self.stop)) for w in self.workers]
             watcher = asyncio.create_task(self._watch())
             self._maybe_validate(force=True)
             await learner
@@ -246,7 +243,7 @@ class _Run:
                 await learner
             # Workers end their tickets (prompts in flight go back to the queue) before the
             # learner's final commit is read back and before Redis stops.
-            await self._stop_workers(worker_tasks)
+            await self._stop_workers()
         self.server_busy_s = [h.busy_s for h in await self.pool.health() if not isinstance(h, str)]
         if self._validating is not None:
             await self._validating
@@ -255,41 +252,22 @@ class _Run:
         if self._validating is not None:
             await self._validating
 
-    def _make_workers(self) -> list[RolloutWorker]:
-        cfg, r = self.cfg, self.cfg.rollout
-        workers = []
-        for i in range(r.num_servers):
-            for _ in range(r.workers_per_server):
-                settings = WorkerSettings(
-                    run_id=cfg.trainer.run_name, server_id=f"server-{i}", n=r.n,
-                    sampling=Sampling(r.temperature, r.top_p, r.top_k, r.max_response_length),
-                    batch_size=cfg.learner.batch_size, max_staleness=cfg.algorithm.max_staleness,
-                    max_inflight=r.max_inflight, max_prompt_length=cfg.data.max_prompt_length,
-                    overlong_prompt=cfg.data.overlong_prompt, dynamic_sampling=r.reward.dynamic_sampling,
-                    shuffle=cfg.data.shuffle, seed=cfg.data.seed, put_timeout_s=cfg.queue.timeout_s,
-                )
-                workers.append(RolloutWorker(settings, self.queue, self.rows, self.formatter.token_ids, self._scorer(), self.pool.generate_fn(i)))
-        return workers
-
-    async def _stop_workers(self, tasks: list[asyncio.Task]) -> None:
-        _, pending = await asyncio.wait(tasks, timeout=WORKER_GRACE_S) if tasks else (set(), set())
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        if tasks and (open_tickets := self.queue.stats()["inflight"]):  # each group ends its ticket: a bug if not
+    async def _stop_workers(self) -> None:
+        await self.pool.stop_workers(WORKER_GRACE_S)
+        if open_tickets := self.queue.stats()["inflight"]:  # each group ends its ticket: a bug if not
             log.error("%d admission tickets are still open after the workers stopped; the next start returns their prompts", open_tickets)
 
     async def _drive_learner(self) -> None:
         total = self.cfg.trainer.total_steps
-        last_tokens, last_time = 0, time.monotonic()
+        last_tokens, last_time = self.queue.rollout_stats().get("tokens_generated", 0.0), time.monotonic()
         try:
             while self.version < total and not self.stop.is_set():
                 results = await asyncio.gather(*(a.run.remote(1, LEARNER_WAIT_S) for a in self.learners))
                 self.version = results[0]["version"]
                 for metrics in results[0]["steps"]:
-                    tokens = sum(w.counters.tokens_generated for w in self.workers)
-                    now = time.monotonic()
-                    metrics.update(self._rollout_metrics(tokens - last_tokens, now - last_time))
+                    rollout = self.queue.rollout_stats()
+                    tokens, now = rollout.get("tokens_generated", 0.0), time.monotonic()
+                    metrics.update(self._rollout_metrics(rollout, (tokens - last_tokens) / max(now - last_time, 1e-9)))
                     last_tokens, last_time = tokens, now
                     self.tracker.log(metrics)
                     self._maybe_validate()
@@ -317,7 +295,8 @@ class _Run:
         marker, last_progress = None, time.monotonic()
         while not self.stop.is_set():
             await asyncio.sleep(period_s)
-            progress = (self.version, sum(w.counters.groups_put + w.counters.tokens_generated for w in self.workers))
+            rollout = self.queue.rollout_stats()
+            progress = (self.version, rollout.get("groups_put", 0.0), rollout.get("tokens_generated", 0.0))
             if progress != marker:
                 marker, last_progress = progress, time.monotonic()
             elif time.monotonic() - last_progress > cfg.trainer.stall_timeout_s:
@@ -342,25 +321,21 @@ class _Run:
                 f"pending {stats['pending']}); rollout: {admission}, {stats['inflight']} groups in flight, "
                 f"{stats['returned_prompts']} returned prompts waiting; servers: {servers}")
 
-    def _rollout_metrics(self, new_tokens: int, seconds: float) -> dict[str, float]:
+    def _rollout_metrics(self, rollout: dict[str, float], tokens_per_s: float) -> dict[str, float]:
+        """Console and tracker metrics of the rollout side: the workers' counters (``rollout``,
+        from Redis, cumulative over the run) and the queue's state."""
         stats = self.queue.stats()
-        workers = self.workers
         out = {
-            "rollout/tokens_per_s": new_tokens / max(seconds, 1e-9),
+            "rollout/tokens_per_s": tokens_per_s,
             "queue/depth": float(stats["depth"]),
             "queue/pending": float(stats["pending"]),
             "queue/dropped_stale": float(stats["dropped_stale"]),
             "queue/dead_lettered": float(stats["dead_lettered"]),
             "queue/oldest_age_s": float(stats["oldest_age_s"]),
+            "queue/returned_prompts": float(stats["returned_prompts"]),
             "rollout/server_restarts": float(self.pool.restarts),
         }
-        for name in ("groups_put", "prompts_skipped_overlong", "prompts_truncated", "groups_filtered", "generate_failures",
-                     "groups_returned_after_failures", "admission_wait_s"):
-            out[f"rollout/{name}"] = float(sum(getattr(w.counters, name) for w in workers))
-        out["rollout/reward_errors"] = float(sum(w.scorer.counters.errors for w in workers))
-        out["rollout/reward_timeouts"] = float(sum(w.scorer.counters.timeouts for w in workers))
-        out["rollout/reward_restarts"] = float(self.rewards.restarts)
-        out["queue/returned_prompts"] = float(stats["returned_prompts"])
+        out.update({f"rollout/{name}": rollout.get(name, 0.0) for name in COUNTERS if name != "tokens_generated"})
         out.update({f"queue/dropped/{reason}": float(count) for reason, count in stats["dropped"].items()})
         return out
 

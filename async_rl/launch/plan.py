@@ -87,7 +87,8 @@ def make_plan(cfg: Config) -> Plan:
     _check_memory(cfg, plan)
     if cfg.ray.address is not None and cfg.queue.redis_url is None:
         plan.warnings.append("the embedded redis-server listens on 127.0.0.1 only: on a multi-node cluster set queue.redis_url "
-                             "to a Redis that every node reaches (learner rank 0 may run on another node)")
+                             "to a Redis that every node reaches (the inference servers write their groups to it, and learner rank 0 reads them, "
+                             "from whichever node they run on)")
     if cfg.ray.address is None:
         if plan.cpus_needed > plan.cpus_here:
             plan.warnings.append(f"needs {plan.cpus_needed:g} CPUs for its actors, this machine has {plan.cpus_here}: Ray will wait for resources")

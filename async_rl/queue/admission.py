@@ -9,6 +9,8 @@ prompt bookkeeping (``inflight`` hash, ``returned`` list). A group's life, as se
 2. The ticket ends exactly once: *enqueued* (the queue's put script appends the group and
    clears the ``inflight`` record atomically) or *abandoned* (:meth:`abandon`: the slot is
    released; the prompt either goes back to ``returned``, to be served first, or is done).
+   A producer that died with tickets open has them all ended by :meth:`release_owner`
+   (its replacement's supervisor calls it: every ticket names its owner).
 3. The learner drops a group it reads but will not train (stale, malformed, failed
    reward): the queue acknowledges and counts it and :meth:`release_dropped` gives its
    slot back, in one transaction.
@@ -78,6 +80,29 @@ end
 return 1
 """
 
+# KEYS: counters, inflight, returned. ARGV: owner. Every open ticket of one producer that
+# is gone (its process was killed): the same release as an abandon that returns the prompt.
+_RELEASE_OWNER_LUA = """
+local claims = redis.call('HGETALL', KEYS[2])
+local suffix = ' ' .. ARGV[1]
+local released = {}
+for i = 1, #claims, 2 do
+  local claim = claims[i + 1]
+  if string.sub(claim, -#suffix) == suffix then
+    table.insert(released, claims[i])
+  end
+end
+table.sort(released, function(a, b) return tonumber(a) < tonumber(b) end)
+for _, index in ipairs(released) do
+  redis.call('HDEL', KEYS[2], index)
+  redis.call('RPUSH', KEYS[3], index)
+end
+if #released > 0 then
+  redis.call('HINCRBY', KEYS[1], 'groups_started', -#released)
+end
+return #released
+"""
+
 # KEYS: counters, inflight, returned, rollouts. ARGV: version, B.
 _RECONCILE_LUA = """
 local orphans = redis.call('HKEYS', KEYS[2])
@@ -129,6 +154,7 @@ class AdmissionLedger:
         self._keys = keys
         self._admit = client.register_script(_ADMIT_LUA)
         self._abandon = client.register_script(_ABANDON_LUA)
+        self._release_owner = client.register_script(_RELEASE_OWNER_LUA)
         self._reconcile = client.register_script(_RECONCILE_LUA)
 
     @property
@@ -164,6 +190,14 @@ class AdmissionLedger:
         (nothing changes then)."""
         done = self._abandon(keys=self._claim_keys, args=[ticket.index, ticket.claim, int(return_prompt)])
         return bool(done)
+
+    def release_owner(self, owner: str) -> int:
+        """End every open ticket of ``owner`` (a producer that is gone: its process was
+        killed mid-group) as :meth:`abandon` with ``return_prompt`` would; returns how many.
+        Owners must be unique per process, so a replacement's tickets are never touched."""
+        if not owner or " " in owner:
+            raise ValueError(f"owner must be a non-empty name without spaces, got {owner!r}")
+        return int(self._release_owner(keys=self._claim_keys, args=[owner]))
 
     def release_dropped(self, pipe: Any, count: int) -> None:
         """Queue on ``pipe`` (the consumer's drop transaction) the release of ``count`` slots:

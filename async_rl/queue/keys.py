@@ -23,6 +23,8 @@ class RunKeys:
       not yet enqueued (``counters.tickets`` numbers the tickets).
     - ``returned``: list of prompt indices claimed but never enqueued, served first.
     - ``staleness``: hash ``staleness (versions) -> groups read``.
+    - ``rollout_stats``: hash of the rollout workers' cumulative counters (``groups_put``,
+      ``tokens_generated``, ``reward_errors``, ...), added to by every worker host.
     - ``admit_reply(call)``: ``"<index> <claim>"`` of one admission, kept a few minutes
       (makes retried admissions idempotent).
     - ``last_put(producer)``: ``"<seq> <entry id>"`` of a producer's last put, expiring
@@ -54,6 +56,10 @@ class RunKeys:
     @property
     def staleness(self) -> str:
         return f"{self.run}:staleness"
+
+    @property
+    def rollout_stats(self) -> str:
+        return f"{self.run}:rollout-stats"
 
     def admit_reply(self, call_id: str) -> str:
         return f"{self.run}:admit-reply:{call_id}"

@@ -19,7 +19,7 @@ import secrets
 import socket
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar, cast
@@ -227,6 +227,10 @@ class ReplayQueue:
     def abandon(self, ticket: Ticket, *, return_prompt: bool) -> bool:
         """End ``ticket`` without a group (:meth:`AdmissionLedger.abandon`)."""
         return bool(self._call("abandon", lambda: self._ledger.abandon(ticket, return_prompt=return_prompt)))
+
+    def release_owner(self, owner: str) -> int:
+        """End the open tickets of a producer that is gone (:meth:`AdmissionLedger.release_owner`)."""
+        return self._call("release_owner", lambda: self._ledger.release_owner(owner))
 
     def reconcile(self, version: int, batch_size: int) -> Reconciled:
         """Rebuild the ledger at a start, before any producer runs (:meth:`AdmissionLedger.reconcile`)."""
@@ -445,6 +449,25 @@ class ReplayQueue:
             "inflight": int(inflight),
             "returned_prompts": int(returned),
         }
+
+    def add_rollout_stats(self, deltas: Mapping[str, float]) -> None:
+        """Add ``deltas`` to the run's shared rollout counters (one round trip)."""
+        if not deltas:
+            return
+
+        def add() -> None:
+            pipe = self._client.pipeline(transaction=True)
+            for name, delta in deltas.items():
+                pipe.hincrbyfloat(self.keys.rollout_stats, name, delta)
+            pipe.execute()
+
+        self._call("add_rollout_stats", add)
+
+    def rollout_stats(self) -> dict[str, float]:
+        """The rollout workers' cumulative counters (see :class:`RunKeys`), summed over every
+        worker host of the run since its first start."""
+        raw = self._call("rollout_stats", lambda: self._client.hgetall(self.keys.rollout_stats))
+        return {k.decode(): float(v) for k, v in raw.items()}
 
     def close(self) -> None:
         """Close the connection pool."""

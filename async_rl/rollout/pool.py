@@ -1,10 +1,13 @@
-"""The pool of inference servers: Ray actors, placed and restarted.
+"""The pool of inference servers: Ray actors, placed and restarted, each hosting its rollout workers.
 
 A server that dies (its process killed, its engine crashed) is replaced by a fresh actor
-the first time a request to it fails; the request is then retried by the rollout worker
-on the new server, so the group it belonged to is neither lost nor duplicated. The
-``on_start`` hook runs on every new server before it serves (the trainer uses it to
-push the current weights to a restarted server).
+when a request to it fails or :meth:`ServerPool.heal` finds it broken. The ``on_start``
+hook runs on every new server before it serves (the trainer waits there until a restarted
+server holds the current weights); then, given a :class:`~async_rl.rollout.host.WorkerHostSpec`,
+the pool starts the server's rollout workers in its process. Their tickets carry the
+owner name ``server-<i>#<start>``, unique per server process: when a server is replaced,
+``on_lost(owner)`` ends the dead process's open tickets (their prompts are served again),
+so a group is neither lost nor duplicated.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any, Awaitable, Callable
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
+from async_rl.rollout.host import WorkerHostSpec
 from async_rl.rollout.openai_api import OpenAIApiSettings
 from async_rl.rollout.server import Completion, InferenceServer, Sampling, ServerHealth
 
@@ -40,6 +44,8 @@ class ServerSpec:
     """``WeightSender.address`` the servers register with for weight updates; None for none."""
     openai_api: OpenAIApiSettings | None = None
     """Where the servers serve vLLM's OpenAI-compatible HTTP API (server ``i`` on port + i if fixed); None for none."""
+    server_cls: type = InferenceServer
+    """The actor class (``InferenceServer``; the benchmarks' ``FakeServer`` has the same interface)."""
 
 
 class ServerPool:
@@ -52,9 +58,21 @@ class ServerPool:
         version: Callable[[], int] = lambda: 0,
         on_start: Callable[[int, Any], Awaitable[None]] | None = None,
         env_per_server: list[dict[str, str]] | None = None,
+        workers: WorkerHostSpec | None = None,
+        rows: Any = None,
+        on_lost: Callable[[str], int] | None = None,
     ):
-        """``env_per_server[i]`` adds to ``spec.env_vars`` for server ``i`` (e.g. its CPU cores)."""
+        """``env_per_server[i]`` adds to ``spec.env_vars`` for server ``i`` (e.g. its CPU cores).
+        With ``workers``, every server runs rollout workers over ``rows`` (the prompt rows,
+        best a ``ray.put`` reference: stored once, fetched once per server), and
+        ``on_lost(owner)`` (``ReplayQueue.release_owner``) ends the tickets of a replaced one."""
         self.spec = spec
+        self.workers = workers
+        self.rows = rows
+        self.on_lost = on_lost
+        self._owners: list[str | None] = [None] * num_servers
+        """Per server, the ticket owner of its running workers (None: no workers running)."""
+        self._starts = [0] * num_servers
         self.env_per_server = env_per_server or [{} for _ in range(num_servers)]
         self.num_servers = num_servers
         self.version = version
@@ -76,7 +94,7 @@ class ServerPool:
         return self._handles[i]
 
     async def _launch(self, i: int) -> ServerHealth:
-        actor_cls = ray.remote(InferenceServer).options(
+        actor_cls = ray.remote(self.spec.server_cls).options(
             num_cpus=self.spec.num_cpus,
             num_gpus=self.spec.num_gpus,
             runtime_env={"env_vars": {**self.spec.env_vars, **self.env_per_server[i]}},
@@ -90,8 +108,40 @@ class ServerPool:
             log.info("server-%d (pid %d) serves the OpenAI API at %s", i, health.pid, health.openai_url)
         if self.on_start is not None:
             await self.on_start(i, handle)
+        if self.workers is not None:
+            owner = f"server-{i}#{self._starts[i]}"
+            self._starts[i] += 1
+            await handle.start_workers.remote(self.workers, self.rows, owner)
+            self._owners[i] = owner
         self._handles[i] = handle
         return health
+
+    async def _release(self, i: int) -> None:
+        """End the open tickets of server ``i``'s workers, whose process is gone."""
+        owner, self._owners[i] = self._owners[i], None
+        if owner is not None and self.on_lost is not None:
+            released = await asyncio.to_thread(self.on_lost, owner)
+            if released:
+                log.warning("server-%d: %d groups in flight were lost with its process; their prompts are served again", i, released)
+
+    async def stop_workers(self, grace_s: float) -> list[dict[str, float]]:
+        """Stop every server's rollout workers (groups in flight get ``grace_s`` seconds, then
+        end their tickets); a server that cannot be reached has its tickets ended by
+        ``on_lost``. Returns each stopped host's counters."""
+
+        async def one(i: int, h: Any) -> dict[str, float]:
+            if h is None or self._owners[i] is None:
+                return {}
+            try:
+                totals = await asyncio.wait_for(h.stop_workers.remote(grace_s), grace_s + 30)
+                self._owners[i] = None
+                return totals
+            except (RayActorError, RayTaskError, asyncio.TimeoutError) as exc:
+                log.warning("server-%d: rollout workers did not stop cleanly (%s: %s)", i, type(exc).__name__, exc)
+                await self._release(i)
+                return {}
+
+        return list(await asyncio.gather(*(one(i, h) for i, h in enumerate(self._handles))))
 
     def openai_urls(self) -> list[str | None]:
         """Per server, the base URL of its OpenAI-compatible API (None: not served or not started)."""
@@ -117,6 +167,7 @@ class ServerPool:
                 return
             log.warning("server-%d failed; starting a replacement", i)
             ray.kill(dead, no_restart=True)
+            await self._release(i)
             await self._launch(i)
             self.restarts += 1
 

@@ -15,9 +15,13 @@ import os
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from async_rl.rollout.openai_api import OpenAIApi, OpenAIApiSettings
+
+if TYPE_CHECKING:
+    from async_rl.data.prompts import PromptRow
+    from async_rl.rollout.host import WorkerHost, WorkerHostSpec
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +105,7 @@ class InferenceServer:
         self._fatal: str | None = None
         self.updates: list[Any] = []
         """Outcomes of the successful weight updates (``async_rl.sync.server.UpdateOutcome``)."""
+        self._host: WorkerHost | None = None
 
     async def start(self, sender_address: str | None = None, control_timeout_s: float = 10.0) -> ServerHealth:
         """Build the engine (about 15 s on CPU for the tiny model) and its HTTP API; idempotent.
@@ -124,6 +129,28 @@ class InferenceServer:
             await self._sync.start()
             self._sync_task = asyncio.create_task(self._sync.serve(on_outcome=self._on_update))
         return await self.health()
+
+    def tokenizer(self) -> Any:
+        """The engine's tokenizer (HF API: chat template, encode, decode)."""
+        return self._engine.tokenizer
+
+    async def start_workers(self, spec: WorkerHostSpec, rows: list[PromptRow], owner: str) -> None:
+        """Run the rollout workers in this process (:class:`~async_rl.rollout.host.WorkerHost`):
+        they generate here and write their groups straight to Redis. ``owner`` names their
+        tickets (unique per server process)."""
+        from async_rl.rollout.host import WorkerHost  # the host imports this module
+
+        if self._host is not None:
+            raise RuntimeError(f"{self.server_id}: rollout workers already started")
+        host = WorkerHost(spec, rows, self.tokenizer(), self.generate, self.server_id, owner)
+        await host.start()
+        self._host = host
+
+    async def stop_workers(self, grace_s: float) -> dict[str, float]:
+        """Stop the rollout workers (groups in flight get ``grace_s`` seconds, then end their
+        tickets); returns their counters ({} if none ran)."""
+        host, self._host = self._host, None
+        return {} if host is None else await host.stop(grace_s)
 
     def _on_update(self, outcome: Any) -> None:
         if outcome.ok:
@@ -205,6 +232,8 @@ class InferenceServer:
             raise RuntimeError(f"{self.server_id}: weight-update loop died: {self._sync_task.exception()!r}")
         if self._http is not None and self._http.stopped:
             raise RuntimeError(f"{self.server_id}: the OpenAI API server stopped")
+        if self._host is not None:
+            self._host.check()
         if self._engine is not None:
             await self._engine.check_health()
         last = self.updates[-1].pause_s if self.updates else None
@@ -214,6 +243,7 @@ class InferenceServer:
 
     async def shutdown(self) -> None:
         """Stop the HTTP API, the weight-update loop, the engine and its worker processes."""
+        await self.stop_workers(0.0)
         if self._http is not None:
             await self._http.stop()
             self._http = None

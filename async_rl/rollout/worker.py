@@ -70,6 +70,9 @@ class WorkerSettings:
     """Polling interval while admission is closed, seconds."""
     generate_retries: int = 3
     """Attempts per group when the server fails (a restarted server gets the retries)."""
+    owner: str = ""
+    """Owner recorded with each ticket, unique per process (``server-0#2``: the server's
+    third start), so a dead host's open tickets can be ended; empty: ``server_id``."""
 
 
 @dataclass
@@ -174,7 +177,7 @@ class RolloutWorker:
         t0 = time.monotonic()
         try:
             while not stop.is_set():
-                claim = asyncio.ensure_future(asyncio.to_thread(self.queue.admit, self.s.batch_size, self.s.max_staleness, self.s.server_id))
+                claim = asyncio.ensure_future(asyncio.to_thread(self.queue.admit, self.s.batch_size, self.s.max_staleness, self.s.owner or self.s.server_id))
                 try:
                     ticket = await asyncio.shield(claim)
                 except asyncio.CancelledError:  # the claim may still succeed: end its ticket

@@ -172,6 +172,22 @@ def test_reconcile_returns_orphaned_prompts_and_recounts_started_groups(queue: R
         queue.put(make_group(3, run=run), tickets[3])
 
 
+def test_release_owner_ends_only_the_dead_producers_tickets(queue: ReplayQueue, run: str) -> None:
+    dead = [queue.admit(10, 0, "server-0#1") for _ in range(3)]
+    alive = queue.admit(10, 0, "server-0#10")  # a name that starts like the dead one's is not matched
+    queue.put(make_group(0, run=run), dead[0])
+    assert queue.release_owner("server-0#1") == 2
+    assert queue.release_owner("server-0#1") == 0  # nothing left: a second call changes nothing
+    stats = queue.stats()
+    assert stats["inflight"] == 1 and stats["groups_started"] == 2 and stats["returned_prompts"] == 2
+    with pytest.raises(TicketEndedError):  # a late put of the dead producer cannot land
+        queue.put(make_group(1, run=run), dead[1])
+    queue.put(make_group(3, run=run), alive)
+    assert [t.index for t in _admit_all(queue, batch_size=10, max_staleness=0)][:2] == [1, 2]
+    with pytest.raises(ValueError, match="owner"):
+        queue.release_owner("server 0")
+
+
 def test_recover_takes_only_entries_idle_long_enough(
     queue: ReplayQueue, redis_url: str, run: str
 ) -> None:

@@ -1,0 +1,188 @@
+"""Rollout workers hosted in their inference server's process: a group never leaves it until Redis.
+
+A server actor (:class:`~async_rl.rollout.server.InferenceServer`, or the benchmarks'
+:class:`~async_rl.rollout.fake_engine.FakeServer`) starts a :class:`WorkerHost` once its
+engine is up and holds the learner's weights. For the life of that server process the host
+owns its ``rollout.workers_per_server`` worker loops, its reward pool
+(``rollout.reward.num_workers`` processes), its Redis connection and its counters. A group
+goes admission -> prompt -> engine (same process, no Ray hop) -> reward (this host's pool)
+-> Redis; nothing of it passes through the driver, which only starts, watches and stops.
+
+Counters reach the driver through Redis: every ``stats_period_s`` the host adds what its
+workers counted since the last flush to the run's ``rollout_stats`` hash
+(:meth:`~async_rl.queue.ReplayQueue.add_rollout_stats`), so the totals outlive a replaced
+server. Tickets carry the host's ``owner`` name (unique per server process): a host that
+stops ends its own (the workers' ``finally``); the tickets of a host that was killed are
+ended by its supervisor with :meth:`~async_rl.queue.ReplayQueue.release_owner`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from async_rl.data.prompts import PromptFormatter, PromptRow
+from async_rl.queue import ReplayQueue
+from async_rl.rewards import RewardPool, RewardScorer
+from async_rl.rollout.server import Sampling
+from async_rl.rollout.worker import GenerateFn, RolloutWorker, WorkerCounters, WorkerSettings
+
+if TYPE_CHECKING:
+    from async_rl.config import Config, RewardConfig
+
+log = logging.getLogger(__name__)
+
+STATS_PERIOD_S = 1.0
+"""How often a host adds its counters to Redis, seconds (what a killed host loses at most)."""
+
+COUNTERS = tuple(f.name for f in dataclasses.fields(WorkerCounters)) + ("reward_errors", "reward_timeouts", "reward_restarts")
+"""Names of the counters in the run's ``rollout_stats`` hash (all cumulative)."""
+
+
+class WorkerHostError(RuntimeError):
+    """A worker loop of the host ended with an error (the server is then reported unhealthy)."""
+
+
+@dataclass(frozen=True)
+class WorkerHostSpec:
+    """Everything a server process needs to run its rollout workers (sent once per server start)."""
+
+    redis_url: str
+    run_name: str
+    max_depth: int
+    """``queue.max_depth``: back-pressure bound of the replay queue, groups."""
+    op_timeout_s: float
+    """``queue.timeout_s``: how long a Redis call retries, and a put waits on a full queue, seconds."""
+    settings: WorkerSettings
+    """Template of each worker's settings (``server_id`` and ``owner`` are set per host)."""
+    workers: int
+    """``rollout.workers_per_server``: worker loops in each server process."""
+    reward: RewardConfig
+    max_response_length: int
+    """``rollout.max_response_length`` in tokens (DAPO's overlong penalty)."""
+    system_prompt: str | None = None
+    format_prompt: str | None = None
+    stats_period_s: float = STATS_PERIOD_S
+
+    @classmethod
+    def from_config(cls, cfg: Config, redis_url: str) -> WorkerHostSpec:
+        """The spec of run ``cfg`` whose queue is at ``redis_url``."""
+        r = cfg.rollout
+        settings = WorkerSettings(
+            run_id=cfg.trainer.run_name, server_id="", n=r.n,
+            sampling=Sampling(r.temperature, r.top_p, r.top_k, r.max_response_length),
+            batch_size=cfg.learner.batch_size, max_staleness=cfg.algorithm.max_staleness,
+            max_inflight=r.max_inflight, max_prompt_length=cfg.data.max_prompt_length,
+            overlong_prompt=cfg.data.overlong_prompt, dynamic_sampling=r.reward.dynamic_sampling,
+            shuffle=cfg.data.shuffle, seed=cfg.data.seed, put_timeout_s=cfg.queue.timeout_s,
+        )
+        return cls(redis_url, cfg.trainer.run_name, cfg.queue.max_depth, cfg.queue.timeout_s, settings, r.workers_per_server,
+                   r.reward, r.max_response_length, cfg.data.system_prompt, cfg.data.format_prompt)
+
+
+class WorkerHost:
+    """The rollout workers, reward pool and Redis connection of one server process.
+
+    Args:
+        spec: see :class:`WorkerHostSpec`.
+        rows: the training prompts (sent once per server start, through Ray's object store).
+        tokenizer: the server's tokenizer (chat template and encoding of the prompts).
+        generate: the server's own ``generate`` (called in this process).
+        server_id: e.g. ``server-0`` (recorded in every group).
+        owner: ticket owner, unique per server process (e.g. ``server-0#1``).
+    """
+
+    def __init__(self, spec: WorkerHostSpec, rows: list[PromptRow], tokenizer: Any, generate: GenerateFn, server_id: str, owner: str):
+        self.spec = spec
+        self.rows = rows
+        self.tokenizer = tokenizer
+        self.generate = generate
+        self.server_id = server_id
+        self.owner = owner
+        self.workers: list[RolloutWorker] = []
+        self.rewards: RewardPool | None = None
+        self.queue: ReplayQueue | None = None
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self._flusher: asyncio.Task | None = None
+        self._flushed = dict.fromkeys(COUNTERS, 0.0)
+
+    async def start(self) -> None:
+        """Connect, start the reward pool and the worker loops (on the event loop's thread:
+        the reward processes die with the thread that started them)."""
+        spec = self.spec
+        try:
+            formatter = PromptFormatter(self.tokenizer, spec.system_prompt, spec.format_prompt)
+            self.queue = await asyncio.to_thread(ReplayQueue, spec.redis_url, spec.run_name, spec.max_depth, op_timeout_s=spec.op_timeout_s)
+            self.rewards = RewardPool(spec.reward)
+            self.rewards.start()
+        except BaseException:
+            self._close()
+            raise
+        settings = dataclasses.replace(spec.settings, server_id=self.server_id, owner=self.owner)
+        for _ in range(spec.workers):
+            scorer = RewardScorer(self.rewards, spec.reward, spec.max_response_length)
+            self.workers.append(RolloutWorker(settings, self.queue, self.rows, formatter.token_ids, scorer, lambda: self.generate))
+        self._tasks = [asyncio.create_task(w.run(self._stop)) for w in self.workers]
+        self._flusher = asyncio.create_task(self._flush_every(spec.stats_period_s))
+
+    def check(self) -> None:
+        """Raise :class:`WorkerHostError` if a worker loop ended with an error."""
+        for task in self._tasks:
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                raise WorkerHostError(f"{self.server_id}: a rollout worker loop failed: {task.exception()!r}")
+
+    def totals(self) -> dict[str, float]:
+        """This host's cumulative counters (:data:`COUNTERS`)."""
+        out = dict.fromkeys(COUNTERS, 0.0)
+        for w in self.workers:
+            for name, value in dataclasses.asdict(w.counters).items():
+                out[name] += value
+            out["reward_errors"] += w.scorer.counters.errors
+            out["reward_timeouts"] += w.scorer.counters.timeouts
+        out["reward_restarts"] = float(self.rewards.restarts if self.rewards is not None else 0)
+        return out
+
+    async def stop(self, grace_s: float) -> dict[str, float]:
+        """Stop admitting; let groups in flight finish for up to ``grace_s`` seconds, then cancel
+        them (each ends its ticket); flush the counters; close. Returns :meth:`totals`."""
+        self._stop.set()
+        try:
+            if self._tasks:
+                _, late = await asyncio.wait(self._tasks, timeout=grace_s)
+                for task in late:
+                    task.cancel()
+                await asyncio.gather(*self._tasks, return_exceptions=True)
+            if self._flusher is not None:
+                self._flusher.cancel()
+                await asyncio.gather(self._flusher, return_exceptions=True)
+            with contextlib.suppress(Exception):  # counters are metrics: a failed last flush loses no data
+                await self._flush()
+            return self.totals()
+        finally:
+            self._close()
+
+    async def _flush_every(self, period_s: float) -> None:
+        while True:
+            await asyncio.sleep(period_s)
+            try:
+                await self._flush()
+            except Exception as exc:  # noqa: BLE001 - Redis unreachable for op_timeout_s: the next flush carries it
+                log.warning("%s: rollout counters not flushed: %s", self.server_id, exc)
+
+    async def _flush(self) -> None:
+        totals = self.totals()
+        deltas = {k: v - self._flushed[k] for k, v in totals.items() if v != self._flushed[k]}
+        if deltas and self.queue is not None:
+            await asyncio.to_thread(self.queue.add_rollout_stats, deltas)
+            self._flushed = totals
+
+    def _close(self) -> None:
+        if self.rewards is not None:
+            self.rewards.close()
+        if self.queue is not None:
+            self.queue.close()

@@ -1,0 +1,78 @@
+"""Rollout workers hosted in their server's Ray actor, writing straight to a real redis-server.
+
+The servers are :class:`FakeServer` actors (a fixed token rate, no vLLM: this tests the data
+path and the ticket ownership, not generation); the pool, hosts, workers, reward pools,
+Redis and Ray are the real ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+import ray
+
+from async_rl.config import RewardConfig
+from async_rl.data.prompts import PromptRow
+from async_rl.launch.ray_cluster import init_ray
+from async_rl.queue import EmbeddedRedis, ReplayQueue
+from async_rl.rollout.fake_engine import FakeServer
+from async_rl.rollout.host import WorkerHostSpec
+from async_rl.rollout.pool import ServerPool, ServerSpec
+from async_rl.rollout.server import Sampling
+from async_rl.rollout.worker import WorkerSettings
+
+RUN = "host-test"
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    init_ray(num_cpus=2)
+    yield
+    ray.shutdown()
+
+
+def _spec(url: str, workers: int = 1) -> WorkerHostSpec:
+    settings = WorkerSettings(run_id=RUN, server_id="", n=2, sampling=Sampling(max_tokens=8), batch_size=10_000,
+                              max_staleness=0, max_inflight=8, shuffle=False)
+    return WorkerHostSpec(url, RUN, max_depth=100_000, op_timeout_s=10.0, settings=settings, workers=workers,
+                          reward=RewardConfig(function="exact_match", num_workers=1), max_response_length=8, stats_period_s=0.2)
+
+
+def test_a_killed_host_loses_no_prompt_and_its_replacement_goes_on(ray_local, tmp_path):
+    rows = [PromptRow(i + 1, f"question {i}", str(i % 10)) for i in range(10_000)]
+    with EmbeddedRedis(tmp_path / "redis") as url, ReplayQueue(url, RUN, max_depth=100_000) as queue:
+        pool = ServerPool(ServerSpec({"tokens_per_s": 2000.0}, num_cpus=0, server_cls=FakeServer), 2,
+                          workers=_spec(url), rows=ray.put(rows), on_lost=queue.release_owner)
+
+        async def go() -> list[dict[str, float]]:
+            await pool.start()
+            while queue.stats()["depth"] < 20:
+                await asyncio.sleep(0.1)
+            victim = (await pool.handle(0).health.remote()).pid
+            os.kill(victim, signal.SIGKILL)
+            while not await pool.heal(version=0, max_lag_s=60.0):
+                await asyncio.sleep(0.2)
+            assert (await pool.handle(0).health.remote()).pid != victim
+            put = queue.stats()["depth"]
+            while queue.stats()["depth"] < put + 20:  # the replacement and the survivor go on
+                await asyncio.sleep(0.1)
+            totals = await pool.stop_workers(grace_s=5.0)
+            await pool.shutdown()
+            return totals
+
+        totals = asyncio.run(go())
+        stats = queue.stats()
+        queued = [g.prompt_id for _, g in queue.get(100_000, timeout=1.0)]
+        returned = [int(i) for i in queue._client.lrange(queue.keys.returned, 0, -1)]
+        assert pool.restarts == 1 and stats["inflight"] == 0
+        assert stats["groups_started"] == len(queued)
+        assert sorted(queued + returned) == list(range(stats["prompt_cursor"]))  # none skipped, none twice
+        # Counters reach Redis: the stopped hosts' final totals are all in; the killed host
+        # lost at most its last flush period.
+        rollout = queue.rollout_stats()
+        assert sum(t["groups_put"] for t in totals) > 0
+        assert sum(t["groups_put"] for t in totals) <= rollout["groups_put"] <= len(queued)
+        assert rollout["tokens_generated"] > 0 and rollout.get("reward_errors", 0.0) == 0
