@@ -171,32 +171,30 @@ def _stages(cfg, groups: int, layout) -> tuple[float, float]:
 
 
 async def _generate_alone(cfg, url: str, groups: int, cores: str | None) -> float:
-    from transformers import AutoTokenizer
+    """Seconds for the server's own rollout worker (as in a run) to put ``groups`` groups."""
+    import dataclasses
 
-    from async_rl.data.prompts import PromptFormatter, read_prompt_rows
+    import ray
+
+    from async_rl.data.prompts import read_prompt_rows
     from async_rl.queue import ReplayQueue
-    from async_rl.rewards import RewardPool, RewardScorer
     from async_rl.rollout.engine_args import engine_kwargs, openai_api_settings
+    from async_rl.rollout.host import WorkerHostSpec
     from async_rl.rollout.pool import ServerPool, ServerSpec
-    from async_rl.rollout.server import Sampling
-    from async_rl.rollout.worker import RolloutWorker, WorkerSettings
 
     r = cfg.rollout
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", **({"VLLM_CPU_OMP_THREADS_BIND": cores} if cores else {})}
     pool = ServerPool(ServerSpec(engine_kwargs(cfg), r.cpus_per_server, 0, env, openai_api=openai_api_settings(cfg)), 1)
     await pool.start()
     rows, _ = read_prompt_rows(cfg.data.train_files)
-    fmt = PromptFormatter(AutoTokenizer.from_pretrained(cfg.learner.model_path))
-    settings = WorkerSettings(
-        run_id=cfg.trainer.run_name, server_id="server-0", n=r.n,
-        sampling=Sampling(r.temperature, r.top_p, r.top_k, r.max_response_length),
-        batch_size=groups, max_staleness=0, max_inflight=r.max_inflight,
-        max_prompt_length=cfg.data.max_prompt_length, seed=cfg.data.seed,
-    )
-    with ReplayQueue(url, cfg.trainer.run_name, max_depth=groups) as queue, RewardPool(r.reward) as rewards:
-        worker = RolloutWorker(settings, queue, rows, fmt.token_ids, RewardScorer(rewards, r.reward, r.max_response_length), pool.generate_fn(0))
+    spec = WorkerHostSpec.from_config(cfg, url)
+    # admission lets exactly `groups` groups start (B = groups, eta = 0); the queue holds them all
+    spec = dataclasses.replace(spec, max_depth=groups, settings=dataclasses.replace(spec.settings, batch_size=groups, max_staleness=0))
+    with ReplayQueue(url, cfg.trainer.run_name, max_depth=groups) as queue:
         start = time.monotonic()
-        await worker.run(asyncio.Event(), max_groups=groups)
+        await pool.handle(0).start_workers.remote(spec, ray.put(rows), "server-0#0")
+        while queue.stats()["depth"] < groups:
+            await asyncio.sleep(0.05)
         elapsed = time.monotonic() - start
     await pool.shutdown()
     return elapsed

@@ -226,7 +226,11 @@ class _Run:
         learner = asyncio.create_task(self._drive_learner())
         watcher: asyncio.Task | None = None
         try:
-            await self.pool.start()  # each server's rollout workers start once it holds the current weights
+            try:  # each server's rollout workers start once it holds the current weights
+                await self.pool.start()
+            except (ray.exceptions.RayError, asyncio.TimeoutError) as exc:  # e.g. a server's node cannot reach queue.redis_url
+                self._fail(f"the inference servers did not start: {_cause(exc)}")
+                return
             started = time.monotonic()
             if self.cfg.logging.console and any(self.pool.openai_urls()):
                 self.tracker.console.print(f"OpenAI-compatible API: {' '.join(u or '-' for u in self.pool.openai_urls())} "
