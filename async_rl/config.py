@@ -331,8 +331,8 @@ class SyncConfig:
     """Publish weights every this many learner steps."""
     bucket_mb: int = 256
     """Size of one broadcast bucket in MiB (bounds the extra memory of a sync)."""
-    backend: Literal["auto", "nccl", "gloo"] = "auto"
-    """Collective backend; ``auto`` is NCCL on GPU and gloo on CPU."""
+    backend: Literal["auto", "ipc", "nccl", "gloo"] = "auto"
+    """``auto`` and ``ipc``: shared memory to the servers on learner rank 0's machine, a broadcast group (NCCL on GPU, gloo on CPU) to the others; ``nccl`` or ``gloo``: that group to every server."""
     timeout_s: float = 300.0
     """Timeout of one weight update (announcement, broadcast, acknowledgement), seconds."""
     max_lag_s: float = 600.0

@@ -9,7 +9,7 @@ alone on the same groups — generation only, then learning only — for the ove
 ``(T_gen + T_train) / max(T_gen, T_train)``: the best speedup overlapping can give.
 
     python benchmarks/async_vs_sync.py --json benchmarks/results/async_vs_sync.json \\
-        --plot benchmarks/results/async_vs_sync.png
+        --plot benchmarks/results/async_vs_sync.png [--set sync.backend=gloo ...]
 
 JSON keys: sync_wall_s, async_wall_s, speedup, overlap_limit, efficiency (= speedup /
 overlap_limit), sync_val_acc, async_val_acc, learner_busy_async, staleness_hist, plus the
@@ -41,6 +41,8 @@ def main() -> None:
     ap.add_argument("--eta", type=int, default=2, help="max_staleness of the asynchronous mode")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--plot", type=Path, default=None)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="config override for every mode, e.g. --set sync.backend=gloo (repeatable)")
     args = ap.parse_args()
 
     from async_rl.config import load_config
@@ -63,6 +65,7 @@ def main() -> None:
             "trainer.resume=off",
             "logging.wandb.enable=false",
             "logging.console=false",
+            *args.set,
         ])
 
     import shutil

@@ -11,7 +11,14 @@ from typing import Any
 
 from async_rl.config import Config
 from async_rl.learner import attention, kernels
-from async_rl.learner.memory import MemoryEstimate, budget_gb, estimate, max_fitting_tokens, resolve_gradient_checkpointing
+from async_rl.learner.memory import (
+    MemoryEstimate,
+    budget_gb,
+    estimate,
+    max_fitting_tokens,
+    resolve_gradient_checkpointing,
+    servers_gpu_share,
+)
 
 
 @dataclass
@@ -55,6 +62,14 @@ def is_hub_id(path: str) -> bool:
     return path.count("/") == 1 and not path.startswith((".", "/", "~")) and not Path(path).exists()
 
 
+def sync_backends(backend: str, gpu: bool, local: bool) -> str:
+    """What weight updates travel on (``sync.backend``), as the plan shows it."""
+    group = backend if backend in ("nccl", "gloo") else ("nccl" if gpu else "gloo")
+    if backend in ("nccl", "gloo"):
+        return group
+    return "ipc" if local else f"ipc on learner rank 0's node, {group} to the others"
+
+
 def make_plan(cfg: Config) -> Plan:
     """The plan of ``cfg`` on this machine (nothing is started)."""
     import torch
@@ -71,11 +86,11 @@ def make_plan(cfg: Config) -> Plan:
         for i in range(lrn.world_size)
     ]
     plan = Plan(
-        device="cuda" if gpu else "cpu",
+        device=("cuda" if gpu else "cpu") + (_sharing(r.num_servers, gpu) if servers_gpu_share(r, lrn) else ""),
         processes=processes,
         redis=cfg.queue.redis_url and _redact(cfg.queue.redis_url) or "embedded redis-server on 127.0.0.1 (free port, generated password, AOF)",
         ray=cfg.ray.address or f"local Ray instance ({cfg.ray.num_cpus or 'all'} CPUs)",
-        sync_backend=cfg.sync.backend if cfg.sync.backend != "auto" else ("nccl" if gpu else "gloo"),
+        sync_backend=sync_backends(cfg.sync.backend, gpu, local=cfg.ray.address is None),
         output_dir=cfg.trainer.output_dir,
         cpus_needed=sum(p.cpus for p in processes),
         gpus_needed=sum(p.gpus for p in processes),
@@ -169,9 +184,15 @@ def _check_memory(cfg: Config, plan: Plan) -> None:
         return  # an empty or missing model directory is already an error
     device_type = learner_device_type(cfg)
     reference = cfg.algorithm.loss.kl_coef > 0
+    share = servers_gpu_share(cfg.rollout, lrn) if device_type == "cuda" else 0.0
+    if share >= 1:
+        plan.errors.append(f"the inference servers on learner rank 0's GPU take all of it: {share:.0%} (rollout.vllm.gpu_memory_utilization="
+                           f"{cfg.rollout.vllm.gpu_memory_utilization:g} per server, rollout.gpus_per_server={cfg.rollout.gpus_per_server:g}, "
+                           f"learner.gpus_per_rank={lrn.gpus_per_rank:g}); lower rollout.vllm.gpu_memory_utilization")
+        return
     try:
-        budget = budget_gb(lrn, device_type)
-        checkpointing = resolve_gradient_checkpointing(lrn, model_config, device_type, reference)
+        budget = budget_gb(lrn, device_type, share)
+        checkpointing = resolve_gradient_checkpointing(lrn, model_config, device_type, reference, share)
         est = estimate(model_config, lrn, checkpointing, budget, device_type, reference)
     except ValueError as exc:
         plan.warnings.append(f"no learner memory estimate for learner.model_path={lrn.model_path!r}: {exc}")
@@ -194,6 +215,10 @@ def _does_not_fit(cfg: Config, model_config: dict[str, Any], est: MemoryEstimate
     if device_type == "cuda":
         source = ("learner.gpu_memory_gb" if lrn.gpu_memory_gb is not None
                   else "this GPU's memory" if _has_gpu() else "assumed for a GPU not on this machine; set learner.gpu_memory_gb")
+        share = servers_gpu_share(cfg.rollout, lrn)
+        if share:
+            source += (f", less {share:.0%} for the inference server(s) on the same GPU "
+                       f"(rollout.vllm.gpu_memory_utilization={cfg.rollout.vllm.gpu_memory_utilization:g})")
     else:
         source = f"this machine's memory / learner.world_size={lrn.world_size}"
     fit_tokens = max_fitting_tokens(model_config, lrn, est.checkpointing, budget, device_type, reference)
@@ -216,6 +241,12 @@ def _does_not_fit(cfg: Config, model_config: dict[str, Any], est: MemoryEstimate
             f"{tokens}); {ckpt}; learner.world_size={lrn.world_size} (params, grads and optimizer {sharded:.1f} GB, sharded over the ranks: "
             f"world_size={ws} gives {world:.1f} GB); learner.logprob_chunk_tokens={lrn.logprob_chunk_tokens} "
             f"(log-prob chunk {est.logprob_chunk_gb:.1f} GB; {small_chunk} gives {chunk:.1f} GB)")
+
+
+def _sharing(num_servers: int, gpu: bool) -> str:
+    """The plan's note on a layout whose inference server(s) and learner rank share a GPU."""
+    who = "inference-server-0 and learner-rank-0" if num_servers == 1 else "inference servers and learner rank 0"
+    return f" ({who} share it)" if gpu else f"; on the GPU node, {who} share one GPU"
 
 
 def _has_gpu() -> bool:

@@ -25,6 +25,7 @@ from async_rl.config import Config
 from async_rl.learner import checkpoint, collectives
 from async_rl.learner.batching import prepare, screen_group
 from async_rl.learner.model import DistInfo, init_distributed, iter_full_parameters, load_sharded
+from async_rl.learner.memory import servers_gpu_share
 from async_rl.learner.train_step import Trainer, staleness_metrics
 from async_rl.queue import Drop, ReplayQueue, Staleness
 from async_rl.records import RolloutGroup, decode, encode
@@ -94,7 +95,8 @@ class LearnerLoop:
         timeout_s = 2 * max(cfg.queue.timeout_s, cfg.sync.timeout_s)
         self.info: DistInfo = init_distributed(rank, world_size, master_addr, master_port, timeout_s)
         lrn = cfg.learner
-        policy = load_sharded(lrn.model_path, lrn, self.info.device, trainable=True, reference_model=cfg.algorithm.loss.kl_coef > 0)
+        policy = load_sharded(lrn.model_path, lrn, self.info.device, trainable=True, reference_model=cfg.algorithm.loss.kl_coef > 0,
+                              servers_share=servers_gpu_share(cfg.rollout, lrn))
         reference = load_sharded(lrn.model_path, lrn, self.info.device, trainable=False) if cfg.algorithm.loss.kl_coef > 0 else None
         self.vocab_size = int(policy.config.vocab_size)
         self.trainer = Trainer(policy, reference, lrn, cfg.algorithm, self.info, cfg.trainer.total_steps, cfg.trainer.seed,

@@ -44,7 +44,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from async_rl.config import LearnerConfig
+from async_rl.config import LearnerConfig, RolloutConfig
 
 GB = 1e9
 """Bytes per GB."""
@@ -294,26 +294,39 @@ def max_fitting_tokens(model_config: Mapping[str, Any], learner: LearnerConfig, 
     return low * 1024
 
 
-def budget_gb(learner: LearnerConfig, device_type: str) -> float:
+def servers_gpu_share(rollout: RolloutConfig, learner: LearnerConfig) -> float:
+    """Fraction of a learner rank's GPU taken by inference servers on the same device: 0
+    unless both ask for part of a GPU (``rollout.gpus_per_server`` and
+    ``learner.gpus_per_rank`` in (0, 1)), which Ray packs onto one device; then each server
+    that fits beside the rank takes ``rollout.vllm.gpu_memory_utilization`` of it."""
+    if not (0 < rollout.gpus_per_server < 1 and 0 < learner.gpus_per_rank < 1):
+        return 0.0
+    beside = min(rollout.num_servers, int((1 - learner.gpus_per_rank) / rollout.gpus_per_server + 1e-9))
+    return beside * rollout.vllm.gpu_memory_utilization
+
+
+def budget_gb(learner: LearnerConfig, device_type: str, servers_share: float = 0.0) -> float:
     """Memory one learner rank may use, in GB.
 
     GPU (``device_type == "cuda"``): ``learner.gpu_memory_gb`` if set, else the memory of this
-    machine's current GPU, else 80 (planning on a machine without one). CPU: this machine's
-    physical memory divided by ``learner.world_size`` (the ranks share it).
+    machine's current GPU, else 80 (planning on a machine without one); less the
+    ``servers_share`` (:func:`servers_gpu_share`) that inference servers on the same GPU
+    take. CPU: this machine's physical memory divided by ``learner.world_size`` (the ranks
+    share it).
     """
     if device_type != "cuda":
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GB / learner.world_size
     if learner.gpu_memory_gb is not None:
-        return float(learner.gpu_memory_gb)
-    import torch
+        device_gb = float(learner.gpu_memory_gb)
+    else:
+        import torch
 
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / GB
-    return 80.0
+        device_gb = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / GB if torch.cuda.is_available() else 80.0
+    return device_gb * max(0.0, 1.0 - servers_share)
 
 
 def resolve_gradient_checkpointing(learner: LearnerConfig, model_config: Mapping[str, Any], device_type: str,
-                                   reference_model: bool = False) -> bool:
+                                   reference_model: bool = False, servers_share: float = 0.0) -> bool:
     """Whether to checkpoint the decoder layers: ``on`` -> True, ``off`` -> False, ``auto`` ->
     True only on GPU (``device_type == "cuda"``) when the estimate without checkpointing does
     not fit :func:`budget_gb` (CPU: memory is plentiful and recomputation costs more than it saves)."""
@@ -322,4 +335,4 @@ def resolve_gradient_checkpointing(learner: LearnerConfig, model_config: Mapping
         return mode == "on"
     if device_type != "cuda":
         return False
-    return not estimate(model_config, learner, False, budget_gb(learner, device_type), device_type, reference_model).fits
+    return not estimate(model_config, learner, False, budget_gb(learner, device_type, servers_share), device_type, reference_model).fits

@@ -84,7 +84,8 @@ def compute_dtype(fsdp: FsdpConfig, device: torch.device) -> torch.dtype:
     return getattr(torch, fsdp.param_dtype)
 
 
-def load_sharded(model_path: str, learner: LearnerConfig, device: torch.device, trainable: bool, reference_model: bool = False) -> nn.Module:
+def load_sharded(model_path: str, learner: LearnerConfig, device: torch.device, trainable: bool, reference_model: bool = False,
+                 servers_share: float = 0.0) -> nn.Module:
     """Load a causal LM with float32 master weights and shard it: ``fully_shard`` per decoder
     layer, then at the root (embeddings, final norm, LM head).
 
@@ -94,14 +95,15 @@ def load_sharded(model_path: str, learner: LearnerConfig, device: torch.device, 
     frozen reference model (no gradients, eval mode). The trainable model recomputes each
     decoder layer in backward when ``learner.fsdp.gradient_checkpointing`` resolves to on
     (``auto``: the memory estimate, with a reference model beside it when
-    ``reference_model``, does not fit this GPU without it).
+    ``reference_model``, does not fit this GPU, less the ``servers_share`` of inference
+    servers on it, without it).
     """
     fsdp = learner.fsdp
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
                                                  attn_implementation=attention.choose(learner.kernels, device))
     install_logprob_head(model, learner.logprob_chunk_tokens)
     if trainable:
-        checkpointing = memory.resolve_gradient_checkpointing(learner, model.config.to_dict(), device.type, reference_model)
+        checkpointing = memory.resolve_gradient_checkpointing(learner, model.config.to_dict(), device.type, reference_model, servers_share)
         log.info("learner gradient checkpointing: %s (learner.fsdp.gradient_checkpointing=%s)", "on" if checkpointing else "off",
                  fsdp.gradient_checkpointing)
         if checkpointing:

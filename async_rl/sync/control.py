@@ -8,6 +8,8 @@ also re-registers it with a restarted sender). Sequence of one update, per serve
     server -> sender  Ready(update_id)                 (or Ready with error)
     sender -> server  Start(update_id, rendezvous, rank_offset, timeout_s)
                       ... buckets flow on the weight group ...
+                      (a server on the sender's host instead gets, once the buckets
+                      are in shared memory, Start(update_id, shm=ShmSource(...)))
     server -> sender  Ack(update_id, version, error, timings)
     sender -> server  Abort(update_id, reason)         (instead of/after Start on failure)
 
@@ -24,6 +26,7 @@ import zmq.asyncio
 
 from async_rl.sync.buckets import Bucket, TensorSpec
 from async_rl.sync.group import Rendezvous
+from async_rl.sync.ipc import ShmSource
 
 
 class ControlError(RuntimeError):
@@ -42,6 +45,8 @@ class Hello(msgspec.Struct, tag=True, frozen=True):
     """vLLM workers of this engine (TP x PP); each is one rank of the weight group."""
     version: int | None
     """Weights version the server holds; None before it received any."""
+    host: str = ""
+    """The server's :func:`~async_rl.sync.ipc.host_identity` ("": never served over shared memory)."""
 
 
 class Announce(msgspec.Struct, tag=True, frozen=True):
@@ -62,14 +67,16 @@ class Ready(msgspec.Struct, tag=True, frozen=True):
 
 
 class Start(msgspec.Struct, tag=True, frozen=True):
-    """Join the weight group and receive the announced buckets."""
+    """Receive the announced buckets: join the weight group (``rendezvous``), or map them
+    from the sender's shared memory (``shm``: they are all there already)."""
 
     update_id: int
-    rendezvous: Rendezvous
+    rendezvous: Rendezvous | None
     rank_offset: int
     """Group rank of this server's worker 0; worker i is ``rank_offset + i``."""
     timeout_s: float
     """Seconds left for the transfer, counted from receipt."""
+    shm: ShmSource | None = None
 
 
 class Abort(msgspec.Struct, tag=True, frozen=True):

@@ -26,6 +26,7 @@ from vllm.model_executor.model_loader.reload import (
 from async_rl.sync.buckets import unpack_bucket
 from async_rl.sync.control import Announce, Start, decode
 from async_rl.sync.group import Rendezvous, WeightGroup, connect_store
+from async_rl.sync.ipc import ShmReader
 
 ReceiveState = Literal["receiving", "received", "failed"]
 
@@ -50,6 +51,7 @@ class WeightReceiverExtension:
 
     _wsync_staging: _Staging | None = None
     _wsync_group: WeightGroup | None = None
+    _wsync_shm: ShmReader | None = None
 
     def wsync_worker_index(self) -> int:
         """Index of this worker inside its engine (TP x PP rank)."""
@@ -63,6 +65,19 @@ class WeightReceiverExtension:
             raise TypeError(f"expected Announce and Start, got {type(ann)}, {type(st)}")
         self._wsync_drop_staging()
         staging = _Staging(ann, time.monotonic())
+        if st.shm is not None:  # same host: the buckets are in the sender's shared memory already
+            self._wsync_staging = staging
+            try:
+                if self._wsync_shm is None:
+                    self._wsync_shm = ShmReader()
+                staging.bufs = self._wsync_shm.buckets(st.shm, ann.buckets)  # views: loaded from there, no copy
+                staging.state = "received"
+            except Exception as e:  # reported through wsync_status
+                staging.error, staging.state = f"{type(e).__name__}: {e}", "failed"
+            staging.receive_s = time.monotonic() - staging.started
+            return
+        if st.rendezvous is None:
+            raise ValueError(f"update {ann.update_id}: Start names neither a rendezvous nor shared memory")
         staging.thread = threading.Thread(
             target=self._wsync_receive,
             args=(staging, st.rendezvous, st.rank_offset + self.wsync_worker_index(), st.timeout_s),

@@ -42,6 +42,7 @@ from async_rl.sync.group import (
     host_store,
     resolve_backend,
 )
+from async_rl.sync.ipc import IpcUnavailable, ShmSource, ShmWriter, host_identity
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,7 @@ class _Server:
     """ZeroMQ routing id of the server's current connection."""
     num_workers: int
     version: int | None
+    host: str = ""
 
 
 @dataclass
@@ -119,6 +121,8 @@ class PendingSend:
     """Servers (ZeroMQ peer -> id) whose acknowledgement has not arrived yet."""
     settled_at: float | None = None
     """``time.monotonic()`` when the last acknowledgement arrived (or the deadline passed)."""
+    via_shm: frozenset[str] = frozenset()
+    """Servers that read this update from the sender's shared memory."""
 
     @property
     def acknowledged(self) -> bool:
@@ -127,24 +131,30 @@ class PendingSend:
 
 
 def stream_buckets(
-    group: WeightGroup,
+    group: WeightGroup | None,
     named_tensors: Iterable[tuple[str, torch.Tensor]],
     specs: Sequence[TensorSpec],
     buckets: Sequence[Bucket],
     deadline: float,
+    shm: tuple[ShmWriter, ShmSource] | None = None,
 ) -> int:
-    """Broadcast every bucket on ``group`` (as rank 0) by ``deadline`` (``time.monotonic()``);
-    returns the bytes sent.
+    """Put every bucket in shared memory (``shm``) and/or broadcast it on ``group`` (as rank
+    0) by ``deadline`` (``time.monotonic()``); returns the bytes of the update.
 
     Pipelined: bucket *i+1* is gathered and packed while bucket *i* is on the wire, into
-    one of two staging buffers (a one-tensor bucket goes from its own memory, unstaged).
-    Every tensor of a bucket stays referenced until its broadcast finished.
+    one of two staging buffers (a one-tensor bucket goes from its own memory, unstaged; a
+    CPU group broadcasts the shared-memory copy). Every tensor of a bucket stays
+    referenced until its broadcast finished.
     """
     staging: list[torch.Tensor | None] = [None, None]
     previous: tuple[dist.Work, torch.Tensor, list[torch.Tensor]] | None = None  # work, its bytes, their tensors
     nbytes = 0
     for i, (bucket, tensors) in enumerate(iter_bucket_tensors(named_tensors, specs, buckets)):
-        data = bucket_in_place(bucket, specs, tensors, group.device)
+        nbytes += bucket.nbytes
+        shared = None if shm is None else pack_bucket(bucket, specs, tensors, shm[0].bucket(shm[1], i, bucket.nbytes))
+        if group is None:
+            continue
+        data = shared if shared is not None and group.device.type == "cpu" else bucket_in_place(bucket, specs, tensors, group.device)
         if data is None:  # slot i % 2 was last used by broadcast i - 2, finished below at i - 1
             buf = staging[i % 2]
             if buf is None or buf.numel() < bucket.nbytes:
@@ -154,8 +164,7 @@ def stream_buckets(
         if previous is not None:
             group.wait(previous[0], deadline - time.monotonic())
         previous = (work, data, tensors)
-        nbytes += bucket.nbytes
-    if previous is not None:
+    if previous is not None and group is not None:
         group.wait(previous[0], deadline - time.monotonic())
     return nbytes
 
@@ -169,7 +178,7 @@ class WeightSender:
         host: str = "127.0.0.1",
         port: int = 0,
         bucket_mb: int = 256,
-        backend: Literal["auto", "nccl", "gloo"] = "auto",
+        backend: Literal["auto", "ipc", "nccl", "gloo"] = "auto",
         timeout_s: float = 300.0,
         control_timeout_s: float = 10.0,
     ):
@@ -179,16 +188,24 @@ class WeightSender:
             port: control socket port (0: any free port; see :attr:`address`).
             bucket_mb: bucket size in MiB; bounds the sender's and each server's extra
                 device memory to one bucket (servers stage received buckets on CPU).
-            backend: ``auto`` (NCCL when this process sees a GPU, else gloo).
+            backend: ``auto`` or ``ipc``: servers on this machine read each update from
+                shared memory (:mod:`async_rl.sync.ipc`), the others get it on a broadcast
+                group (NCCL when this process sees a GPU, else gloo); ``nccl`` or ``gloo``:
+                that group for every server.
             timeout_s: bound of one update from Announce to the end of the broadcast;
                 acknowledgements get ``control_timeout_s`` more (the load).
             control_timeout_s: bound of one control round trip (Ready, a send).
         """
         self.bucket_bytes = bucket_mb * 2**20
-        self.backend = resolve_backend(backend)
+        self.backend = resolve_backend("auto" if backend == "ipc" else backend)
+        """The broadcast group's backend (servers not served over shared memory)."""
+        self._shm = ShmWriter() if backend in ("auto", "ipc") else None
+        self._host = host_identity()
+        self._no_shm: set[str] = set()
+        """Servers on this host that could not map the shared memory: they get the group."""
         self.timeout_s = timeout_s
         self.control_timeout_s = control_timeout_s
-        self._host = host
+        self._bind_host = host
         self._channel = SenderChannel(host, port)
         self._store = host_store(host, timeout_s)
         self._servers: dict[str, _Server] = {}
@@ -297,14 +314,22 @@ class WeightSender:
         announce = Announce(uid, version, tuple(specs), tuple(buckets))
 
         ready = self._ready(announce, targets, reports, min(deadline, t0 + self.control_timeout_s))
-        members = tuple((sid, s.peer, s.num_workers) for sid, s in ready.items())
-        if not members:
+        if not ready:
             return self._done(version, uid, t0, 0.0, 0.0, 0.0, 0, reports)
-        if members != self._members or self._group is None:
+        local = {sid: s for sid, s in ready.items() if self._shm is not None and s.host == self._host and sid not in self._no_shm}
+        source = None
+        if local:
+            try:
+                source = self._shm.prepare(buckets)  # type: ignore[union-attr]
+            except IpcUnavailable as e:
+                log.warning("weight sync: shared memory unusable (%s); this update goes over the %s group", e, self.backend)
+                local = {}
+        members = tuple((sid, s.peer, s.num_workers) for sid, s in ready.items() if sid not in local)
+        if members and (members != self._members or self._group is None):
             self._drop_group()
             self._epoch += 1
         world = 1 + sum(n for _, _, n in members)
-        rv = Rendezvous(self._host, self._store.port, self._epoch, world, self.backend)
+        rv = Rendezvous(self._bind_host, self._store.port, self._epoch, world, self.backend)
         offset = 1
         for sid, peer, n in members:
             start = Start(uid, rv, offset, max(0.0, deadline - time.monotonic()))
@@ -321,11 +346,12 @@ class WeightSender:
         group_s = 0.0
         nbytes = 0
         try:
-            if self._group is None:
+            if members and self._group is None:
                 self._group = WeightGroup.join(rv, 0, self._store, deadline - time.monotonic())
                 self._members = members
                 group_s = self._group.create_s
-            nbytes = stream_buckets(self._group, named_tensors, specs, buckets, deadline)
+            shm = None if source is None else (self._shm, source)
+            nbytes = stream_buckets(self._group if members else None, named_tensors, specs, buckets, deadline, shm)  # type: ignore[arg-type]
         except GroupError as e:
             self._abort(uid, ready, f"sender: {e}")
             for sid in ready:
@@ -334,10 +360,12 @@ class WeightSender:
         except BaseException as e:
             self._abort(uid, ready, f"sender raised {type(e).__name__}: {e}")
             raise
+        for sid, s in local.items():  # only now: the buckets are all in shared memory
+            self._send_or_report(s.peer, sid, Start(uid, None, 0, max(0.0, deadline - time.monotonic()), shm=source), reports)
         transfer_s = time.monotonic() - t1
         waiting = {s.peer: sid for sid, s in ready.items() if sid not in reports}
         self._pending = PendingSend(version, uid, t0, announce_s, group_s, transfer_s, nbytes,
-                                    deadline + self.control_timeout_s, reports, waiting)
+                                    deadline + self.control_timeout_s, reports, waiting, via_shm=frozenset(local))
         return self._pending
 
     def complete(self, pending: PendingSend, wait: bool = True) -> SendResult | None:
@@ -360,8 +388,10 @@ class WeightSender:
                           max(0.0, end - done), end - pending.t0, pending.nbytes, pending.reports)
 
     def close(self) -> None:
-        """Release the group, the store and the socket."""
+        """Release the group, the shared memory, the store and the socket."""
         self._drop_group()
+        if self._shm is not None:
+            self._shm.close()
         self._channel.close()
 
     # -- internals -----------------------------------------------------------------
@@ -374,13 +404,17 @@ class WeightSender:
             sid = pending.waiting.pop(peer)
             pending.reports[sid] = ServerReport(sid, msg.error is None, msg.error, msg.fatal, msg.receive_s, msg.load_s, msg.pause_s)
             pending.settled_at = time.monotonic()
+            if sid in pending.via_shm and msg.error is not None and IpcUnavailable.__name__ in msg.error:
+                log.warning("weight sync: %s cannot map this host's shared memory (%s); it gets the %s group from now on",
+                            sid, msg.error, self.backend)
+                self._no_shm.add(sid)
             if sid in self._servers:
                 self._servers[sid].version = msg.version
         elif isinstance(msg, Hello):
             known = self._servers.get(msg.server_id)
             if known is None or known.peer != peer:
                 log.info("weight sync: server %s registered (version %s)", msg.server_id, msg.version)
-            self._servers[msg.server_id] = _Server(peer, msg.num_workers, msg.version)
+            self._servers[msg.server_id] = _Server(peer, msg.num_workers, msg.version, msg.host)
 
     def _send_or_report(
         self, peer: bytes, sid: str, msg: Message, reports: dict[str, ServerReport]
@@ -437,6 +471,8 @@ class WeightSender:
         silent = dict(pending.waiting)
         if silent:
             pending.settled_at = time.monotonic()
+            if self._shm is not None and pending.via_shm & set(silent.values()):
+                self._shm.abandon()  # a silent reader may still be reading it: the next update writes a new one
         pending.waiting.clear()
         for sid in silent.values():
             pending.reports[sid] = ServerReport(sid, False, "no Ack within the timeout")

@@ -33,6 +33,8 @@ from async_rl.sync.control import (
     encode,
 )
 
+from async_rl.sync.ipc import host_identity
+
 log = logging.getLogger(__name__)
 
 
@@ -182,7 +184,7 @@ class WeightUpdateServer:
         await self._channel.send(msg, self.control_timeout_s)
 
     async def _hello(self) -> None:
-        await self._send(Hello(self.server_id, self._num_workers, self.version))
+        await self._send(Hello(self.server_id, self._num_workers, self.version, host_identity()))
 
     async def _update(self, announce: Announce, start: Start) -> UpdateOutcome:
         uid = announce.update_id

@@ -160,6 +160,22 @@ def test_budget(monkeypatch: pytest.MonkeyPatch):
     assert memory.budget_gb(cpu, "cpu") == pytest.approx(ram / 2)
 
 
+def test_a_gpu_shared_with_an_inference_server_leaves_the_learner_the_rest():
+    one_gpu = load_config(None, ["rollout.gpus_per_server=0.5", "learner.gpus_per_rank=0.5", "rollout.vllm.gpu_memory_utilization=0.35",
+                                 "learner.gpu_memory_gb=80"])
+    share = memory.servers_gpu_share(one_gpu.rollout, one_gpu.learner)
+    assert share == pytest.approx(0.35)
+    assert memory.budget_gb(one_gpu.learner, "cuda", share) == pytest.approx(52.0)
+    two = load_config(None, ["rollout.num_servers=2", "rollout.gpus_per_server=0.25", "learner.gpus_per_rank=0.5"])
+    assert memory.servers_gpu_share(two.rollout, two.learner) == pytest.approx(2 * two.rollout.vllm.gpu_memory_utilization)
+    own = load_config(None, ["rollout.gpus_per_server=1", "learner.gpus_per_rank=1"])
+    assert memory.servers_gpu_share(own.rollout, own.learner) == 0.0
+    # 0.5B at 16k tokens needs about 40 GB without checkpointing: 60 GB hold it, 60 GB less vLLM's 35 % do not
+    lrn = dataclasses.replace(one_gpu.learner, max_tokens_per_microbatch=16384, gpu_memory_gb=60.0)
+    assert memory.resolve_gradient_checkpointing(lrn, QWEN25_05B, "cuda") is False
+    assert memory.resolve_gradient_checkpointing(lrn, QWEN25_05B, "cuda", servers_share=share) is True
+
+
 def test_max_fitting_tokens():
     lrn = _learner("learner.fsdp.gradient_checkpointing=off")
     best = memory.max_fitting_tokens(QWEN25_15B, lrn, False, 40.0)

@@ -206,3 +206,70 @@ def test_begin_returns_after_the_broadcast_and_complete_collects_the_ack(rig: Ri
     assert result.total_s >= result.transfer_s and rig.sender.servers == {"s0": 5}
     assert rig.sender.complete(pending, wait=False) == result  # settled: the same outcome again
     assert_serves(rig.llm, reference(model))
+
+
+@pytest.fixture
+def ipc_rig(rig: Rig) -> Iterator[Rig]:
+    """The same engine behind a sender in ``ipc`` mode (shared memory: it is on this host)."""
+    ipc = Rig.__new__(Rig)
+    ipc.llm, ipc.loop = rig.llm, rig.loop
+    ipc.sender = WeightSender(bucket_mb=1, backend="ipc", timeout_s=TIMEOUT_S, control_timeout_s=5.0)
+    ipc.server = WeightUpdateServer(rig.llm, ipc.sender.address, "s0", version=None, heartbeat_s=0.5)
+    rig.loop.run_until_complete(ipc.server.start())
+    ipc.sender.wait_for_servers(1, timeout_s=10.0)
+    yield ipc
+    ipc.server.close()
+    ipc.sender.close()
+
+
+def test_ipc_update_serves_the_new_weights_from_shared_memory(ipc_rig: Rig):
+    for seed, version in ((6, 1), (7, 2)):  # the second update reuses the segment
+        model = tiny_qwen2(seed=seed)
+        state = model.state_dict()
+        result, outcome = ipc_rig.update(state.items(), version, tensor_specs(state.items()))
+        assert result.ok, result.failed
+        assert outcome is not None and outcome.ok and outcome.version == version
+        assert result.group_s == 0 and ipc_rig.sender._group is None  # no process group at all
+        assert result.bytes >= sum(t.nbytes for t in state.values())
+        assert_serves(ipc_rig.llm, reference(model))
+
+
+def test_a_restarted_server_is_caught_up_over_ipc(ipc_rig: Rig):
+    state = tiny_qwen2(seed=8).state_dict()
+    specs = tensor_specs(state.items())
+    result, _ = ipc_rig.update(state.items(), 1, specs)
+    assert result.ok, result.failed
+    ipc_rig.server.close()  # the server process is replaced: a new connection, no version
+    ipc_rig.server = WeightUpdateServer(ipc_rig.llm, ipc_rig.sender.address, "s0", version=None, heartbeat_s=0.5)
+    ipc_rig.loop.run_until_complete(ipc_rig.server.start())
+    deadline = time.monotonic() + 10
+    while ipc_rig.sender.behind(1) != ["s0"]:
+        assert time.monotonic() < deadline, ipc_rig.sender.servers
+        time.sleep(0.05)
+    newer = tiny_qwen2(seed=9)
+    state = newer.state_dict()
+    result, outcome = ipc_rig.update(state.items(), 1, specs)
+    assert result.ok and outcome is not None and outcome.version == 1 and ipc_rig.sender.behind(1) == []
+    assert_serves(ipc_rig.llm, reference(newer))
+
+
+def test_a_server_that_cannot_map_the_segment_falls_back_to_the_group(ipc_rig: Rig, monkeypatch):
+    """Shared memory the server cannot open (a container with its own /dev/shm): that
+    update fails on the server, which gets the broadcast group from the next one on."""
+    from async_rl.sync.ipc import ShmSource, ShmWriter
+
+    real_prepare = ShmWriter.prepare
+
+    def elsewhere(self, buckets):  # the packs go to the real segment; the server is told of another
+        real = real_prepare(self, buckets)
+        return ShmSource("asyncrl-not-visible-there", real.offsets, real.nbytes)
+
+    monkeypatch.setattr(ShmWriter, "prepare", elsewhere)
+    model = tiny_qwen2(seed=10)
+    state = model.state_dict()
+    result, outcome = ipc_rig.update(state.items(), 3, tensor_specs(state.items()))
+    assert not result.ok and "IpcUnavailable" in result.failed["s0"]
+    assert outcome is not None and not outcome.fatal  # nothing was loaded: the old weights serve
+    result, outcome = ipc_rig.update(state.items(), 3, tensor_specs(state.items()))
+    assert result.ok and result.group_s > 0, result  # over a gloo group this time
+    assert_serves(ipc_rig.llm, reference(model))
