@@ -8,9 +8,11 @@ from typing import Any
 
 
 def report(result: dict[str, Any], json_path: Path | None) -> None:
-    """Print ``result`` as a two-column table; write it as JSON to ``json_path`` if given."""
-    width = max(map(len, result))
-    for key, value in result.items():
+    """Print the scalar entries of ``result`` as a two-column table; write all of it as JSON
+    to ``json_path`` if given (lists and mappings, e.g. per-round figures, only go there)."""
+    scalars = {k: v for k, v in result.items() if not isinstance(v, (list, dict))}
+    width = max(map(len, scalars))
+    for key, value in scalars.items():
         print(f"{key:<{width}}  {value:.4g}" if isinstance(value, float) else f"{key:<{width}}  {value}")
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)

@@ -240,12 +240,7 @@ def main() -> int:
         print(f"{p['servers']:>8} {p['groups_per_s']:>10.1f} {p['efficiency']:>10.2f} {p['driver_cpu_ms_per_group']:>16.3f} "
               f"{p['redis_cpu_ms_per_group']:>15.3f} {p['redis_limit_groups_per_s']:>14.0f}")
     print()
-    report({k: v for k, v in result.items() if not isinstance(v, list)}, None)
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        import json
-
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    report(result, args.json)
     return 0 if ok else 1
 
 

@@ -116,12 +116,7 @@ def main() -> int:
           and result["ipc_pause_s"] <= PAUSE_TARGET * result["gloo_pause_s"])  # type: ignore[operator]
     result["targets_met"] = ok
     result["runs"] = runs
-    report({k: v for k, v in result.items() if k != "runs"}, None)
-    if args.json is not None:
-        import json
-
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    report(result, args.json)
     return 0 if ok else 1
 
 

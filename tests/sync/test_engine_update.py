@@ -86,6 +86,17 @@ class Rig:
         loop.run_until_complete(self.server.start())
         self.sender.wait_for_servers(1, timeout_s=10.0)
 
+    def restart_server(self, behind_of: int) -> None:
+        """Replace the server (a new connection, no version) and wait until the sender sees it
+        behind version ``behind_of``."""
+        self.server.close()
+        self.server = WeightUpdateServer(self.llm, self.sender.address, "s0", version=None, heartbeat_s=0.5)
+        self.loop.run_until_complete(self.server.start())
+        deadline = time.monotonic() + 10
+        while self.sender.behind(behind_of) != ["s0"]:
+            assert time.monotonic() < deadline, self.sender.servers
+            time.sleep(0.05)
+
     def update(self, named, version: int, specs) -> tuple[SendResult, UpdateOutcome | None]:
         with ThreadPoolExecutor(1) as pool:
             fut = pool.submit(self.sender.send, named, version, specs=specs)
@@ -169,13 +180,7 @@ def test_restarted_server_rejoins_and_gets_current_weights(rig: Rig):
     specs = tensor_specs(state.items())
     if rig.server.version != 3:
         rig.update(state.items(), 3, specs)
-    rig.server.close()
-    rig.server = WeightUpdateServer(rig.llm, rig.sender.address, "s0", version=None, heartbeat_s=0.5)
-    rig.loop.run_until_complete(rig.server.start())
-    deadline = time.monotonic() + 10
-    while rig.sender.behind(3) != ["s0"]:
-        assert time.monotonic() < deadline, rig.sender.servers
-        time.sleep(0.05)
+    rig.restart_server(behind_of=3)
     with ThreadPoolExecutor(1) as pool:
         fut = pool.submit(rig.sender.send, state.items(), 3, specs=specs, servers=rig.sender.behind(3))
         outcome = rig.loop.run_until_complete(rig.server.serve_one(TIMEOUT_S + 10))
@@ -239,13 +244,7 @@ def test_a_restarted_server_is_caught_up_over_ipc(ipc_rig: Rig):
     specs = tensor_specs(state.items())
     result, _ = ipc_rig.update(state.items(), 1, specs)
     assert result.ok, result.failed
-    ipc_rig.server.close()  # the server process is replaced: a new connection, no version
-    ipc_rig.server = WeightUpdateServer(ipc_rig.llm, ipc_rig.sender.address, "s0", version=None, heartbeat_s=0.5)
-    ipc_rig.loop.run_until_complete(ipc_rig.server.start())
-    deadline = time.monotonic() + 10
-    while ipc_rig.sender.behind(1) != ["s0"]:
-        assert time.monotonic() < deadline, ipc_rig.sender.servers
-        time.sleep(0.05)
+    ipc_rig.restart_server(behind_of=1)
     newer = tiny_qwen2(seed=9)
     state = newer.state_dict()
     result, outcome = ipc_rig.update(state.items(), 1, specs)
