@@ -15,6 +15,7 @@ from async_rl.data.tiny_assets import (
     N_VAL,
     WARM_START,
     TinyAssetsReport,
+    WarmStart,
     build_tiny_assets,
     weights_sha256,
 )
@@ -68,15 +69,20 @@ def test_files_and_manifest(tiny_assets: TinyAssetsReport) -> None:
 
 
 def test_same_seed_rebuilds_identical_assets(tiny_assets: TinyAssetsReport, tmp_path: Path) -> None:
+    # Two builds with a 10-step warm start (the full one takes a minute): every stage runs, and
+    # determinism of each step is determinism of the whole schedule.
+    short = WarmStart(warmup_steps=5, eval_every=10, band=(0.0, 1.0), target=0.0, max_steps=10)
     threads = torch.get_num_threads()
-    again = build_tiny_assets(tmp_path, seed=0, progress=lambda _: None)
+    first = build_tiny_assets(tmp_path / "a", seed=0, progress=lambda _: None, warm_start=short)
+    again = build_tiny_assets(tmp_path / "b", seed=0, progress=lambda _: None, warm_start=short)
     assert torch.get_num_threads() == threads  # the build restores the caller's setting
     tokenizer_json = (tiny_assets.model_dir / "tokenizer.json").read_bytes()
-    assert (again.model_dir / "tokenizer.json").read_bytes() == tokenizer_json
-    assert weights_sha256(again.model_dir) == weights_sha256(tiny_assets.model_dir)
+    assert (first.model_dir / "tokenizer.json").read_bytes() == (again.model_dir / "tokenizer.json").read_bytes() == tokenizer_json
+    assert weights_sha256(again.model_dir) == weights_sha256(first.model_dir) != weights_sha256(tiny_assets.model_dir)
     for split in ("train.jsonl", "val.jsonl"):
         assert (again.data_dir / split).read_bytes() == (tiny_assets.data_dir / split).read_bytes()
-    assert (again.base_accuracy, again.sft_steps) == (tiny_assets.base_accuracy, tiny_assets.sft_steps)
+    assert (again.base_accuracy, again.sft_steps) == (first.base_accuracy, first.sft_steps) and again.sft_steps == 10
+    assert json.loads(again.manifest_path.read_text())["warm_start"]["max_steps"] == 10
 
 
 def test_loads_in_transformers_with_chat_template(tiny_assets: TinyAssetsReport) -> None:
