@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import difflib
-import importlib.util
-from pathlib import Path
 from typing import Any, Callable
+
+from async_rl.plugins import load_from_file
 
 RewardFunction = Callable[..., Any]
 """EasyR1's interface: batch ``fn(reward_inputs, **kwargs) -> list of dicts`` (one dict with
@@ -39,18 +39,12 @@ def load_reward_function(spec: str) -> RewardFunction:
         close = difflib.get_close_matches(spec, list(_BUILTINS), n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ValueError(f"unknown reward function {spec!r}{hint}: use one of {', '.join(builtin_names())} or path/to/file.py:function")
-    file, _, name = spec.rpartition(":")
-    path = Path(file)
-    if not path.is_file():
-        raise FileNotFoundError(f"reward file {file!r} (from rollout.reward.function={spec!r}) not found")
-    module_spec = importlib.util.spec_from_file_location(f"async_rl_user_reward_{path.stem}", path)
-    if module_spec is None or module_spec.loader is None:
-        raise ImportError(f"cannot import {file!r} (from rollout.reward.function={spec!r}) as a Python module")
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    fn = getattr(module, name, None)
+    try:
+        fn = load_from_file(spec, "rollout.reward.function", "reward")
+    except AttributeError as exc:
+        raise ValueError(str(exc)) from None
     if not callable(fn):
-        raise ValueError(f"{file} has no function {name!r} (from rollout.reward.function={spec!r})")
+        raise ValueError(f"{spec!r} is not a function (from rollout.reward.function)")
     return fn
 
 

@@ -50,7 +50,7 @@ def test_load_from_file(tmp_path):
     path.write_text("def compute_score(items):\n    return [{'overall': float(len(i['response'])), 'len': 1.0} for i in items]\n")
     fn = load_reward_function(f"{path}:compute_score")
     assert fn(_inputs(("abc", "")))[0]["overall"] == 3.0
-    with pytest.raises(ValueError, match="no function 'nope'"):
+    with pytest.raises(ValueError, match="has no 'nope'"):
         load_reward_function(f"{path}:nope")
     with pytest.raises(FileNotFoundError, match="not found"):
         load_reward_function(f"{tmp_path / 'missing.py'}:f")

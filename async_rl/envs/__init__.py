@@ -1,0 +1,21 @@
+"""Multi-turn environments: the interface users bring (:class:`BaseEnvironment`,
+:class:`EnvironmentConfig`), the episode record (:class:`Trajectory`), the registry
+(``rollout.env.name``) and the episode runner with its failure isolation."""
+
+from async_rl.envs.base import BaseEnvironment, EnvironmentConfig, Trajectory
+from async_rl.envs.registry import builtin_names, load_environment, make_environment, register
+from async_rl.envs.runner import EnvError, EnvTimeout, call_env, run_episode
+
+__all__ = [
+    "BaseEnvironment",
+    "EnvError",
+    "EnvTimeout",
+    "EnvironmentConfig",
+    "Trajectory",
+    "builtin_names",
+    "call_env",
+    "load_environment",
+    "make_environment",
+    "register",
+    "run_episode",
+]
