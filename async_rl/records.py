@@ -23,6 +23,7 @@ from typing import Any
 import msgspec
 
 __all__ = [
+    "MaskSpan",
     "RecordDecodeError",
     "RolloutGroup",
     "Sample",
@@ -80,14 +81,23 @@ class VersionSpan(msgspec.Struct, array_like=True, frozen=True):
     count: int
 
 
-def _run_lengths(versions: Sequence[int]) -> list[VersionSpan]:
-    spans: list[VersionSpan] = []
+class MaskSpan(msgspec.Struct, array_like=True, frozen=True):
+    """``count`` consecutive response tokens that are trained (``trained``: the model's own)
+    or not (the chat template's and the environment's tokens of a multi-turn episode)."""
+
+    trained: bool
+    count: int
+
+
+def _run_lengths(values: Sequence[int]) -> list[tuple[int, int]]:
+    """``(value, count)`` of each run of equal consecutive values."""
+    runs: list[tuple[int, int]] = []
     start = 0
-    for i in range(1, len(versions) + 1):
-        if i == len(versions) or versions[i] != versions[start]:
-            spans.append(VersionSpan(versions[start], i - start))
+    for i in range(1, len(values) + 1):
+        if i == len(values) or values[i] != values[start]:
+            runs.append((values[start], i - start))
             start = i
-    return spans
+    return runs
 
 
 class Sample(msgspec.Struct, frozen=True):
@@ -97,7 +107,10 @@ class Sample(msgspec.Struct, frozen=True):
     token under the generating policy, natural log) are packed little-endian bytes of the
     same length. ``version_spans`` run-length encodes the policy version of each token
     (a generation can straddle a weight update). ``error`` is set when the reward failed;
-    ``reward`` is then meaningless.
+    ``reward`` is then meaningless. ``mask_spans`` run-length encodes which tokens are
+    trained; empty (single-turn) means all of them. A multi-turn episode's response holds
+    the model's turns (trained) and the template's and environment's tokens between them
+    (not trained; log-prob 0, the version of the turn before).
     """
 
     token_ids: bytes
@@ -107,6 +120,7 @@ class Sample(msgspec.Struct, frozen=True):
     reward_components: dict[str, float] = {}
     finish_reason: str = "stop"
     error: str | None = None
+    mask_spans: list[MaskSpan] = []
 
     def __post_init__(self) -> None:
         # Runs on decode too, so a malformed record is rejected at the boundary.
@@ -118,6 +132,8 @@ class Sample(msgspec.Struct, frozen=True):
             raise ValueError("version spans need count > 0 and version >= 0")
         if sum(s.count for s in self.version_spans) != self.num_tokens:
             raise ValueError("version spans must cover every response token exactly")
+        if self.mask_spans and (any(s.count <= 0 for s in self.mask_spans) or sum(s.count for s in self.mask_spans) != self.num_tokens):
+            raise ValueError("mask spans need count > 0 and must cover every response token exactly")
 
     @classmethod
     def from_lists(
@@ -129,12 +145,15 @@ class Sample(msgspec.Struct, frozen=True):
         reward_components: dict[str, float] | None = None,
         finish_reason: str = "stop",
         error: str | None = None,
+        mask: Sequence[int] | None = None,
     ) -> Sample:
-        """Build from Python sequences; ``versions`` is per token, or one int for all."""
+        """Build from Python sequences; ``versions`` is per token, or one int for all;
+        ``mask`` (1: trained) per token, None for all trained."""
         if isinstance(versions, int):
             spans = [VersionSpan(versions, len(token_ids))] if token_ids else []
         else:
-            spans = _run_lengths(versions)
+            spans = [VersionSpan(v, n) for v, n in _run_lengths(versions)]
+        masks = [] if mask is None or all(mask) else [MaskSpan(bool(v), n) for v, n in _run_lengths([int(bool(m)) for m in mask])]
         return cls(
             token_ids=pack_i32(token_ids),
             logprobs=pack_f32(logprobs),
@@ -143,6 +162,7 @@ class Sample(msgspec.Struct, frozen=True):
             reward_components=dict(reward_components or {}),
             finish_reason=finish_reason,
             error=error,
+            mask_spans=masks,
         )
 
     @property
@@ -157,6 +177,12 @@ class Sample(msgspec.Struct, frozen=True):
     def logprob_array(self) -> array.array[float]:
         """Behaviour log-probabilities as ``array.array('f')``."""
         return unpack_f32(self.logprobs)
+
+    def token_mask(self) -> list[int]:
+        """1 for each trained response token, 0 for the others (spans expanded)."""
+        if not self.mask_spans:
+            return [1] * self.num_tokens
+        return [int(s.trained) for s in self.mask_spans for _ in range(s.count)]
 
     def token_versions(self) -> list[int]:
         """Policy version of each response token (spans expanded)."""

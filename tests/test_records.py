@@ -67,6 +67,17 @@ def test_round_trip_keeps_every_field() -> None:
     assert second.finish_reason == "length" and second.error == "reward timed out"
 
 
+def test_mask_spans_round_trip_and_default_to_all_trained() -> None:
+    masked = Sample.from_lists([1, 2, 3, 4, 5], [-1.0, 0.0, 0.0, -1.0, -1.0], 2, 1.0, mask=[1, 0, 0, 1, 1])
+    assert masked.token_mask() == [1, 0, 0, 1, 1] and len(masked.mask_spans) == 3
+    group = RolloutGroup.from_lists("r", "g", 0, [1], [masked, Sample.from_lists([6], [-0.5], 2, 0.0, mask=[1])], "s", 0.0)
+    back = decode(encode(group))
+    assert back.samples[0].token_mask() == [1, 0, 0, 1, 1]
+    assert back.samples[1].mask_spans == [] and back.samples[1].token_mask() == [1]  # all trained: nothing stored
+    with pytest.raises(ValueError, match="mask spans"):
+        Sample(masked.token_ids, masked.logprobs, masked.version_spans, 1.0, mask_spans=masked.mask_spans[:1])
+
+
 def test_behaviour_version_is_min_token_version() -> None:
     assert _group().behaviour_version == 3
 

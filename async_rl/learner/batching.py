@@ -15,6 +15,7 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -32,7 +33,8 @@ class Batch:
     ``input_ids`` and ``attention_mask`` are ``[N, L]`` int64 (prompt then response, right
     padding with token 0 and mask 0). ``response_positions`` ``[N, T]`` int64 is the index in
     ``input_ids`` of each response token (0 on padding); ``response_mask`` ``[N, T]`` float32
-    is 1 on response tokens. ``behav_logp`` ``[N, T]`` float32 is the sampler's log-probability
+    is 1 on trained response tokens (0 on padding, and on the template's and environment's
+    tokens inside a multi-turn response). ``behav_logp`` ``[N, T]`` float32 is the sampler's log-probability
     (natural log) and ``token_versions`` ``[N, T]`` int64 the policy version of each token
     (-1 on padding). ``rewards`` ``[N]`` float32, ``group_index`` ``[N]`` int64 (position of the
     sample's group in the step's list), ``behaviour_version`` ``[N]`` int64 (min token version),
@@ -86,7 +88,7 @@ def prepare(groups: Sequence[RolloutGroup], max_tokens: int, vocab_size: int | N
     one NaN reaches every parameter. Counts are in samples.
     """
     dropped: Counter[str] = Counter()
-    rows: list[tuple[list[int], list[int], list[float], list[int], float, int]] = []
+    rows: list[_Row] = []
     groups_used = 0
     for group in groups:
         prompt = list(group.prompt_array())
@@ -97,11 +99,11 @@ def prepare(groups: Sequence[RolloutGroup], max_tokens: int, vocab_size: int | N
         kept = 0
         for sample in group.samples:
             tokens = list(sample.token_array())
-            problem = _sample_problem(len(prompt), tokens, max_tokens, vocab_size)
+            problem = _sample_problem(len(prompt), tokens, max_tokens, vocab_size, any(sample.token_mask()))
             if problem is not None:
                 dropped[problem] += 1
                 continue
-            rows.append((prompt, tokens, list(sample.logprob_array()), sample.token_versions(), sample.reward, groups_used))
+            rows.append(_Row(prompt, tokens, list(sample.logprob_array()), sample.token_versions(), sample.token_mask(), sample.reward, groups_used))
             kept += 1
         groups_used += kept > 0
     if not rows:
@@ -130,7 +132,7 @@ def screen_group(group: RolloutGroup, max_tokens: int, vocab_size: int) -> tuple
     if reason is not None:
         error = next((s.error for s in group.samples if s.error is not None), None)
         return reason, error or f"a sample has a {reason.replace('_', ' ')}", False
-    problems = [_sample_problem(len(prompt), list(s.token_array()), max_tokens, vocab_size) for s in group.samples]
+    problems = [_sample_problem(len(prompt), list(s.token_array()), max_tokens, vocab_size, any(s.token_mask())) for s in group.samples]
     if all(problems):
         return str(problems[0]), "no sample is trainable", False
     return None
@@ -154,8 +156,10 @@ def _group_problem(group: RolloutGroup) -> str | None:
     return None
 
 
-def _sample_problem(prompt_len: int, tokens: list[int], max_tokens: int, vocab_size: int | None) -> str | None:
-    if not tokens:
+def _sample_problem(prompt_len: int, tokens: list[int], max_tokens: int, vocab_size: int | None, trained: bool = True) -> str | None:
+    """Why a sample cannot be trained, or None; ``trained``: it has a token to train (a
+    multi-turn episode whose environment failed before the model's first turn has none)."""
+    if not tokens or not trained:
         return "empty_response"
     if _out_of_vocab(tokens, vocab_size) is not None:
         return "bad_token"
@@ -164,24 +168,37 @@ def _sample_problem(prompt_len: int, tokens: list[int], max_tokens: int, vocab_s
     return None
 
 
-def _pad(rows: list[tuple[list[int], list[int], list[float], list[int], float, int]]) -> Batch:
+class _Row(NamedTuple):
+    """One kept sample, as :func:`_pad` lays it out."""
+
+    prompt: list[int]
+    tokens: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    mask: list[int]
+    """1: a trained token; 0: a multi-turn episode's template or environment token."""
+    reward: float
+    group: int
+
+
+def _pad(rows: list[_Row]) -> Batch:
     n = len(rows)
-    width = max(len(p) + len(r) for p, r, *_ in rows)
-    resp = max(len(r) for _, r, *_ in rows)
+    width = max(len(row.prompt) + len(row.tokens) for row in rows)
+    resp = max(len(row.tokens) for row in rows)
     input_ids = torch.zeros(n, width, dtype=torch.long)
     attention_mask = torch.zeros(n, width, dtype=torch.long)
     positions = torch.zeros(n, resp, dtype=torch.long)
     response_mask = torch.zeros(n, resp)
     behav_logp = torch.zeros(n, resp)
     versions = torch.full((n, resp), -1, dtype=torch.long)
-    for i, (prompt, tokens, logp, token_versions, _, _) in enumerate(rows):
-        p, r = len(prompt), len(tokens)
-        input_ids[i, : p + r] = torch.tensor(prompt + tokens, dtype=torch.long)
+    for i, row in enumerate(rows):
+        p, r = len(row.prompt), len(row.tokens)
+        input_ids[i, : p + r] = torch.tensor(row.prompt + row.tokens, dtype=torch.long)
         attention_mask[i, : p + r] = 1
         positions[i, :r] = torch.arange(p, p + r)
-        response_mask[i, :r] = 1
-        behav_logp[i, :r] = torch.tensor(logp)
-        versions[i, :r] = torch.tensor(token_versions)
+        response_mask[i, :r] = torch.tensor(row.mask, dtype=response_mask.dtype)
+        behav_logp[i, :r] = torch.tensor(row.logprobs)
+        versions[i, :r] = torch.tensor(row.versions)
     return Batch(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -189,9 +206,11 @@ def _pad(rows: list[tuple[list[int], list[int], list[float], list[int], float, i
         response_mask=response_mask,
         behav_logp=behav_logp,
         token_versions=versions,
-        rewards=torch.tensor([row[4] for row in rows], dtype=torch.float32),
-        group_index=torch.tensor([row[5] for row in rows], dtype=torch.long),
-        behaviour_version=torch.tensor([min(row[3]) for row in rows], dtype=torch.long),
+        rewards=torch.tensor([row.reward for row in rows], dtype=torch.float32),
+        group_index=torch.tensor([row.group for row in rows], dtype=torch.long),
+        # the oldest policy among the model's own tokens (template and environment tokens
+        # carry the version of the turn before them, never an older one)
+        behaviour_version=torch.tensor([min(v for v, m in zip(row.versions, row.mask) if m) for row in rows], dtype=torch.long),
         lengths=attention_mask.sum(-1),
     )
 

@@ -32,6 +32,18 @@ def test_prepare_pads_and_aligns_response_tensors() -> None:
     assert picked.input_ids.tolist() == [[3, 6, 6], [1, 2, 5]] and picked.group_index.tolist() == [1, 0]
 
 
+def test_a_multi_turn_response_trains_only_the_models_tokens() -> None:
+    # model turn (versions 3, 3), env/template tokens (mask 0), model turn (version 5)
+    episode = Sample.from_lists([7, 8, 40, 41, 42, 9], [-0.1, -0.2, 0.0, 0.0, 0.0, -0.3], [3, 3, 3, 3, 3, 5], 1.0,
+                                mask=[1, 1, 0, 0, 0, 1])
+    no_model_tokens = Sample.from_lists([40, 41], [0.0, 0.0], 3, 0.0, mask=[0, 0])
+    group = RolloutGroup.from_lists("r", "g", 0, [1, 2], [episode, no_model_tokens], "s", 0.0)
+    prepared = prepare([group], max_tokens=16)
+    assert prepared.batch.response_mask.tolist() == [[1, 1, 0, 0, 0, 1]]
+    assert prepared.batch.behaviour_version.tolist() == [3]
+    assert prepared.dropped == {"empty_response": 1}
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_plan_covers_every_row_once_within_budget_and_balanced(world_size: int) -> None:
     rng = random.Random(world_size)
