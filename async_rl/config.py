@@ -120,6 +120,22 @@ class RewardConfig:
 
 
 @dataclass
+class EnvConfig:
+    """Multi-turn episodes against an environment (docs/environments.md) instead of single-turn prompts."""
+
+    name: Optional[str] = None
+    """Built-in environment or ``path/to/file.py:Class`` (a subclass of ``async_rl.envs.BaseEnvironment``); null: single-turn prompts scored by ``rollout.reward``."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """The environment's parameters (attributes of its ``EnvironmentConfig``)."""
+    max_turns: int = 8
+    """Model turns per episode at most; ``rollout.max_response_length`` bounds the tokens of all of them together."""
+    reward: Literal["sum", "final"] = "sum"
+    """The episode's reward: the sum of the step rewards, or the last one."""
+    step_timeout_s: float = 30.0
+    """Longest one environment call (reset, step) may take, seconds; the episode then ends with the error (its group is not trained)."""
+
+
+@dataclass
 class RolloutConfig:
     """Inference servers, rollout workers and sampling."""
 
@@ -155,6 +171,8 @@ class RolloutConfig:
     """vLLM engine arguments."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     """Reward function and reward shaping."""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """Multi-turn environment (unset: single-turn)."""
 
 
 @dataclass
@@ -639,6 +657,8 @@ def validate(cfg: Config) -> None:
     need(cfg.queue.timeout_s > 0 and cfg.sync.timeout_s > 0, f"queue.timeout_s={cfg.queue.timeout_s} and sync.timeout_s={cfg.sync.timeout_s} must be > 0")
     need(r.reward.num_workers >= 1, f"rollout.reward.num_workers={r.reward.num_workers} must be >= 1")
     need(r.reward.timeout_s > 0, f"rollout.reward.timeout_s={r.reward.timeout_s} must be > 0")
+    need(r.env.max_turns >= 1, f"rollout.env.max_turns={r.env.max_turns} must be >= 1")
+    need(r.env.step_timeout_s > 0, f"rollout.env.step_timeout_s={r.env.step_timeout_s} must be > 0")
     need(cfg.sync.max_lag_s > 0, f"sync.max_lag_s={cfg.sync.max_lag_s} must be > 0")
     need(cfg.trainer.stall_timeout_s > 0, f"trainer.stall_timeout_s={cfg.trainer.stall_timeout_s} must be > 0")
     need(alg.advantage.name != "gae", "algorithm.advantage.name='gae' needs a critic, which the learner does not train yet; use grpo, rloo, reinforce_pp, ...")

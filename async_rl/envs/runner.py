@@ -22,8 +22,9 @@ from typing import Any
 from async_rl.envs.base import BaseEnvironment, Trajectory
 
 Message = dict[str, str]
-Act = Callable[[list[Message]], Awaitable[str]]
-"""``await act(new_messages) -> reply text``: one model turn after the messages added since the last."""
+Act = Callable[[list[Message]], Awaitable["str | None"]]
+"""``await act(new_messages) -> reply text``: one model turn after the messages added since
+the last; None when the model cannot take another turn (its token budget is spent)."""
 
 ENV_THREADS = 64
 """Threads for synchronous environment calls, per process. A call that hangs past its
@@ -92,7 +93,8 @@ async def run_episode(
     step_timeout_s: float,
     row: Mapping[str, Any] | None = None,
 ) -> Trajectory:
-    """One episode of ``env`` with the model behind ``act``; at most ``max_turns`` model turns.
+    """One episode of ``env`` with the model behind ``act``; at most ``max_turns`` model turns
+    (fewer when ``act`` returns None).
 
     ``row`` (the dataset row) is passed to ``reset`` when it takes an argument. The model's
     own failures (``act`` raising) propagate: they are the caller's to retry or count.
@@ -109,8 +111,10 @@ async def run_episode(
         return trajectory
     new: list[Message] = ([{"role": "system", "content": str(prefix)}] if prefix else []) + [{"role": "user", "content": observation}]
     for _ in range(max_turns):
-        trajectory.states.append(observation)
         action = await act(new)
+        if action is None:
+            break
+        trajectory.states.append(observation)
         trajectory.actions.append(action)
         try:
             observation, reward, done, info = _step_result(await call_env(env.step, action, timeout_s=step_timeout_s))

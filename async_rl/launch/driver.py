@@ -29,6 +29,8 @@ import ray
 
 from async_rl.config import Config, save_resolved
 from async_rl.data.prompts import PromptFormatter, read_prompt_rows, write_rejected
+from async_rl.envs import load_environment
+from async_rl.envs.conversation import ChatEncoder
 from async_rl.launch.plan import make_plan
 from async_rl.launch.ray_cluster import init_ray
 from async_rl.launch.reaper import reap_on_exit
@@ -40,7 +42,9 @@ from async_rl.rewards.scoring import RewardScorer, RewardStartupError, check_rew
 from async_rl.rollout.engine_args import engine_kwargs, on_gpu, openai_api_settings
 from async_rl.rollout.host import COUNTERS, WorkerHostSpec
 from async_rl.rollout.pool import ServerPool, ServerSpec
-from async_rl.rollout.validation import ValidationResult, validate
+from async_rl.rollout.episodes import EpisodeSampler
+from async_rl.rollout.server import Sampling
+from async_rl.rollout.validation import ValidationResult, validate, validate_episodes
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +150,14 @@ class _Run:
         self.formatter = PromptFormatter(AutoTokenizer.from_pretrained(cfg.learner.model_path), cfg.data.system_prompt, cfg.data.format_prompt)
         self.rows = self._read_rows(cfg.data.train_files)
         val_rows = self._read_rows(cfg.data.val_files) if cfg.data.val_files else []
+        self.val_rows = val_rows
         self.val_prompts = [(self.formatter.token_ids(r.prompt), r.answer) for r in val_rows]
+        self.env_cls = None
+        if cfg.rollout.env.name is not None:
+            try:
+                self.env_cls = load_environment(cfg.rollout.env.name)
+            except (ValueError, ImportError, OSError, AttributeError) as exc:
+                raise StartupError(f"rollout.env.name={cfg.rollout.env.name!r}: {type(exc).__name__}: {exc}") from None
         self.rewards = stack.enter_context(RewardPool(cfg.rollout.reward))
         try:
             await check_reward_function(self._scorer(), [r.answer for r in (val_rows or self.rows)])
@@ -340,6 +351,10 @@ class _Run:
             "rollout/server_restarts": float(self.pool.restarts),
         }
         out.update({f"rollout/{name}": rollout.get(name, 0.0) for name in COUNTERS if name != "tokens_generated"})
+        if episodes := rollout.get("env_episodes", 0.0):
+            out["env/turns_mean"] = rollout.get("env_turns", 0.0) / episodes
+            out["env/errors"] = rollout.get("env_errors", 0.0)
+            out["env/success_rate"] = rollout.get("env_successes", 0.0) / episodes
         out.update({f"queue/dropped/{reason}": float(count) for reason, count in stats["dropped"].items()})
         return out
 
@@ -355,11 +370,16 @@ class _Run:
             self._validating = asyncio.create_task(self._validate(final))
 
     async def _validate(self, final: bool) -> None:
-        cfg = self.cfg
-        result = await validate(
-            self.pool.generate_fn(0)(), self.val_prompts, self._scorer(),
-            n=cfg.trainer.val_n, temperature=cfg.rollout.temperature, max_tokens=cfg.rollout.max_response_length,
-        )
+        cfg, r = self.cfg, self.cfg.rollout
+        generate = self.pool.generate_fn(0)()
+        if self.env_cls is not None:  # success rate of environment episodes
+            encoder = ChatEncoder(self.formatter.tokenizer)
+            greedy, sampled = (EpisodeSampler(self.env_cls, r.env, encoder, Sampling(temperature=t, max_tokens=r.max_response_length))
+                               for t in (0.0, r.temperature))
+            result = await validate_episodes(generate, self.val_rows, greedy, sampled, n=cfg.trainer.val_n)
+        else:
+            result = await validate(generate, self.val_prompts, self._scorer(),
+                                    n=cfg.trainer.val_n, temperature=r.temperature, max_tokens=r.max_response_length)
         self.validations.append(result)
         self.tracker.log({
             "version": float(result.version), "val/greedy_accuracy": result.greedy_accuracy, "val/mean_at_n": result.mean_at_n,

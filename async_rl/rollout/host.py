@@ -26,20 +26,25 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from async_rl.data.prompts import PromptFormatter, PromptRow
+from async_rl.envs import load_environment
+from async_rl.envs.conversation import ChatEncoder
 from async_rl.queue import ReplayQueue
 from async_rl.rewards import RewardPool, RewardScorer
+from async_rl.rollout.episodes import EpisodeCounters, EpisodeSampler
 from async_rl.rollout.server import Sampling
 from async_rl.rollout.worker import GenerateFn, RolloutWorker, WorkerCounters, WorkerSettings
 
 if TYPE_CHECKING:
-    from async_rl.config import Config, RewardConfig
+    from async_rl.config import Config, EnvConfig, RewardConfig
 
 log = logging.getLogger(__name__)
 
 STATS_PERIOD_S = 1.0
 """How often a host adds its counters to Redis, seconds (what a killed host loses at most)."""
 
-COUNTERS = tuple(f.name for f in dataclasses.fields(WorkerCounters)) + ("reward_errors", "reward_timeouts", "reward_restarts")
+EPISODE_COUNTERS = tuple(f"env_{f.name}" for f in dataclasses.fields(EpisodeCounters))
+COUNTERS = (tuple(f.name for f in dataclasses.fields(WorkerCounters)) + ("reward_errors", "reward_timeouts", "reward_restarts")
+            + EPISODE_COUNTERS)
 """Names of the counters in the run's ``rollout_stats`` hash (all cumulative)."""
 
 
@@ -66,6 +71,8 @@ class WorkerHostSpec:
     """``rollout.max_response_length`` in tokens (DAPO's overlong penalty)."""
     system_prompt: str | None = None
     format_prompt: str | None = None
+    env: EnvConfig | None = None
+    """``rollout.env`` when it names an environment: the samples are its episodes."""
     stats_period_s: float = STATS_PERIOD_S
 
     @classmethod
@@ -81,7 +88,8 @@ class WorkerHostSpec:
             shuffle=cfg.data.shuffle, seed=cfg.data.seed, put_timeout_s=cfg.queue.timeout_s,
         )
         return cls(redis_url, cfg.trainer.run_name, cfg.queue.max_depth, cfg.queue.timeout_s, settings, r.workers_per_server,
-                   r.reward, r.max_response_length, cfg.data.system_prompt, cfg.data.format_prompt)
+                   r.reward, r.max_response_length, cfg.data.system_prompt, cfg.data.format_prompt,
+                   r.env if r.env.name is not None else None)
 
 
 class WorkerHost:
@@ -117,6 +125,7 @@ class WorkerHost:
         spec = self.spec
         try:
             formatter = PromptFormatter(self.tokenizer, spec.system_prompt, spec.format_prompt)
+            env_cls = load_environment(spec.env.name) if spec.env is not None and spec.env.name else None
             self.queue = await asyncio.to_thread(ReplayQueue, spec.redis_url, spec.run_name, spec.max_depth, op_timeout_s=spec.op_timeout_s)
             self.rewards = RewardPool(spec.reward)
             self.rewards.start()
@@ -126,7 +135,8 @@ class WorkerHost:
         settings = dataclasses.replace(spec.settings, server_id=self.server_id, owner=self.owner)
         for _ in range(spec.workers):
             scorer = RewardScorer(self.rewards, spec.reward, spec.max_response_length)
-            self.workers.append(RolloutWorker(settings, self.queue, self.rows, formatter.token_ids, scorer, lambda: self.generate))
+            episodes = None if env_cls is None else EpisodeSampler(env_cls, spec.env, ChatEncoder(self.tokenizer), settings.sampling)  # type: ignore[arg-type]
+            self.workers.append(RolloutWorker(settings, self.queue, self.rows, formatter.token_ids, scorer, lambda: self.generate, episodes))
         self._tasks = [asyncio.create_task(w.run(self._stop)) for w in self.workers]
         self._flusher = asyncio.create_task(self._flush_every(spec.stats_period_s))
 
@@ -144,6 +154,9 @@ class WorkerHost:
                 out[name] += value
             out["reward_errors"] += w.scorer.counters.errors
             out["reward_timeouts"] += w.scorer.counters.timeouts
+            if w.episodes is not None:
+                for name, value in dataclasses.asdict(w.episodes.counters).items():
+                    out[f"env_{name}"] += value
         out["reward_restarts"] = float(self.rewards.restarts if self.rewards is not None else 0)
         return out
 

@@ -1,4 +1,5 @@
-"""Validation through the inference servers: greedy accuracy, mean@n and pass@n.
+"""Validation through the inference servers: greedy accuracy, mean@n and pass@n (of single
+responses scored by the reward function, or of environment episodes' success).
 
 It runs on the same servers as the rollouts (their current weights), concurrently with
 generation, and reports the policy version the servers held.
@@ -11,7 +12,9 @@ import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
+from async_rl.data.prompts import PromptRow
 from async_rl.rewards.scoring import RewardScorer, Score
+from async_rl.rollout.episodes import EpisodeSampler
 from async_rl.rollout.server import Completion, Sampling
 
 Generate = Callable[[list[int], int, Sampling], Awaitable[list[Completion]]]
@@ -65,7 +68,36 @@ async def validate(
         version = min((min(c.versions) for c in completions if c.versions), default=0)
         return _correct(scores[0]), [_correct(s) for s in scores[1:]], version
 
-    results = await asyncio.gather(*(one(p, a) for p, a in prompts))
+    return _summary(await asyncio.gather(*(one(p, a) for p, a in prompts)), n, t0)
+
+
+async def validate_episodes(
+    generate: Generate,
+    rows: list[PromptRow],
+    greedy: EpisodeSampler,
+    sampled: EpisodeSampler,
+    *,
+    n: int,
+    concurrency: int = 32,
+) -> ValidationResult:
+    """Environment episodes of the validation rows: one greedy (``greedy``'s sampling) and
+    ``n`` sampled each. An episode succeeds when it ended without an environment error and
+    ``info["success"]`` (or, without it, an episode reward of at least 1) says so."""
+    t0 = time.monotonic()
+    limit = asyncio.Semaphore(concurrency)
+
+    async def one(row: PromptRow) -> tuple[bool, list[bool], int]:
+        async with limit:
+            episodes = await asyncio.gather(greedy.episode(row, generate), *(sampled.episode(row, generate) for _ in range(n)))
+        wins = [e.trajectory.error is None and e.trajectory.success for e in episodes]
+        versions = [v for e in episodes if e.tokens is not None for v, m in zip(e.tokens.versions, e.tokens.mask) if m]
+        return wins[0], wins[1:], min(versions, default=0)
+
+    return _summary(await asyncio.gather(*(one(r) for r in rows)), n, t0)
+
+
+def _summary(results: list[tuple[bool, list[bool], int]], n: int, t0: float) -> ValidationResult:
+    """Per prompt ``(greedy correct, n sampled correct, lowest version)`` -> the result."""
     count = max(len(results), 1)
     return ValidationResult(
         version=min((r[2] for r in results), default=0),

@@ -25,13 +25,16 @@ import logging
 import random
 import time
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Protocol
+from typing import TYPE_CHECKING, Awaitable, Callable, Protocol
 
 from async_rl.data.prompts import PromptRow
 from async_rl.queue import ReplayQueue, Ticket
 from async_rl.records import RolloutGroup, Sample
 from async_rl.rewards.scoring import RewardScorer
 from async_rl.rollout.server import Completion, Sampling
+
+if TYPE_CHECKING:
+    from async_rl.rollout.episodes import EpisodeSampler
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +104,8 @@ class RolloutWorker:
         scorer: reward function wrapper.
         server: returns the current ``generate`` of this worker's server; called again after a
             failure, so a restarted server is picked up.
+        episodes: with an environment (``rollout.env``), a group's samples are its episodes
+            (:mod:`async_rl.rollout.episodes`) instead of single responses to the prompt.
     """
 
     def __init__(
@@ -111,6 +116,7 @@ class RolloutWorker:
         encode: Callable[[str], list[int]],
         scorer: RewardScorer,
         server: Callable[[], GenerateFn],
+        episodes: EpisodeSampler | None = None,
     ):
         if not rows:
             raise ValueError("the rollout worker needs at least one training prompt (data.train_files has no usable rows)")
@@ -120,6 +126,7 @@ class RolloutWorker:
         self.encode = encode
         self.scorer = scorer
         self.server = server
+        self.episodes = episodes
         self.counters = WorkerCounters()
         self._orders: dict[int, list[int]] = {}
 
@@ -197,12 +204,12 @@ class RolloutWorker:
         return_prompt = True  # unless it is done: skipped or filtered
         try:
             row = self.row_for(ticket.index)
-            prompt_ids = self._prompt_ids(row)
-            if prompt_ids is None:
-                return_prompt = False
-                return
-            group = await self._generate_group(ticket.index, row, prompt_ids)
-            if group is None:  # filtered by dynamic sampling: this prompt is done
+            if self.episodes is not None:
+                group = await self._episode_group(ticket.index, row)
+            else:
+                prompt_ids = self._prompt_ids(row)
+                group = None if prompt_ids is None else await self._generate_group(ticket.index, row, prompt_ids)
+            if group is None:  # skipped (overlong), filtered (dynamic sampling) or untrainable: this prompt is done
                 return_prompt = False
                 return
             while True:  # back-pressure: the group waits (never dropped) until the learner consumes
@@ -247,6 +254,19 @@ class RolloutWorker:
             samples=samples,
             server_id=self.s.server_id,
             generation_s=time.monotonic() - t0,
+        )
+
+    async def _episode_group(self, index: int, row: PromptRow) -> RolloutGroup | None:
+        """The group of ``n`` episodes of ``row``, or None when none reached the model."""
+        t0 = time.monotonic()
+        made = await self.episodes.group(row, self.s.n, self.server())  # type: ignore[union-attr]
+        if made is None:
+            return None
+        prompt_ids, samples = made
+        self.counters.tokens_generated += sum(sum(s.token_mask()) for s in samples)
+        return RolloutGroup.from_lists(
+            run_id=self.s.run_id, group_id=f"{self.s.run_id}:{index}", prompt_id=index, prompt_token_ids=prompt_ids,
+            samples=samples, server_id=self.s.server_id, generation_s=time.monotonic() - t0,
         )
 
     async def _sample(self, prompt_ids: list[int]) -> list[Completion]:

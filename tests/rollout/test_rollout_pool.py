@@ -328,3 +328,40 @@ def test_heal_replaces_a_server_that_lags_the_learner(cfg, pool):
     actions = loop.run_until_complete(pool_.heal(before.version + 3, max_lag_s=0.0))
     assert len(actions) == 1 and actions[0].startswith("server-0 has held version") and actions[0].endswith("replaced")
     assert loop.run_until_complete(pool_.handle(0).health.remote()).pid != before.pid
+
+
+def test_a_five_turn_episode_on_the_server_trains_exactly_its_tokens(cfg, pool):
+    """Token exactness against a real vLLM server: every turn is generated after the episode's
+    exact context, and the trained tokens are the served ones, token by token."""
+    from transformers import AutoTokenizer
+
+    from async_rl.config import EnvConfig
+    from async_rl.data.prompts import PromptRow
+    from async_rl.envs import BaseEnvironment
+    from async_rl.envs.conversation import ChatEncoder
+    from async_rl.rollout.episodes import EpisodeSampler
+
+    class Echo(BaseEnvironment):
+        def reset(self) -> str:
+            return "What is 12+30?"
+
+        def step(self, action: str):
+            return f"you said {action.strip()[:8]!r}", 0.0, False, {}
+
+    pool_, loop = pool
+    served = []
+
+    async def recording(prompt_token_ids, n, sampling):
+        out = await pool_.generate_fn(0)()(prompt_token_ids, n, sampling)
+        served.append((list(prompt_token_ids), out[0]))
+        return out
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.learner.model_path)
+    sampler = EpisodeSampler(Echo, EnvConfig(name="echo", max_turns=5), ChatEncoder(tokenizer), Sampling(temperature=1.0, max_tokens=120))
+    episode = loop.run_until_complete(sampler.episode(PromptRow(1, "", ""), recording))
+    tokens = episode.tokens
+    assert episode.trajectory.num_turns == 5 and episode.trajectory.error is None and len(served) == 5
+    for prompt, _ in served:
+        assert prompt == tokens.context()[: len(prompt)]
+    assert [t for t, m in zip(tokens.token_ids, tokens.mask) if m] == [t for _, c in served for t in c.token_ids]
+    assert [lp for lp, m in zip(tokens.logprobs, tokens.mask) if m] == [lp for _, c in served for lp in c.logprobs]

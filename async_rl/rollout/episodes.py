@@ -1,0 +1,144 @@
+"""A group's samples as multi-turn episodes of an environment (``rollout.env``).
+
+For one dataset row, :class:`EpisodeSampler` runs ``n`` episodes concurrently on the
+worker's server. Each model turn is generated after the episode's exact token context
+(:class:`~async_rl.envs.conversation.TokenTrajectory`: the first prompt, then every turn's
+tokens as generated and the template's and environment's tokens as rendered per message),
+so the learner trains on exactly the tokens the model produced. ``rollout.max_response_length``
+bounds the tokens of an episode's whole response, template and environment tokens included.
+
+The group's prompt is the longest common prefix of its episodes' first prompts (all of it
+when ``reset`` depends only on the row); the rest of each episode's prompt opens its
+response, untrained. The episode's reward is ``rollout.env.reward`` over its steps; an
+environment that raised or timed out sets the sample's ``error`` (the learner drops the
+group, as for a failed reward).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from async_rl.data.prompts import PromptRow
+from async_rl.envs import BaseEnvironment, Trajectory, make_environment, run_episode
+from async_rl.envs.conversation import ChatEncoder, TokenTrajectory
+from async_rl.records import Sample
+from async_rl.rollout.server import Sampling
+
+if TYPE_CHECKING:
+    from async_rl.config import EnvConfig
+    from async_rl.rollout.worker import GenerateFn
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EpisodeCounters:
+    """Cumulative counts of a sampler's episodes, for metrics."""
+
+    episodes: int = 0
+    turns: int = 0
+    """Model turns over all episodes (``env/turns_mean`` = turns / episodes)."""
+    errors: int = 0
+    """Episodes ended by an environment that raised or timed out."""
+    successes: int = 0
+
+
+@dataclass
+class Episode:
+    """One finished episode: its text view and its tokens."""
+
+    trajectory: Trajectory
+    tokens: TokenTrajectory | None
+    """None when the episode ended before the model's first turn."""
+
+
+class EpisodeSampler:
+    """Runs the episodes of a row with one environment class on one server.
+
+    Args:
+        env_cls: the environment (``rollout.env.name`` resolved).
+        cfg: ``rollout.env``.
+        encoder: the chat template of the server's tokenizer.
+        sampling: per-turn sampling; its ``max_tokens`` is the budget of a whole episode.
+    """
+
+    def __init__(self, env_cls: type[BaseEnvironment], cfg: EnvConfig, encoder: ChatEncoder, sampling: Sampling):
+        self.env_cls = env_cls
+        self.cfg = cfg
+        self.encoder = encoder
+        self.sampling = sampling
+        self.counters = EpisodeCounters()
+
+    async def episode(self, row: PromptRow, generate: GenerateFn) -> Episode:
+        """One episode of ``row`` (its fields ``problem`` and ``answer`` go to ``reset(row)``)."""
+        tokens: TokenTrajectory | None = None
+        budget = self.sampling.max_tokens
+
+        async def act(new_messages: list[dict[str, str]]) -> str | None:
+            nonlocal tokens
+            if tokens is None:
+                tokens = TokenTrajectory(self.encoder.start(new_messages))
+            else:
+                tokens.add_context(self.encoder.append(new_messages))
+            left = budget - len(tokens.token_ids)
+            if left < 1:
+                return None
+            (reply,) = await generate(tokens.context(), 1, dataclasses.replace(self.sampling, max_tokens=left))
+            tokens.add_model(reply.token_ids, reply.logprobs, reply.versions)
+            tokens.add_context(self.encoder.close_reply(reply.token_ids))
+            return reply.text
+
+        env = make_environment(self.env_cls, dict(self.cfg.kwargs))
+        trajectory = await run_episode(env, act, max_turns=self.cfg.max_turns, step_timeout_s=self.cfg.step_timeout_s,
+                                       row={"problem": row.prompt, "answer": row.answer})
+        c = self.counters
+        c.episodes += 1
+        c.turns += trajectory.num_turns
+        c.errors += trajectory.error is not None
+        c.successes += trajectory.error is None and trajectory.success
+        if trajectory.error is not None:
+            log.debug("episode of dataset line %d ended by the environment: %s", row.line, trajectory.error)
+        return Episode(trajectory, tokens)
+
+    async def group(self, row: PromptRow, n: int, generate: GenerateFn) -> tuple[list[int], list[Sample]] | None:
+        """``(prompt_token_ids, samples)`` of ``n`` concurrent episodes of ``row``; None when no
+        episode reached the model's first turn (every ``reset`` failed: nothing to train)."""
+        episodes = await asyncio.gather(*(self.episode(row, generate) for _ in range(n)))
+        started = [e.tokens for e in episodes if e.tokens is not None and e.tokens.token_ids]
+        if not started:
+            log.warning("dataset line %d: no episode reached the model's first turn (%s); the prompt is skipped",
+                        row.line, next((e.trajectory.error for e in episodes if e.trajectory.error), "no tokens"))
+            return None
+        prompt = _common_prefix([t.prompt_ids for t in started])
+        return prompt, [self._sample(e, len(prompt)) for e in episodes]
+
+    def _sample(self, episode: Episode, shared: int) -> Sample:
+        trajectory, tokens = episode.trajectory, episode.tokens
+        reward = 0.0 if trajectory.error is not None else trajectory.total_reward(self.cfg.reward)
+        components = {"turns": float(trajectory.num_turns), "success": float(trajectory.error is None and trajectory.success)}
+        finish = "error" if trajectory.error is not None else "stop" if trajectory.done else "length"
+        if tokens is None or not tokens.token_ids:
+            return Sample.from_lists([], [], [], reward, components, finish, trajectory.error or "the episode ended before the model's first turn")
+        opening = tokens.prompt_ids[shared:]  # this episode's own start of the prompt: context, not trained
+        first = next(v for v, m in zip(tokens.versions, tokens.mask) if m)
+        return Sample.from_lists(
+            opening + tokens.token_ids, [0.0] * len(opening) + tokens.logprobs, [first] * len(opening) + tokens.versions,
+            reward, components, finish, trajectory.error, mask=[0] * len(opening) + tokens.mask,
+        )
+
+
+def _common_prefix(sequences: list[list[int]]) -> list[int]:
+    """The longest prefix shared by every sequence."""
+    first = sequences[0]
+    end = len(first)
+    for seq in sequences[1:]:
+        end = min(end, len(seq))
+        for i in range(end):
+            if seq[i] != first[i]:
+                end = i
+                break
+    return first[:end]

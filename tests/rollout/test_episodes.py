@@ -1,0 +1,116 @@
+"""A group's samples as environment episodes: tokens, masks, rewards and failures.
+
+The server is a scripted ``generate`` that records what it was asked (the real server is in
+``test_rollout_pool.py``); the tokenizer is the tiny assets' real one with its ChatML template.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from async_rl.config import EnvConfig
+from async_rl.data.prompts import PromptRow
+from async_rl.envs import BaseEnvironment, EnvironmentConfig
+from async_rl.envs.conversation import ChatEncoder
+from async_rl.rollout.episodes import EpisodeSampler
+from async_rl.rollout.server import Completion, Sampling
+
+
+class Countdown(BaseEnvironment):
+    """Done when the model says the row's answer; a reward of 1 then."""
+
+    def __init__(self, config: EnvironmentConfig):
+        super().__init__(config)
+        self.fail_at = config.get("fail_at")
+
+    def reset(self, row: dict) -> str:
+        if self.fail_at == "reset":
+            raise RuntimeError("no level")
+        self.answer = row["answer"]
+        return row["problem"]
+
+    def step(self, action: str):
+        if self.fail_at == "step":
+            raise RuntimeError("crashed")
+        return "try again", float(action == self.answer), action == self.answer, {}
+
+    def get_prompt_prefix(self) -> str:
+        return "Say the number."
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory):
+    from async_rl.data.tiny_assets import N_TRAIN, N_VAL, TASK, _build_tokenizer
+    from async_rl.data.tiny_task import make_splits
+
+    train, _ = make_splits(TASK, 0, N_TRAIN, N_VAL)
+    return _build_tokenizer(train, tmp_path_factory.mktemp("tokenizer"))
+
+
+def _server(tokenizer, replies: list[str]):
+    calls: list[tuple[list[int], Completion]] = []
+
+    async def generate(prompt_token_ids: list[int], n: int, sampling: Sampling) -> list[Completion]:
+        text = replies[min(len(calls), len(replies) - 1)]
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"][: sampling.max_tokens - 1] + [tokenizer.eos_token_id]
+        out = Completion(ids, [-0.25] * len(ids), [len(calls)] * len(ids), "stop", text)
+        calls.append((list(prompt_token_ids), out))
+        return [out]
+
+    return generate, calls
+
+
+def _sampler(tokenizer, max_tokens: int = 200, **env) -> EpisodeSampler:
+    cfg = EnvConfig(name="test", kwargs=env, max_turns=5)
+    return EpisodeSampler(Countdown, cfg, ChatEncoder(tokenizer), Sampling(max_tokens=max_tokens))
+
+
+ROW = PromptRow(1, "Count to 3", "3")
+
+
+def test_an_episode_trains_exactly_the_tokens_the_server_generated(tokenizer):
+    generate, calls = _server(tokenizer, ["1", "2", "3"])
+    sampler = _sampler(tokenizer)
+    episode = asyncio.run(sampler.episode(ROW, generate))
+    tokens = episode.tokens
+    assert episode.trajectory.actions == ["1", "2", "3"] and episode.trajectory.success
+    # every turn was generated after the exact context so far
+    assert [prompt for prompt, _ in calls] == [tokens.context()[: len(prompt)] for prompt, _ in calls]
+    assert calls[0][0] == tokens.prompt_ids
+    trained = [t for t, m in zip(tokens.token_ids, tokens.mask) if m]
+    assert trained == [t for _, out in calls for t in out.token_ids]
+    assert [v for v, m in zip(tokens.versions, tokens.mask) if m] == [v for _, out in calls for v in out.versions]
+    assert tokenizer.decode(tokens.context()) == tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Say the number."}, {"role": "user", "content": "Count to 3"},
+         {"role": "assistant", "content": "1"}, {"role": "user", "content": "try again"},
+         {"role": "assistant", "content": "2"}, {"role": "user", "content": "try again"},
+         {"role": "assistant", "content": "3"}], tokenize=False)
+    assert sampler.counters.episodes == 1 and sampler.counters.turns == 3 and sampler.counters.successes == 1
+
+
+def test_a_group_of_episodes_shares_its_prompt_and_masks_the_rest(tokenizer):
+    generate, _ = _server(tokenizer, ["3"])
+    prompt, samples = asyncio.run(_sampler(tokenizer).group(ROW, 3, generate))
+    assert tokenizer.decode(prompt).endswith("<|im_start|>assistant\n")
+    assert len(samples) == 3 and all(s.reward == 1.0 and s.error is None and s.finish_reason == "stop" for s in samples)
+    mask = samples[0].token_mask()
+    assert mask[0] == 1 and 0 in mask and samples[0].reward_components == {"turns": 1.0, "success": 1.0}
+
+
+def test_the_token_budget_ends_an_episode(tokenizer):
+    generate, calls = _server(tokenizer, ["12"])  # never right: the budget of 10 tokens ends it
+    _, samples = asyncio.run(_sampler(tokenizer, max_tokens=10).group(ROW, 1, generate))
+    (sample,) = samples
+    assert sample.num_tokens <= 10 + len(ChatEncoder(tokenizer).append([{"role": "user", "content": "try again"}]))
+    assert sample.finish_reason == "length" and sample.reward == 0.0 and len(calls) < 5
+
+
+def test_a_failing_environment_marks_its_sample_and_a_group_that_never_started_is_skipped(tokenizer):
+    generate, _ = _server(tokenizer, ["3"])
+    _, samples = asyncio.run(_sampler(tokenizer, fail_at="step").group(ROW, 2, generate))
+    assert all(s.error == "Countdown.step: RuntimeError: crashed" and s.finish_reason == "error" and s.reward == 0.0 for s in samples)
+    sampler = _sampler(tokenizer, fail_at="reset")
+    assert asyncio.run(sampler.group(ROW, 2, generate)) is None
+    assert sampler.counters.errors == 2 and sampler.counters.turns == 0
