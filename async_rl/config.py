@@ -129,6 +129,8 @@ class EnvConfig:
     """The environment's parameters (attributes of its ``EnvironmentConfig``)."""
     max_turns: int = 8
     """Model turns per episode at most; ``rollout.max_response_length`` bounds the tokens of all of them together."""
+    max_turn_tokens: int = 0
+    """Most tokens the model generates in one turn; 0: whatever is left of the episode's ``rollout.max_response_length``."""
     reward: Literal["sum", "final"] = "sum"
     """The episode's reward: the sum of the step rewards, or the last one."""
     step_timeout_s: float = 30.0
@@ -658,6 +660,7 @@ def validate(cfg: Config) -> None:
     need(r.reward.num_workers >= 1, f"rollout.reward.num_workers={r.reward.num_workers} must be >= 1")
     need(r.reward.timeout_s > 0, f"rollout.reward.timeout_s={r.reward.timeout_s} must be > 0")
     need(r.env.max_turns >= 1, f"rollout.env.max_turns={r.env.max_turns} must be >= 1")
+    need(r.env.max_turn_tokens >= 0, f"rollout.env.max_turn_tokens={r.env.max_turn_tokens} must be >= 0 (0: no per-turn limit)")
     need(r.env.step_timeout_s > 0, f"rollout.env.step_timeout_s={r.env.step_timeout_s} must be > 0")
     need(cfg.sync.max_lag_s > 0, f"sync.max_lag_s={cfg.sync.max_lag_s} must be > 0")
     need(cfg.trainer.stall_timeout_s > 0, f"trainer.stall_timeout_s={cfg.trainer.stall_timeout_s} must be > 0")

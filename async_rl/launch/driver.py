@@ -354,6 +354,7 @@ class _Run:
         if episodes := rollout.get("env_episodes", 0.0):
             out["env/turns_mean"] = rollout.get("env_turns", 0.0) / episodes
             out["env/errors"] = rollout.get("env_errors", 0.0)
+            out["env/overlong_prompts"] = rollout.get("env_overlong_prompts", 0.0)
             out["env/success_rate"] = rollout.get("env_successes", 0.0) / episodes
         out.update({f"queue/dropped/{reason}": float(count) for reason, count in stats["dropped"].items()})
         return out
@@ -374,8 +375,8 @@ class _Run:
         generate = self.pool.generate_fn(0)()
         if self.env_cls is not None:  # success rate of environment episodes
             encoder = ChatEncoder(self.formatter.tokenizer)
-            greedy, sampled = (EpisodeSampler(self.env_cls, r.env, encoder, Sampling(temperature=t, max_tokens=r.max_response_length))
-                               for t in (0.0, r.temperature))
+            greedy, sampled = (EpisodeSampler(self.env_cls, r.env, encoder, Sampling(temperature=t, max_tokens=r.max_response_length),
+                                              cfg.data.max_prompt_length) for t in (0.0, r.temperature))
             result = await validate_episodes(generate, self.val_rows, greedy, sampled, n=cfg.trainer.val_n)
         else:
             result = await validate(generate, self.val_prompts, self._scorer(),

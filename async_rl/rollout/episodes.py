@@ -5,7 +5,11 @@ worker's server. Each model turn is generated after the episode's exact token co
 (:class:`~async_rl.envs.conversation.TokenTrajectory`: the first prompt, then every turn's
 tokens as generated and the template's and environment's tokens as rendered per message),
 so the learner trains on exactly the tokens the model produced. ``rollout.max_response_length``
-bounds the tokens of an episode's whole response, template and environment tokens included.
+bounds the tokens of an episode's whole response, template and environment tokens included,
+and ``data.max_prompt_length`` its first prompt, so every context fits the engine's
+``max_model_len`` (their sum): an episode whose first prompt is longer ends with an error
+before any generation, and one whose next observation would overrun the budget ends there
+(the observation is not kept: nothing after the last model turn is trained).
 
 The group's prompt is the longest common prefix of its episodes' first prompts (all of it
 when ``reset`` depends only on the row); the rest of each episode's prompt opens its
@@ -44,6 +48,8 @@ class EpisodeCounters:
     """Model turns over all episodes (``env/turns_mean`` = turns / episodes)."""
     errors: int = 0
     """Episodes ended by an environment that raised or timed out."""
+    overlong_prompts: int = 0
+    """Episodes whose first prompt was longer than ``data.max_prompt_length`` (not generated)."""
     successes: int = 0
 
 
@@ -64,37 +70,56 @@ class EpisodeSampler:
         cfg: ``rollout.env``.
         encoder: the chat template of the server's tokenizer.
         sampling: per-turn sampling; its ``max_tokens`` is the budget of a whole episode.
+        max_prompt_length: the most tokens of an episode's first prompt (``data.max_prompt_length``).
     """
 
-    def __init__(self, env_cls: type[BaseEnvironment], cfg: EnvConfig, encoder: ChatEncoder, sampling: Sampling):
+    def __init__(self, env_cls: type[BaseEnvironment], cfg: EnvConfig, encoder: ChatEncoder, sampling: Sampling,
+                 max_prompt_length: int):
         self.env_cls = env_cls
         self.cfg = cfg
         self.encoder = encoder
         self.sampling = sampling
+        self.max_prompt_length = max_prompt_length
         self.counters = EpisodeCounters()
 
     async def episode(self, row: PromptRow, generate: GenerateFn) -> Episode:
         """One episode of ``row`` (its fields ``problem`` and ``answer`` go to ``reset(row)``)."""
         tokens: TokenTrajectory | None = None
         budget = self.sampling.max_tokens
+        closed = True  # the last reply's closing template tokens fitted the budget
 
         async def act(new_messages: list[dict[str, str]]) -> str | None:
-            nonlocal tokens
+            nonlocal tokens, closed
             if tokens is None:
-                tokens = TokenTrajectory(self.encoder.start(new_messages))
+                prompt = self.encoder.start(new_messages)
+                if len(prompt) > self.max_prompt_length:
+                    raise _Overlong(f"the first prompt has {len(prompt)} tokens > data.max_prompt_length={self.max_prompt_length}")
+                tokens = TokenTrajectory(prompt)
             else:
-                tokens.add_context(self.encoder.append(new_messages))
+                added = self.encoder.append(new_messages)
+                if not closed or len(tokens.token_ids) + len(added) >= budget:
+                    return None  # no room for another model turn
+                tokens.add_context(added)
             left = budget - len(tokens.token_ids)
+            if self.cfg.max_turn_tokens:
+                left = min(left, self.cfg.max_turn_tokens)
             if left < 1:
                 return None
             (reply,) = await generate(tokens.context(), 1, dataclasses.replace(self.sampling, max_tokens=left))
             tokens.add_model(reply.token_ids, reply.logprobs, reply.versions)
-            tokens.add_context(self.encoder.close_reply(reply.token_ids))
+            close = self.encoder.close_reply(reply.token_ids)
+            closed = len(tokens.token_ids) + len(close) <= budget  # else the episode ends after this turn
+            if closed:
+                tokens.add_context(close)
             return reply.text
 
         env = make_environment(self.env_cls, dict(self.cfg.kwargs))
-        trajectory = await run_episode(env, act, max_turns=self.cfg.max_turns, step_timeout_s=self.cfg.step_timeout_s,
-                                       row={"problem": row.prompt, "answer": row.answer})
+        try:
+            trajectory = await run_episode(env, act, max_turns=self.cfg.max_turns, step_timeout_s=self.cfg.step_timeout_s,
+                                           row={"problem": row.prompt, "answer": row.answer})
+        except _Overlong as exc:
+            trajectory = Trajectory(error=str(exc))
+            self.counters.overlong_prompts += 1
         c = self.counters
         c.episodes += 1
         c.turns += trajectory.num_turns
@@ -129,6 +154,10 @@ class EpisodeSampler:
             opening + tokens.token_ids, [0.0] * len(opening) + tokens.logprobs, [first] * len(opening) + tokens.versions,
             reward, components, finish, trajectory.error, mask=[0] * len(opening) + tokens.mask,
         )
+
+
+class _Overlong(Exception):
+    """An episode's first prompt is longer than ``data.max_prompt_length``."""
 
 
 def _common_prefix(sequences: list[list[int]]) -> list[int]:

@@ -135,7 +135,8 @@ class WorkerHost:
         settings = dataclasses.replace(spec.settings, server_id=self.server_id, owner=self.owner)
         for _ in range(spec.workers):
             scorer = RewardScorer(self.rewards, spec.reward, spec.max_response_length)
-            episodes = None if env_cls is None else EpisodeSampler(env_cls, spec.env, ChatEncoder(self.tokenizer), settings.sampling)  # type: ignore[arg-type]
+            episodes = None if env_cls is None else EpisodeSampler(
+                env_cls, spec.env, ChatEncoder(self.tokenizer), settings.sampling, settings.max_prompt_length)  # type: ignore[arg-type]
             self.workers.append(RolloutWorker(settings, self.queue, self.rows, formatter.token_ids, scorer, lambda: self.generate, episodes))
         self._tasks = [asyncio.create_task(w.run(self._stop)) for w in self.workers]
         self._flusher = asyncio.create_task(self._flush_every(spec.stats_period_s))

@@ -62,9 +62,9 @@ def _server(tokenizer, replies: list[str]):
     return generate, calls
 
 
-def _sampler(tokenizer, max_tokens: int = 200, **env) -> EpisodeSampler:
-    cfg = EnvConfig(name="test", kwargs=env, max_turns=5)
-    return EpisodeSampler(Countdown, cfg, ChatEncoder(tokenizer), Sampling(max_tokens=max_tokens))
+def _sampler(tokenizer, max_tokens: int = 200, max_prompt_length: int = 256, max_turn_tokens: int = 0, **env) -> EpisodeSampler:
+    cfg = EnvConfig(name="test", kwargs=env, max_turns=5, max_turn_tokens=max_turn_tokens)
+    return EpisodeSampler(Countdown, cfg, ChatEncoder(tokenizer), Sampling(max_tokens=max_tokens), max_prompt_length)
 
 
 ROW = PromptRow(1, "Count to 3", "3")
@@ -103,8 +103,26 @@ def test_the_token_budget_ends_an_episode(tokenizer):
     generate, calls = _server(tokenizer, ["12"])  # never right: the budget of 10 tokens ends it
     _, samples = asyncio.run(_sampler(tokenizer, max_tokens=10).group(ROW, 1, generate))
     (sample,) = samples
-    assert sample.num_tokens <= 10 + len(ChatEncoder(tokenizer).append([{"role": "user", "content": "try again"}]))
+    assert sample.num_tokens <= 10  # the observation that would overrun the budget is not kept
     assert sample.finish_reason == "length" and sample.reward == 0.0 and len(calls) < 5
+
+
+def test_max_turn_tokens_bounds_each_turn_and_every_turn_fits_the_engine(tokenizer):
+    generate, calls = _server(tokenizer, ["12345678901234567890"])  # 21 tokens, never right
+    for budget, turn_tokens in ((200, 4), (60, 0)):
+        calls.clear()
+        _, (sample,) = asyncio.run(_sampler(tokenizer, max_tokens=budget, max_turn_tokens=turn_tokens).group(ROW, 1, generate))
+        first = len(calls[0][0])  # the engine's limit is the first prompt + the budget: no turn may ask past it
+        assert all(len(prompt) + len(out.token_ids) <= first + budget for prompt, out in calls) and sample.num_tokens <= budget
+        if turn_tokens:
+            assert len(calls) == 5 and all(len(out.token_ids) == turn_tokens for _, out in calls)
+
+
+def test_an_episode_whose_first_prompt_is_too_long_ends_before_generating(tokenizer):
+    generate, calls = _server(tokenizer, ["3"])
+    sampler = _sampler(tokenizer, max_prompt_length=5)
+    assert asyncio.run(sampler.group(ROW, 2, generate)) is None and calls == []
+    assert sampler.counters.overlong_prompts == 2 and sampler.counters.episodes == 2
 
 
 def test_a_failing_environment_marks_its_sample_and_a_group_that_never_started_is_skipped(tokenizer):

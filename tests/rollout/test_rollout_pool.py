@@ -41,6 +41,7 @@ def cfg(tiny_assets):
             f"data.val_files={data / 'val.jsonl'}",
             "data.max_prompt_length=64",
             "rollout.max_response_length=16",
+            "rollout.vllm.max_model_len=256",  # room for the five-turn episode
             "rollout.n=4",
             "learner.batch_size=2",
             "queue.max_depth=64",
@@ -332,7 +333,8 @@ def test_heal_replaces_a_server_that_lags_the_learner(cfg, pool):
 
 def test_a_five_turn_episode_on_the_server_trains_exactly_its_tokens(cfg, pool):
     """Token exactness against a real vLLM server: every turn is generated after the episode's
-    exact context, and the trained tokens are the served ones, token by token."""
+    exact context, and the trained tokens are the served ones, token by token; no turn asks
+    the engine for more than its ``max_model_len`` (first prompt bound + episode budget)."""
     from transformers import AutoTokenizer
 
     from async_rl.config import EnvConfig
@@ -357,7 +359,8 @@ def test_a_five_turn_episode_on_the_server_trains_exactly_its_tokens(cfg, pool):
         return out
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.learner.model_path)
-    sampler = EpisodeSampler(Echo, EnvConfig(name="echo", max_turns=5), ChatEncoder(tokenizer), Sampling(temperature=1.0, max_tokens=120))
+    env = EnvConfig(name="echo", max_turns=5, max_turn_tokens=8)
+    sampler = EpisodeSampler(Echo, env, ChatEncoder(tokenizer), Sampling(temperature=1.0, max_tokens=192), max_prompt_length=64)
     episode = loop.run_until_complete(sampler.episode(PromptRow(1, "", ""), recording))
     tokens = episode.tokens
     assert episode.trajectory.num_turns == 5 and episode.trajectory.error is None and len(served) == 5
