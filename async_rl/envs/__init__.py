@@ -6,6 +6,8 @@ from async_rl.envs.base import BaseEnvironment, EnvironmentConfig, Trajectory
 from async_rl.envs.registry import builtin_names, load_environment, make_environment, register
 from async_rl.envs.runner import EnvError, EnvTimeout, call_env, run_episode
 
+from async_rl.envs import builtin as _builtin  # noqa: E402,F401 - registers the built-in environments
+
 __all__ = [
     "BaseEnvironment",
     "EnvError",

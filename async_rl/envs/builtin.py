@@ -1,0 +1,63 @@
+"""Built-in environments (``rollout.env.name`` by name).
+
+``addition_feedback``: the tiny addition task (:mod:`async_rl.data.tiny_task`) as a game of
+several turns. The model answers a row's problem; a wrong answer gets "Higher." or "Lower."
+(or "Answer with one number." when the reply is not one integer) and another turn, until it
+is right or ``rollout.env.max_turns`` is spent. The reward of the winning step is
+``1 - turn_penalty * (turns - 1)``; every other step gives 0, so ``rollout.env.reward=sum``
+(the default) rewards solving it, and solving it sooner.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from async_rl.data.tiny_task import extract_answer
+from async_rl.envs.base import BaseEnvironment, EnvironmentConfig
+from async_rl.envs.registry import register
+
+NOT_A_NUMBER = "Answer with one number."
+
+
+@register("addition_feedback")
+class AdditionFeedback(BaseEnvironment):
+    """Solve ``problem`` (``answer`` is an integer) with higher/lower feedback.
+
+    Parameters (``rollout.env.kwargs``): ``turn_penalty`` (default 0.25): how much less a
+    win is worth for each extra turn, floored at 0.1 so any win beats none.
+    """
+
+    def __init__(self, config: EnvironmentConfig):
+        super().__init__(config)
+        self.turn_penalty = float(config.get("turn_penalty", 0.25))
+        self.answer = 0
+        self.turns = 0
+        self.last = ""
+
+    def reset(self, row: dict[str, Any]) -> str:
+        try:
+            self.answer = int(str(row["answer"]).strip())
+        except (KeyError, ValueError):
+            raise ValueError(f"addition_feedback needs an integer 'answer' in the row, got {row.get('answer')!r}") from None
+        self.turns = 0
+        self.last = ""
+        return str(row["problem"])
+
+    def step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
+        self.turns += 1
+        said = extract_answer(action)
+        if said is None:
+            self.last = NOT_A_NUMBER
+        elif int(said) == self.answer:
+            self.last = "Correct."
+            reward = max(0.1, 1.0 - self.turn_penalty * (self.turns - 1))
+            return self.last, reward, True, {"success": True}
+        else:
+            self.last = "Higher." if int(said) < self.answer else "Lower."
+        return self.last, 0.0, False, {"success": False}
+
+    def get_state_description(self) -> str:
+        return f"turn {self.turns}: {self.last or 'no answer yet'}"
+
+    def get_prompt_prefix(self) -> str:
+        return ""  # the tiny model is trained without a system prompt
