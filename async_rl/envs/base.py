@@ -56,9 +56,12 @@ class BaseEnvironment(abc.ABC):
         Subclasses may take the dataset row (``reset(self, row)``) and may be ``async``."""
 
     @abc.abstractmethod
-    def step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
+    def step(self, action: str) -> tuple[str | list[dict[str, str]], float, bool, dict[str, Any]]:
         """Apply the model's turn ``action`` (its text); ``(observation, reward, done, info)``.
-        ``info["success"]``, when given, is what validation counts. May be ``async``."""
+
+        The observation is the user's next message, or a list of chat messages
+        (``{"role": "tool", "content": ...}`` for tool results). ``info["success"]``, when
+        given, is what validation counts. May be ``async``."""
 
     def get_state_description(self) -> str:
         """A short description of the current state (for logs and the user's own code)."""
@@ -82,6 +85,12 @@ class Trajectory:
     infos: list[dict[str, Any]] = field(default_factory=list)
     error: str | None = None
     """``ExceptionType: message`` when the environment raised or timed out (the episode ended there)."""
+    step_s: float = 0.0
+    """Seconds spent in the environment's ``step`` calls, all turns together."""
+
+    def info_total(self, key: str) -> float:
+        """The sum of the numeric ``info[key]`` over the steps (e.g. ``tool_calls``)."""
+        return float(sum(v for info in self.infos if isinstance(v := info.get(key), (int, float))))
 
     @property
     def num_turns(self) -> int:

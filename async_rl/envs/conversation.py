@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from async_rl.envs.tools import tools_system_text
+
 _ANCHOR = [{"role": "system", "content": "anchor"}, {"role": "user", "content": "anchor"}]
 _MARK = "\u2063async-rl-reply\u2063"
 
@@ -38,15 +40,30 @@ class ChatEncoder:
         self.eos_token_id: int | None = getattr(tokenizer, "eos_token_id", None)
         self._after_eos = self.reply_suffix[len(eos):] if eos and self.reply_suffix.startswith(eos) else None
 
-    def _render(self, messages: list[dict[str, str]], generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    def _render(self, messages: list[dict[str, str]], generation_prompt: bool, tools: list[dict[str, Any]] | None = None) -> str:
+        extra = {"tools": tools} if tools else {}
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt, **extra)
+
+    @property
+    def template_takes_tools(self) -> bool:
+        """Whether the chat template renders a ``tools`` argument itself (Qwen2.5, Llama 3.1, ...)."""
+        return "tools" in self.tokenizer.chat_template
 
     def _ids(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
 
-    def start(self, messages: list[dict[str, str]]) -> list[int]:
-        """The prompt: ``messages`` rendered from the start, opening the assistant's turn."""
-        return self._ids(self._render(messages, True))
+    def start(self, messages: list[dict[str, str]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The prompt: ``messages`` rendered from the start, opening the assistant's turn.
+        ``tools`` (JSON schemas) go to the template, or into the system message as text
+        when the template takes none."""
+        if tools and not self.template_takes_tools:
+            text = tools_system_text(tools)
+            if messages and messages[0]["role"] == "system":
+                messages = [{"role": "system", "content": f"{messages[0]['content']}\n\n{text}"}, *messages[1:]]
+            else:
+                messages = [{"role": "system", "content": text}, *messages]
+            tools = None
+        return self._ids(self._render(messages, True, tools))
 
     def append(self, messages: list[dict[str, str]]) -> list[int]:
         """Tokens that append ``messages`` (e.g. an observation) after a closed reply, opening

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -71,18 +72,32 @@ def _takes_row(reset: Callable[..., Any]) -> bool:
     return bool(params)
 
 
-def _step_result(out: Any) -> tuple[str, float, bool, dict[str, Any]]:
+def _messages(observation: Any) -> list[Message]:
+    """An observation as chat messages: a string is the user's message; a list must hold
+    ``{"role": str, "content": str}`` dicts (:class:`EnvError` names the bad one)."""
+    if not isinstance(observation, list):
+        return [{"role": "user", "content": str(observation)}]
+    for i, m in enumerate(observation):
+        if not (isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise EnvError(f"step returned observation message {i} that is not {{'role': str, 'content': str}}: {m!r:.80}")
+    if not observation:
+        raise EnvError("step returned an empty list of observation messages")
+    return [{"role": m["role"], "content": m["content"]} for m in observation]
+
+
+def _step_result(out: Any) -> tuple[list[Message], float, bool, dict[str, Any]]:
     """Check the shape of ``step``'s return; :class:`EnvError` names what is wrong."""
     if not isinstance(out, tuple) or len(out) != 4:
         raise EnvError(f"step must return (observation, reward, done, info), got {type(out).__name__} {out!r:.80}")
     observation, reward, done, info = out
+    messages = _messages(observation)
     try:
         reward = float(reward)
     except (TypeError, ValueError):
         raise EnvError(f"step returned a reward that is not a number: {reward!r:.80}") from None
     if not isinstance(info, Mapping):
         raise EnvError(f"step returned info of type {type(info).__name__}, not a dict")
-    return str(observation), reward, bool(done), dict(info)
+    return messages, reward, bool(done), dict(info)
 
 
 async def run_episode(
@@ -116,15 +131,18 @@ async def run_episode(
             break
         trajectory.states.append(observation)
         trajectory.actions.append(action)
+        t0 = time.monotonic()
         try:
-            observation, reward, done, info = _step_result(await call_env(env.step, action, timeout_s=step_timeout_s))
+            new, reward, done, info = _step_result(await call_env(env.step, action, timeout_s=step_timeout_s))
         except EnvError as exc:
             trajectory.error = str(exc)
             break
+        finally:
+            trajectory.step_s += time.monotonic() - t0
         trajectory.rewards.append(reward)
         trajectory.dones.append(done)
         trajectory.infos.append(info)
         if done:
             break
-        new = [{"role": "user", "content": observation}]
+        observation = "\n".join(m["content"] for m in new)
     return trajectory

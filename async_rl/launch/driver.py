@@ -356,6 +356,10 @@ class _Run:
             out["env/errors"] = rollout.get("env_errors", 0.0)
             out["env/overlong_prompts"] = rollout.get("env_overlong_prompts", 0.0)
             out["env/success_rate"] = rollout.get("env_successes", 0.0) / episodes
+            out["env/reward_mean"] = rollout.get("env_reward", 0.0) / episodes
+            out["env/step_s_mean"] = rollout.get("env_step_s", 0.0) / max(rollout.get("env_turns", 0.0), 1.0)
+            out["env/tool_calls"] = rollout.get("env_tool_calls", 0.0)
+            out["env/tool_errors"] = rollout.get("env_tool_errors", 0.0)
         out.update({f"queue/dropped/{reason}": float(count) for reason, count in stats["dropped"].items()})
         return out
 

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 from async_rl.data.prompts import PromptRow
 from async_rl.envs import BaseEnvironment, Trajectory, make_environment, run_episode
 from async_rl.envs.conversation import ChatEncoder, TokenTrajectory
+from async_rl.envs.tools import ToolEnvironment
 from async_rl.records import Sample
 from async_rl.rollout.server import Sampling
 
@@ -51,6 +52,14 @@ class EpisodeCounters:
     overlong_prompts: int = 0
     """Episodes whose first prompt was longer than ``data.max_prompt_length`` (not generated)."""
     successes: int = 0
+    tool_calls: int = 0
+    """Tool calls the model made (``ToolEnvironment``), well-formed or not."""
+    tool_errors: int = 0
+    """Tool calls answered with an error (unparsable, unknown tool, bad arguments, the tool raised)."""
+    step_s: float = 0.0
+    """Seconds in the environment's ``step`` calls (``env/step_s_mean`` = step_s / turns)."""
+    reward: float = 0.0
+    """Sum of the episodes' rewards (``env/reward_mean`` = reward / episodes)."""
 
 
 @dataclass
@@ -91,7 +100,7 @@ class EpisodeSampler:
         async def act(new_messages: list[dict[str, str]]) -> str | None:
             nonlocal tokens, closed
             if tokens is None:
-                prompt = self.encoder.start(new_messages)
+                prompt = self.encoder.start(new_messages, env.tool_schemas() if isinstance(env, ToolEnvironment) else None)
                 if len(prompt) > self.max_prompt_length:
                     raise _Overlong(f"the first prompt has {len(prompt)} tokens > data.max_prompt_length={self.max_prompt_length}")
                 tokens = TokenTrajectory(prompt)
@@ -125,6 +134,10 @@ class EpisodeSampler:
         c.turns += trajectory.num_turns
         c.errors += trajectory.error is not None
         c.successes += trajectory.error is None and trajectory.success
+        c.tool_calls += int(trajectory.info_total("tool_calls"))
+        c.tool_errors += int(trajectory.info_total("tool_errors"))
+        c.step_s += trajectory.step_s
+        c.reward += 0.0 if trajectory.error is not None else trajectory.total_reward(self.cfg.reward)
         if trajectory.error is not None:
             log.debug("episode of dataset line %d ended by the environment: %s", row.line, trajectory.error)
         return Episode(trajectory, tokens)

@@ -14,6 +14,7 @@ from async_rl.config import EnvConfig
 from async_rl.data.prompts import PromptRow
 from async_rl.envs import BaseEnvironment, EnvironmentConfig
 from async_rl.envs.conversation import ChatEncoder
+from async_rl.envs.tools import ToolEnvironment
 from async_rl.rollout.episodes import EpisodeSampler
 from async_rl.rollout.server import Completion, Sampling
 
@@ -132,3 +133,37 @@ def test_a_failing_environment_marks_its_sample_and_a_group_that_never_started_i
     sampler = _sampler(tokenizer, fail_at="reset")
     assert asyncio.run(sampler.group(ROW, 2, generate)) is None
     assert sampler.counters.errors == 2 and sampler.counters.turns == 0
+
+
+class AddTool(ToolEnvironment):
+    """The answer after a calculator call; the tools reach the first prompt."""
+
+    def get_tools(self):
+        def add(a: int, b: int) -> int:
+            """Add.
+
+            Args:
+                a: first
+                b: second
+            """
+            return a + b
+
+        return [add]
+
+    def reset(self, row: dict) -> str:
+        self.answer_text = row["answer"]
+        return row["problem"]
+
+    def answer(self, text: str):
+        return "", float(text == self.answer_text), True, {}
+
+
+def test_tool_calls_their_errors_step_time_and_reward_are_counted(tokenizer):
+    replies = ['<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>', "<tool_call>{bad}</tool_call>", "3"]
+    generate, calls = _server(tokenizer, replies)
+    sampler = EpisodeSampler(AddTool, EnvConfig(name="t", max_turns=5), ChatEncoder(tokenizer), Sampling(max_tokens=400), 4096)
+    _, (sample,) = asyncio.run(sampler.group(ROW, 1, generate))
+    assert '"name": "add"' in tokenizer.decode(calls[0][0])  # the tool's schema is in the prompt
+    assert sample.reward == 1.0 and sample.reward_components["turns"] == 3.0
+    c = sampler.counters
+    assert (c.tool_calls, c.tool_errors, c.turns, c.reward) == (2, 1, 3, 1.0) and c.step_s > 0.0
