@@ -32,8 +32,12 @@ err = Console(stderr=True)
 
 ConfigArg = Annotated[Path, typer.Argument(help="YAML config file, e.g. configs/quickstart.yaml.")]
 OverridesArg = Annotated[Optional[list[str]], typer.Argument(help="Dotted overrides, e.g. learner.optim.lr=1e-6.")]
-QUICKSTART_CONFIG = Path("configs/quickstart.yaml")  # relative: run from the repository root
-QUICKSTART_ASSETS = Path("runs/quickstart/assets")
+# Quickstarts by task: (config, assets directory the config reads, tiny task to build there).
+# Paths are relative: run from the repository root.
+QUICKSTARTS = {
+    "addition": (Path("configs/quickstart.yaml"), Path("runs/quickstart/assets"), "addition"),
+    "multiturn": (Path("configs/multiturn_quickstart.yaml"), Path("runs/multiturn/assets"), "multiturn"),
+}
 
 
 def _load(config: Path | None, overrides: list[str] | None):
@@ -67,11 +71,15 @@ def config_docs(
 def assets_tiny(
     out_dir: Annotated[Path, typer.Option("--out", help="Directory to write model/, data/ and assets.json into.")],
     seed: Annotated[int, typer.Option(help="Seed: the same seed gives the same tokenizer and weights.")] = 0,
+    task: Annotated[str, typer.Option(help="addition (single-turn) or multiturn (the addition_feedback environment's warm-start).")] = "addition",
 ) -> None:
     """Build the tiny tokenizer, Qwen2 model, arithmetic task and warm-start (about a minute on 2 cores)."""
-    from async_rl.data.tiny_assets import build_tiny_assets
+    from async_rl.data.tiny_assets import TASKS, build_tiny_assets
 
-    report = build_tiny_assets(out_dir, seed=seed, progress=lambda msg: err.print(msg, highlight=False, markup=False))
+    if task not in TASKS:
+        typer.echo(f"error: --task {task!r} is not one of {', '.join(TASKS)}", err=True)
+        raise typer.Exit(2)
+    report = build_tiny_assets(out_dir, seed=seed, progress=lambda msg: err.print(msg, highlight=False, markup=False), task=task)
     out.print(f"tiny assets in {out_dir}: base greedy accuracy {report.base_accuracy:.1%}", highlight=False)
 
 
@@ -100,15 +108,24 @@ def train_cmd(
 
 @app.command("quickstart")
 def quickstart(
-    overrides: OverridesArg = None,
+    overrides: Annotated[
+        Optional[list[str]], typer.Argument(help="[multiturn] then dotted overrides, e.g. trainer.total_steps=50.")
+    ] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan only.")] = False,
 ) -> None:
-    """Build the tiny assets if absent, then train configs/quickstart.yaml (CPU, about 10 minutes)."""
+    """Build the tiny assets if absent, then train configs/quickstart.yaml, or with
+    `multiturn` first, configs/multiturn_quickstart.yaml (CPU, about 10 minutes)."""
     from async_rl.data.tiny_assets import build_tiny_assets
 
-    if not (QUICKSTART_ASSETS / "assets.json").is_file():
-        build_tiny_assets(QUICKSTART_ASSETS, seed=0, progress=lambda msg: err.print(msg, highlight=False, markup=False))
-    _train(_load(QUICKSTART_CONFIG, overrides), dry_run)
+    args = list(overrides or [])
+    name = args.pop(0) if args and "=" not in args[0] else "addition"
+    if name not in QUICKSTARTS:
+        typer.echo(f"error: no quickstart {name!r}; choose one of {', '.join(QUICKSTARTS)} (or give KEY=VALUE overrides)", err=True)
+        raise typer.Exit(2)
+    config, assets, task = QUICKSTARTS[name]
+    if not (assets / "assets.json").is_file():
+        build_tiny_assets(assets, seed=0, progress=lambda msg: err.print(msg, highlight=False, markup=False), task=task)
+    _train(_load(config, args), dry_run)
 
 
 def _train(cfg, dry_run: bool) -> None:

@@ -11,6 +11,10 @@ alone on the same groups — generation only, then learning only — for the ove
     python benchmarks/async_vs_sync.py --json benchmarks/results/async_vs_sync.json \\
         --plot benchmarks/results/async_vs_sync.png [--set sync.backend=gloo ...]
 
+    # the multi-turn agent (built-in environment addition_feedback):
+    python benchmarks/async_vs_sync.py --config configs/multiturn_quickstart.yaml --task multiturn \\
+        --assets runs/bench/multiturn-assets --json benchmarks/results/async_vs_sync_multiturn.json
+
 JSON keys: sync_wall_s, async_wall_s, speedup, overlap_limit, efficiency (= speedup /
 overlap_limit), sync_val_acc, async_val_acc, learner_busy_async, staleness_hist, plus the
 stage timings, busy fractions and settings. Wall times exclude start-up (engine load),
@@ -35,6 +39,8 @@ QUICKSTART = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", type=Path, default=QUICKSTART, help="the config of every mode (default: the quickstart's)")
+    ap.add_argument("--task", default="addition", help="tiny task of the assets when they are built (addition, multiturn)")
     ap.add_argument("--assets", type=Path, default=Path("runs/bench/assets"), help="tiny assets dir (built if absent)")
     ap.add_argument("--out", type=Path, default=Path("runs/bench"), help="run directories")
     ap.add_argument("--steps", type=int, default=60, help="learner steps per mode")
@@ -49,10 +55,10 @@ def main() -> None:
     from async_rl.data.tiny_assets import build_tiny_assets
 
     if not (args.assets / "assets.json").is_file():
-        build_tiny_assets(args.assets, seed=0)
+        build_tiny_assets(args.assets, seed=0, task=args.task)
 
     def config(name: str, eta: int):
-        return load_config(QUICKSTART, [
+        return load_config(args.config, [
             f"learner.model_path={args.assets / 'model'}",
             f"data.train_files={args.assets / 'data' / 'train.jsonl'}",
             f"data.val_files={args.assets / 'data' / 'val.jsonl'}",
@@ -100,6 +106,7 @@ def main() -> None:
         "groups_per_mode": groups,
         "steps": args.steps,
         "eta_async": args.eta,
+        "config": str(args.config),
         "cores": "learner rank alone on 1 core; vLLM, driver, Redis and Ray daemons on the other, in every mode",
         "machine": f"{os.cpu_count()} cores, cpu",
     }

@@ -20,6 +20,12 @@ GRPO loop in transformers (32 prompts x 8 samples per step, group-mean baseline,
 lr 1e-4, one core): greedy val accuracy 51% after 50 steps (~26 s), 84% after 200
 (~100 s). At lr 1e-3 the same loop collapses to 0% within 10 steps.
 
+``task="multiturn"`` builds the assets of the multi-turn quickstart (the built-in
+``addition_feedback`` environment: a wrong answer gets "Higher."/"Lower." and another turn):
+the same rows, a tokenizer that also knows the environment's messages, and a warm-start
+whose examples are half single-turn and half a wrong first answer, its feedback, then the
+right one (loss on the right one only), so the model has seen a second turn before RL.
+
 Same seed -> byte-identical tokenizer.json and identical weights hash: every random
 choice flows from ``seed`` (Python RNG for data, torch RNG forked for init and sampling),
 the data order is fixed, and the build runs with a fixed torch thread count (CPU
@@ -32,6 +38,7 @@ import copy
 import hashlib
 import json
 import platform
+import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -50,7 +57,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from async_rl.data.tiny_task import AdditionTask, Row, is_correct, make_splits, write_jsonl
+from async_rl.data.tiny_task import FEEDBACK, AdditionTask, Row, feedback, is_correct, make_splits, write_jsonl
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 # Qwen's chat format without a default system prompt; generation prompt ends in
@@ -119,11 +126,22 @@ class TinyAssetsReport:
     timings_s: dict[str, float] = field(default_factory=dict)
 
 
+TASKS = ("addition", "multiturn")
+"""What ``build_tiny_assets`` can build (``async-rl assets tiny --task``)."""
+
+
 def build_tiny_assets(
-    out_dir: str | Path, seed: int = 0, progress: Callable[[str], None] = print, warm_start: WarmStart = WARM_START
+    out_dir: str | Path,
+    seed: int = 0,
+    progress: Callable[[str], None] = print,
+    warm_start: WarmStart = WARM_START,
+    task: str = "addition",
 ) -> TinyAssetsReport:
     """Build all tiny assets into ``out_dir`` (created; existing files overwritten).
-    ``warm_start`` is the supervised schedule (the default gives the documented base model)."""
+    ``warm_start`` is the supervised schedule (the default gives the documented base model);
+    ``task`` is one of :data:`TASKS`."""
+    if task not in TASKS:
+        raise ValueError(f"unknown tiny task {task!r}; choose one of {', '.join(TASKS)}")
     out = Path(out_dir)
     model_dir, data_dir = out / "model", out / "data"
     model_dir.mkdir(parents=True, exist_ok=True)
@@ -140,7 +158,7 @@ def build_tiny_assets(
             write_jsonl(val, val_path)
 
             t0 = time.perf_counter()
-            tokenizer = _build_tokenizer(train, model_dir)
+            tokenizer = _build_tokenizer(train, model_dir, FEEDBACK if task == "multiturn" else ())
             timings["tokenizer"] = time.perf_counter() - t0
             progress(f"[assets] tokenizer: {len(tokenizer)} tokens -> {model_dir}")
 
@@ -150,7 +168,8 @@ def build_tiny_assets(
             progress(f"[assets] model: Qwen2, {num_params / 1e6:.2f}M parameters")
 
             t0 = time.perf_counter()
-            steps, base_acc = _warm_start(model, tokenizer, train, val, seed, progress, warm_start)
+            examples = _examples(tokenizer, train, seed if task == "multiturn" else None)
+            steps, base_acc = _warm_start(model, tokenizer, examples, val, seed, progress, warm_start)
             timings["warm_start"] = time.perf_counter() - t0
 
             t0 = time.perf_counter()
@@ -189,7 +208,7 @@ def build_tiny_assets(
         num_parameters=num_params,
         timings_s={k: round(v, 2) for k, v in timings.items()},
     )
-    _write_manifest(report, warm_start)
+    _write_manifest(report, warm_start, task)
     progress(
         f"[assets] base greedy val accuracy {base_acc:.1%} after {steps} SFT steps "
         f"(T=1 sample accuracy {sampled_acc:.1%}, pass@{PASS_AT_K} {pass_at_k:.1%}); "
@@ -267,9 +286,10 @@ def weights_sha256(model_dir: str | Path) -> str:
     return digest.hexdigest()
 
 
-def _build_tokenizer(train: Sequence[Row], model_dir: Path) -> PreTrainedTokenizerBase:
-    """Train a byte-level BPE on the training split, save it as a HF tokenizer (written
-    by hand so the files load in transformers 4.x and 5.x alike) and load it back."""
+def _build_tokenizer(train: Sequence[Row], model_dir: Path, extra_user_texts: Sequence[str] = ()) -> PreTrainedTokenizerBase:
+    """Train a byte-level BPE on the training split (and ``extra_user_texts``, user messages
+    the model will also see), save it as a HF tokenizer (written by hand so the files load
+    in transformers 4.x and 5.x alike) and load it back."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
@@ -285,8 +305,9 @@ def _build_tokenizer(train: Sequence[Row], model_dir: Path) -> PreTrainedTokeniz
         show_progress=False,
     )
     # The text the model will see, minus the special tokens (added whole, not merged).
-    corpus = (f"user\n{r.problem}\nassistant\n{r.answer}\n" for r in train)
-    tok.train_from_iterator(corpus, trainer, length=len(train))
+    corpus = [f"user\n{r.problem}\nassistant\n{r.answer}\n" for r in train]
+    corpus += [f"user\n{text}\nassistant\n" for text in extra_user_texts for _ in range(len(train) // 10)]
+    tok.train_from_iterator(corpus, trainer, length=len(corpus))
     tok.save(str(model_dir / "tokenizer.json"))
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -328,24 +349,37 @@ def _generation_config(tokenizer: PreTrainedTokenizerBase) -> GenerationConfig:
     )
 
 
+def _examples(tokenizer: PreTrainedTokenizerBase, train: Sequence[Row], feedback_seed: int | None) -> list[tuple[list[int], list[int]]]:
+    """SFT examples ``(prompt ids, completion ids)``: each row's problem -> answer; with
+    ``feedback_seed``, every other row instead as a wrong answer (off by 1, 2 or 10), the
+    environment's feedback and the right answer (the completion)."""
+    rng = random.Random(feedback_seed)
+    out = []
+    for i, r in enumerate(train):
+        messages = [{"role": "user", "content": r.problem}]
+        if feedback_seed is not None and i % 2:
+            wrong = int(r.answer) + rng.choice((-10, -2, -1, 1, 2, 10))
+            messages += [{"role": "assistant", "content": str(wrong)}, {"role": "user", "content": feedback(wrong, int(r.answer))}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        out.append((list(ids), tokenizer.encode(r.answer, add_special_tokens=False)))
+    return out
+
+
 def _warm_start(
     model: Qwen2ForCausalLM,
     tokenizer: PreTrainedTokenizerBase,
-    train: Sequence[Row],
+    examples: Sequence[tuple[list[int], list[int]]],
     val: Sequence[Row],
     seed: int,
     progress: Callable[[str], None],
     cfg: WarmStart = WARM_START,
 ) -> tuple[int, float]:
-    """SFT on (chat prompt, answer + <|im_end|>) with loss on completion tokens only,
-    until greedy val accuracy reaches ``cfg.target``; returns (steps, accuracy).
+    """SFT on ``examples`` (chat prompt, answer + <|im_end|>) with loss on completion tokens
+    only, until greedy (single-turn) val accuracy reaches ``cfg.target``; returns (steps,
+    accuracy).
 
     Should an evaluation overshoot the band, the last in-band weights are restored.
     """
-    examples = [
-        (prompt_ids(tokenizer, r.problem), tokenizer.encode(r.answer, add_special_tokens=False))
-        for r in train
-    ]
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     low, high = cfg.band
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=0.0)
@@ -407,7 +441,7 @@ def _sft_loss(
     return model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
 
 
-def _write_manifest(report: TinyAssetsReport, warm_start: WarmStart) -> None:
+def _write_manifest(report: TinyAssetsReport, warm_start: WarmStart, task: str) -> None:
     out = report.out_dir
     manifest = {
         key: (str(value.relative_to(out)) if isinstance(value, Path) else value)
@@ -415,7 +449,7 @@ def _write_manifest(report: TinyAssetsReport, warm_start: WarmStart) -> None:
         if key not in ("out_dir", "manifest_path")
     }
     manifest.update(
-        task={"name": "addition", **asdict(TASK)},
+        task={"name": task, **asdict(TASK)},
         sizes={"train": N_TRAIN, "val": N_VAL},
         warm_start=asdict(warm_start),
         versions={

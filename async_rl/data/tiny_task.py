@@ -91,6 +91,18 @@ def is_correct(completion: str, answer: str) -> bool:
     return got is not None and got == answer.strip()
 
 
+HIGHER, LOWER, CORRECT, NOT_A_NUMBER = "Higher.", "Lower.", "Correct.", "Answer with one number."
+FEEDBACK = (HIGHER, LOWER, CORRECT, NOT_A_NUMBER)
+"""Every message of the multi-turn task's environment (``addition_feedback``)."""
+
+
+def feedback(said: int | None, answer: int) -> str:
+    """The multi-turn task's reply to the model's answer ``said`` (None: not one integer)."""
+    if said is None:
+        return NOT_A_NUMBER
+    return CORRECT if said == answer else HIGHER if said < answer else LOWER
+
+
 def write_jsonl(rows: Iterable[Row], path: Path) -> None:
     """Write rows as UTF-8 JSONL (one object per line, trailing newline)."""
     path.write_text("".join(row.to_json() + "\n" for row in rows), encoding="utf-8")

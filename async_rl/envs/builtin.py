@@ -2,7 +2,8 @@
 
 ``addition_feedback``: the tiny addition task (:mod:`async_rl.data.tiny_task`) as a game of
 several turns. The model answers a row's problem; a wrong answer gets "Higher." or "Lower."
-(or "Answer with one number." when the reply is not one integer) and another turn, until it
+(or "Answer with one number." when the reply is not one integer; the messages are
+:func:`async_rl.data.tiny_task.feedback`'s) and another turn, until it
 is right or ``rollout.env.max_turns`` is spent. The reward of the winning step is
 ``1 - turn_penalty * (turns - 1)``; every other step gives 0, so ``rollout.env.reward=sum``
 (the default) rewards solving it, and solving it sooner.
@@ -12,11 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from async_rl.data.tiny_task import extract_answer
+from async_rl.data.tiny_task import CORRECT, extract_answer, feedback
 from async_rl.envs.base import BaseEnvironment, EnvironmentConfig
 from async_rl.envs.registry import register
-
-NOT_A_NUMBER = "Answer with one number."
 
 
 @register("addition_feedback")
@@ -46,14 +45,9 @@ class AdditionFeedback(BaseEnvironment):
     def step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
         self.turns += 1
         said = extract_answer(action)
-        if said is None:
-            self.last = NOT_A_NUMBER
-        elif int(said) == self.answer:
-            self.last = "Correct."
-            reward = max(0.1, 1.0 - self.turn_penalty * (self.turns - 1))
-            return self.last, reward, True, {"success": True}
-        else:
-            self.last = "Higher." if int(said) < self.answer else "Lower."
+        self.last = feedback(None if said is None else int(said), self.answer)
+        if self.last == CORRECT:
+            return self.last, max(0.1, 1.0 - self.turn_penalty * (self.turns - 1)), True, {"success": True}
         return self.last, 0.0, False, {"success": False}
 
     def get_state_description(self) -> str:

@@ -18,6 +18,9 @@ from async_rl.envs.tools import tools_system_text
 
 _ANCHOR = [{"role": "system", "content": "anchor"}, {"role": "user", "content": "anchor"}]
 _MARK = "\u2063async-rl-reply\u2063"
+_ANCHOR_REPLY = [*_ANCHOR, {"role": "assistant", "content": "anchor"}]
+_APPEND_CACHE = 4096
+"""Appended messages whose token ids are kept (the cache is cleared when full)."""
 
 
 class TemplateError(ValueError):
@@ -39,6 +42,9 @@ class ChatEncoder:
         eos = getattr(tokenizer, "eos_token", None)
         self.eos_token_id: int | None = getattr(tokenizer, "eos_token_id", None)
         self._after_eos = self.reply_suffix[len(eos):] if eos and self.reply_suffix.startswith(eos) else None
+        self._anchor_text = self._render(_ANCHOR_REPLY, False)
+        self._appended: dict[tuple[tuple[str, str], ...], list[int]] = {}
+        self.append([{"role": "user", "content": "probe"}])  # a template that does not append fails here, before any episode
 
     def _render(self, messages: list[dict[str, str]], generation_prompt: bool, tools: list[dict[str, Any]] | None = None) -> str:
         extra = {"tools": tools} if tools else {}
@@ -68,12 +74,17 @@ class ChatEncoder:
     def append(self, messages: list[dict[str, str]]) -> list[int]:
         """Tokens that append ``messages`` (e.g. an observation) after a closed reply, opening
         the assistant's next turn."""
-        before = self._render(_ANCHOR + [{"role": "assistant", "content": "anchor"}], False)
-        after = self._render(_ANCHOR + [{"role": "assistant", "content": "anchor"}] + messages, True)
-        if not after.startswith(before):
-            raise TemplateError("the chat template renders earlier messages differently once more follow; "
-                                "multi-turn episodes need a template that only appends")
-        return self._ids(after[len(before):])
+        key = tuple((m["role"], m["content"]) for m in messages)
+        if (ids := self._appended.get(key)) is None:  # environments repeat their messages ("Higher.")
+            after = self._render(_ANCHOR_REPLY + messages, True)
+            if not after.startswith(self._anchor_text):
+                raise TemplateError("the chat template renders earlier messages differently once more follow; "
+                                    "multi-turn episodes need a template that only appends")
+            ids = self._ids(after[len(self._anchor_text):])
+            if len(self._appended) >= _APPEND_CACHE:
+                self._appended.clear()
+            self._appended[key] = ids
+        return list(ids)
 
     def close_reply(self, reply_ids: list[int]) -> list[int]:
         """Tokens the template puts after the model's reply ``reply_ids``: after an EOS the

@@ -13,9 +13,12 @@ from pathlib import Path
 from typing import Callable
 
 from async_rl.config import Config, save_resolved
-from async_rl.data.prompts import PromptFormatter, read_prompt_rows, write_rejected
+from async_rl.data.prompts import PromptFormatter, PromptRow, read_prompt_rows, write_rejected
 from async_rl.rewards import load_reward_function
 from async_rl.rollout.engine_args import engine_kwargs
+
+EPISODES_IN_FLIGHT = 64
+"""Concurrent greedy episodes of an environment evaluation (vLLM batches their turns)."""
 
 
 @dataclass
@@ -25,7 +28,8 @@ class EvalResult:
     prompts: int
     """Validation prompts evaluated."""
     accuracy: float
-    """Mean of the reward function's ``overall`` over prompts (greedy decoding), in [0, 1] for 0/1 rewards."""
+    """Mean of the reward function's ``overall`` over prompts (greedy decoding), in [0, 1] for 0/1 rewards;
+    with an environment (``rollout.env.name``), the success rate of greedy episodes."""
     rejected_rows: int
     """Malformed rows skipped (written to ``rejected_rows.jsonl``)."""
     generated_tokens: int
@@ -52,6 +56,11 @@ def evaluate(cfg: Config, out_dir: str | Path, limit: int | None = None, progres
     rows = rows[:limit] if limit else rows
     if not rows:
         raise ValueError(f"no usable rows in {cfg.data.val_files} ({len(rejected)} rejected; see {out / 'rejected_rows.jsonl'})")
+
+    if cfg.rollout.env.name:
+        result = _evaluate_episodes(cfg, rows, len(rejected), progress)
+        (out / "eval.json").write_text(json.dumps(asdict(result), indent=2))
+        return result
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.learner.model_path)
     formatter = PromptFormatter(tokenizer, cfg.data.system_prompt, cfg.data.format_prompt)
@@ -89,3 +98,53 @@ def evaluate(cfg: Config, out_dir: str | Path, limit: int | None = None, progres
     )
     (out / "eval.json").write_text(json.dumps(asdict(result), indent=2))
     return result
+
+
+def _evaluate_episodes(cfg: Config, rows: list[PromptRow], rejected: int, progress: Callable[[str], None]) -> EvalResult:
+    """One greedy episode of ``rollout.env`` per row, on an inference server in this process."""
+    import asyncio
+
+    from async_rl.envs import load_environment
+    from async_rl.envs.conversation import ChatEncoder
+    from async_rl.rollout.episodes import Episode, EpisodeSampler
+    from async_rl.rollout.server import InferenceServer, Sampling
+
+    env_cls = load_environment(cfg.rollout.env.name)  # type: ignore[arg-type]
+
+    async def run() -> tuple[list[Episode], float, float]:
+        progress(f"starting vLLM engine for {cfg.learner.model_path}")
+        t0 = time.perf_counter()
+        server = InferenceServer("eval", engine_kwargs(cfg))
+        try:
+            await server.start()
+            start_s = time.perf_counter() - t0
+            greedy = Sampling(temperature=0.0, max_tokens=cfg.rollout.max_response_length)
+            sampler = EpisodeSampler(env_cls, cfg.rollout.env, ChatEncoder(server.tokenizer()), greedy, cfg.data.max_prompt_length)
+            limit = asyncio.Semaphore(EPISODES_IN_FLIGHT)
+
+            async def one(row: PromptRow) -> Episode:
+                async with limit:
+                    return await sampler.episode(row, server.generate)
+
+            progress(f"playing greedy episodes of {cfg.rollout.env.name} for {len(rows)} validation rows")
+            t0 = time.perf_counter()
+            episodes = await asyncio.gather(*(one(r) for r in rows))
+            return episodes, start_s, time.perf_counter() - t0
+        finally:
+            await server.shutdown()
+
+    episodes, engine_start_s, generate_s = asyncio.run(run())
+    wins = [e.trajectory.error is None and e.trajectory.success for e in episodes]
+    return EvalResult(
+        prompts=len(rows),
+        accuracy=sum(wins) / len(rows),
+        rejected_rows=rejected,
+        generated_tokens=sum(sum(e.tokens.mask) for e in episodes if e.tokens is not None),
+        generate_s=generate_s,
+        engine_start_s=engine_start_s,
+        examples=[
+            {"prompt": r.prompt, "response": " | ".join(e.trajectory.actions) or f"(error: {e.trajectory.error})",
+             "answer": r.answer, "reward": f"{e.trajectory.total_reward(cfg.rollout.env.reward):.2f}"}
+            for r, e in list(zip(rows, episodes))[:5]
+        ],
+    )

@@ -19,7 +19,7 @@ from async_rl.data.tiny_assets import (
     build_tiny_assets,
     weights_sha256,
 )
-from async_rl.data.tiny_task import AdditionTask, extract_answer, is_correct, make_splits, read_jsonl
+from async_rl.data.tiny_task import FEEDBACK, AdditionTask, extract_answer, feedback, is_correct, make_splits, read_jsonl
 
 ACCURACY_SLACK = 0.02
 """|recomputed - manifest| greedy accuracy allowed: the build decodes in one padded
@@ -83,6 +83,29 @@ def test_same_seed_rebuilds_identical_assets(tiny_assets: TinyAssetsReport, tmp_
         assert (again.data_dir / split).read_bytes() == (tiny_assets.data_dir / split).read_bytes()
     assert (again.base_accuracy, again.sft_steps) == (first.base_accuracy, first.sft_steps) and again.sft_steps == 10
     assert json.loads(again.manifest_path.read_text())["warm_start"]["max_steps"] == 10
+
+
+def test_multiturn_assets_know_the_feedback_and_warm_start_on_second_turns(tiny_assets: TinyAssetsReport, tmp_path: Path) -> None:
+    from async_rl.data.tiny_assets import _examples
+
+    short = WarmStart(warmup_steps=5, eval_every=10, band=(0.0, 1.0), target=0.0, max_steps=10)
+    report = build_tiny_assets(tmp_path, seed=0, progress=lambda _: None, warm_start=short, task="multiturn")
+    assert json.loads(report.manifest_path.read_text())["task"]["name"] == "multiturn"
+    assert (report.data_dir / "train.jsonl").read_bytes() == (tiny_assets.data_dir / "train.jsonl").read_bytes()
+    multiturn, single = (AutoTokenizer.from_pretrained(d) for d in (report.model_dir, tiny_assets.model_dir))
+    for text in FEEDBACK:  # the environment's messages are a few tokens each, not one per byte
+        assert len(multiturn.encode(text)) <= 3 < len(single.encode(text))
+    rows = read_jsonl(report.train_path)[:4]
+    examples = _examples(multiturn, rows, feedback_seed=0)
+    for i, ((prompt, completion), row) in enumerate(zip(examples, rows)):
+        text = multiturn.decode(prompt)
+        assert multiturn.decode(completion) == row.answer and text.endswith("<|im_start|>assistant\n")
+        assert text.count("<|im_start|>assistant") == (2 if i % 2 else 1)  # every other example: a wrong answer first
+        if i % 2:
+            wrong = int(text.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0])
+            assert wrong != int(row.answer) and feedback(wrong, int(row.answer)) in text
+    with pytest.raises(ValueError, match="unknown tiny task 'chess'"):
+        build_tiny_assets(tmp_path / "x", task="chess")
 
 
 def test_loads_in_transformers_with_chat_template(tiny_assets: TinyAssetsReport) -> None:

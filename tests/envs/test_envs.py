@@ -217,3 +217,17 @@ def test_a_five_turn_episode_is_token_exact(tokenizer):
     assert all(lp == -0.5 for lp, m in zip(traj.logprobs, traj.mask) if m) and all(lp == 0.0 for lp, m in zip(traj.logprobs, traj.mask) if not m)
     assert len(traj.token_ids) == len(traj.mask) == len(traj.logprobs) == len(traj.versions)
     assert traj.context() == traj.prompt_ids + traj.token_ids
+
+
+def test_a_template_that_rewrites_earlier_messages_is_refused_when_the_encoder_is_made(tokenizer):
+    import copy
+
+    from async_rl.envs.conversation import TemplateError
+
+    marking = copy.deepcopy(tokenizer)  # marks the last message: earlier ones render differently once more follow
+    marking.chat_template = "{% for m in messages %}{% if loop.last %}[last]{% endif %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    with pytest.raises(TemplateError, match="only appends"):
+        ChatEncoder(marking)
+    marking.chat_template = None
+    with pytest.raises(TemplateError, match="no chat template"):
+        ChatEncoder(marking)

@@ -1,0 +1,28 @@
+"""`async-rl eval` on a real vLLM engine: single-turn prompts, and greedy episodes of an environment."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from async_rl.config import load_config
+from async_rl.rollout.offline_eval import evaluate
+
+pytestmark = pytest.mark.integration
+
+
+def test_one_turn_episodes_score_exactly_as_the_single_turn_eval(tiny_assets, tmp_path):
+    """The tiny task as a one-turn environment: a greedy episode wins exactly when the greedy
+    answer is right, so the two evaluations agree to the row (same template, same engine)."""
+    base = [
+        f"learner.model_path={tiny_assets.model_dir}", f"data.train_files={tiny_assets.train_path}",
+        f"data.val_files={tiny_assets.val_path}", "rollout.max_response_length=16",
+    ]
+    single = evaluate(load_config(None, base), tmp_path / "single", limit=24, progress=lambda _: None)
+    episodes = evaluate(load_config(None, [*base, "rollout.env.name=addition_feedback", "rollout.env.max_turns=1"]),
+                        tmp_path / "env", limit=24, progress=lambda _: None)
+    assert single.prompts == episodes.prompts == 24 and 0.0 < single.accuracy < 1.0
+    assert episodes.accuracy == single.accuracy
+    assert [e["response"] for e in episodes.examples] == [e["response"] for e in single.examples]
+    assert json.loads((tmp_path / "env" / "eval.json").read_text())["accuracy"] == episodes.accuracy
