@@ -93,8 +93,8 @@ def test_multiturn_assets_know_the_feedback_and_warm_start_on_second_turns(tiny_
     assert json.loads(report.manifest_path.read_text())["task"]["name"] == "multiturn"
     assert (report.data_dir / "train.jsonl").read_bytes() == (tiny_assets.data_dir / "train.jsonl").read_bytes()
     multiturn, single = (AutoTokenizer.from_pretrained(d) for d in (report.model_dir, tiny_assets.model_dir))
-    for text in FEEDBACK:  # the environment's messages are a few tokens each, not one per byte
-        assert len(multiturn.encode(text)) <= 3 < len(single.encode(text))
+    for text in FEEDBACK:  # the environment's messages are a token per word and the period, not one per byte
+        assert len(multiturn.encode(text)) == len(text.split()) + 1 < len(single.encode(text))
     rows = read_jsonl(report.train_path)[:4]
     examples = _examples(multiturn, rows, feedback_seed=0)
     for i, ((prompt, completion), row) in enumerate(zip(examples, rows)):

@@ -21,6 +21,8 @@ Identity = tuple[int, int]
 # The parent enters reap_on_exit and starts CHILD, which starts every kind of process that
 # escapes a plain "kill my children": its own session ignoring SIGTERM, a double fork that
 # detaches at once, and a detached fork whose parent exits (an orphan without the token).
+# Each reports "name pid" in one write(2): print() under PYTHONUNBUFFERED=1 writes word by
+# word, and the lines of concurrent processes interleave.
 PARENT = """
 import subprocess, sys, time
 from async_rl.launch.reaper import reap_on_exit
@@ -30,18 +32,18 @@ with reap_on_exit():
 """
 ORPHAN = """
 import os, time
-print("orphan_parent", os.getpid(), flush=True)
+os.write(1, f"orphan_parent {os.getpid()}\\n".encode())
 if os.fork() == 0:
-    os.setsid(); print("orphan", os.getpid(), flush=True); time.sleep(600); os._exit(0)
+    os.setsid(); os.write(1, f"orphan {os.getpid()}\\n".encode()); time.sleep(600); os._exit(0)
 time.sleep(1.5)  # the watchdog records the fork before it is orphaned
 """
 CHILD = f"""
 import os, signal, subprocess, sys, time
 def say(name):
-    print(name, os.getpid(), flush=True)
+    os.write(1, f"{{name}} {{os.getpid()}}\\n".encode())
 say("child")
 subprocess.Popen([sys.executable, "-c", "import os, signal, time; os.setsid(); signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-                  "print('stubborn', os.getpid(), flush=True); time.sleep(600)"])
+                  "os.write(1, b'stubborn %d\\\\n' % os.getpid()); time.sleep(600)"])
 if os.fork() == 0:
     if os.fork() == 0:
         os.setsid(); say("daemon"); time.sleep(600); os._exit(0)

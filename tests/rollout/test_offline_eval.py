@@ -17,7 +17,7 @@ def test_one_turn_episodes_score_exactly_as_the_single_turn_eval(tiny_assets, tm
     answer is right, so the two evaluations agree to the row (same template, same engine)."""
     base = [
         f"learner.model_path={tiny_assets.model_dir}", f"data.train_files={tiny_assets.train_path}",
-        f"data.val_files={tiny_assets.val_path}", "rollout.max_response_length=16",
+        f"data.val_files={tiny_assets.val_path}", "data.max_prompt_length=64", "rollout.max_response_length=16",
     ]
     single = evaluate(load_config(None, base), tmp_path / "single", limit=24, progress=lambda _: None)
     episodes = evaluate(load_config(None, [*base, "rollout.env.name=addition_feedback", "rollout.env.max_turns=1"]),
