@@ -16,12 +16,12 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def write_config(tiny_assets: Any, tmp_path: Path, steps: int, **sections: dict[str, Any]) -> Path:
-    """The quickstart config at a small scale (batches of 4 groups x 4 samples) with
-    ``sections`` merged in (e.g. ``trainer={"save_every": 3}``); returns its path."""
+def write_config(tiny_assets: Any, tmp_path: Path, steps: int, base: str = "quickstart.yaml", **sections: dict[str, Any]) -> Path:
+    """A quickstart config (``configs/<base>``) at a small scale (batches of 4 groups x 4
+    samples) with ``sections`` merged in (e.g. ``trainer={"save_every": 3}``); returns its path."""
     val = tmp_path / "val.jsonl"
     val.write_text("".join(tiny_assets.val_path.read_text().splitlines(keepends=True)[:16]))
-    cfg = yaml.safe_load((ROOT / "configs" / "quickstart.yaml").read_text())
+    cfg = yaml.safe_load((ROOT / "configs" / base).read_text())
     cfg["data"].update(train_files=str(tiny_assets.train_path), val_files=str(val))
     cfg["learner"].update(model_path=str(tiny_assets.model_dir), batch_size=4)
     cfg["rollout"].update(n=4, max_inflight=8)

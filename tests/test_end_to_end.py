@@ -50,6 +50,24 @@ def test_train_runs_the_whole_pipeline(tiny_assets, tmp_path):
     _export_serves_in_vllm(final, tmp_path / "export")
 
 
+def test_the_multiturn_quickstart_trains_on_episodes(tiny_assets, tmp_path):
+    """configs/multiturn_quickstart.yaml for 2 steps: groups of 3-turn episodes of the built-in
+    environment reach the learner, and validation plays greedy episodes before and after."""
+    config = write_config(tiny_assets, tmp_path, steps=2, base="multiturn_quickstart.yaml")
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "async_rl.cli", "train", str(config)], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    (tmp_path / "train.log").write_text(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "perf/tokens_per_s" in r]
+    assert [r["version"] for r in steps] == [1, 2]
+    episodes = [r for r in records if "env/turns_mean" in r]
+    assert episodes and all(1.0 <= r["env/turns_mean"] <= 3.0 and r["env/errors"] == 0 for r in episodes)
+    assert any(r["env/turns_mean"] > 1.0 for r in episodes)  # wrong answers got feedback and another turn
+    assert [r["version"] for r in records if "val/greedy_accuracy" in r] == [0, 2]
+    assert wait_gone(run_dir) == []
+
+
 def _export_serves_in_vllm(checkpoint: Path, out: Path) -> None:
     """`async-rl export` of the trained checkpoint loads in vLLM with the log-probs transformers gives it."""
     import torch
