@@ -141,6 +141,7 @@ class _Run:
     async def _start(self, stack: contextlib.AsyncExitStack) -> None:
         cfg = self.cfg
         layout = cpu_layout(cfg)
+        all_cores = os.sched_getaffinity(0)
         if layout:  # before Redis and Ray start: they and their workers inherit the rollout cores
             stack.enter_context(pinned_to(support_cores(layout)))
         stack.enter_context(reap_on_exit())  # before any process starts: each ends with this one, even on SIGKILL
@@ -164,7 +165,16 @@ class _Run:
         except RewardStartupError as exc:
             raise StartupError(str(exc)) from None
 
-        redis_url = cfg.queue.redis_url or stack.enter_context(EmbeddedRedis(self.run_dir / "redis"))
+        if cfg.queue.redis_url:
+            redis_url = cfg.queue.redis_url
+        else:
+            embedded = EmbeddedRedis(self.run_dir / "redis")
+            redis_url = stack.enter_context(embedded)
+            if layout:
+                # Redis answers every admission, put and read. On the rollout cores, which vLLM
+                # keeps busy, it waited seconds for the CPU and held generation and the learner
+                # back with it (20 steps: 30-190 s instead of 8 s); it is light, so it runs anywhere.
+                set_process_cores(embedded.pid, all_cores)
         self.queue = stack.enter_context(ReplayQueue(redis_url, cfg.trainer.run_name, cfg.queue.max_depth, op_timeout_s=cfg.queue.timeout_s))
 
         try:
@@ -419,8 +429,9 @@ def cpu_layout(cfg: Config) -> tuple[list[str], list[list[int]]] | None:
 
 def support_cores(layout: tuple[list[str], list[list[int]]]) -> set[int]:
     """Cores for everything but the learner ranks and vLLM's compute threads: the driver,
-    Redis, Ray's daemons, the servers' engine front ends. They share the rollout cores, so
-    a learner rank's cores are its own (its step time is then what it is alone)."""
+    Ray's daemons, the servers' engine front ends and rollout workers. They share the rollout
+    cores, so a learner rank's cores are its own (its step time is then what it is alone).
+    The embedded Redis is the exception: it may run on every core (see ``_start``)."""
     return {int(core) for bind in layout[0] for core in bind.split(",")}
 
 
@@ -429,14 +440,15 @@ def pinned_to(cores: set[int]) -> Iterator[None]:
     """Run every thread of this process on ``cores`` until the block ends (processes started
     meanwhile keep them: Redis, Ray's daemons and workers, vLLM's engine processes)."""
     before = os.sched_getaffinity(0)
-
-    def pin(mask: set[int]) -> None:
-        for tid in os.listdir("/proc/self/task"):
-            with contextlib.suppress(ProcessLookupError):  # a thread that just ended
-                os.sched_setaffinity(int(tid), mask)
-
-    pin(cores)
+    set_process_cores(os.getpid(), cores)
     try:
         yield
     finally:
-        pin(before)
+        set_process_cores(os.getpid(), before)
+
+
+def set_process_cores(pid: int, cores: set[int]) -> None:
+    """Move every thread of process ``pid`` (not only its main thread) to ``cores``."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that just ended
+            os.sched_setaffinity(int(tid), cores)

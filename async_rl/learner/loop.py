@@ -104,6 +104,8 @@ class LearnerLoop:
         self.publisher = publisher
         self._pending: PendingSend | None = None
         """Rank 0: the update the servers may still be loading."""
+        self._sync_metrics: dict[str, float] = {}
+        """Rank 0: timings of the updates settled since the last logged step (``sync/*``)."""
         # Every rank must know whether rank 0 publishes: the gathers are collective.
         self.publishing = bool(_broadcast_bytes(b"1" if publisher is not None else b"", self.info))
         self.output_dir = Path(cfg.trainer.output_dir)
@@ -209,6 +211,8 @@ class LearnerLoop:
             "time/optim": result.times.optim, "time/sync": sync_s,
         })
         metrics.update({"time/wait": wait_s, "time/step": step_s, "perf/idle_fraction": wait_s / max(step_s, 1e-9)})
+        metrics.update(self._sync_metrics)
+        self._sync_metrics = {}
         metrics.update({f"counters/{k}": float(v) for k, v in self.counters.items()})
         self.uncommitted.extend(entry_id for entry_id, _ in entries)
         # Log before the checkpoint: a kill between the two then repeats the line (a resumed
@@ -345,6 +349,7 @@ class LearnerLoop:
         if result is None:
             return
         self._pending = None
+        self._sync_metrics = _sync_timings(result)
         if not result.ok and result.servers:
             self.counters["sync_failed"] += 1
         if self._served > self._announced and self.publisher.servers and not self._lagging():
@@ -366,6 +371,18 @@ class LearnerLoop:
         record = {"version": self.version, "entry_ids": [e for e, _ in entries], "prompt_ids": [g.prompt_id for _, g in entries], "metrics": metrics}
         with open(self.output_dir / "learner_steps.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
+
+
+def _sync_timings(result: SendResult) -> dict[str, float]:
+    """``sync/*`` metrics of a settled update, seconds: the sender's whole update and its
+    wait for the acknowledgements, and the slowest server's receive, load and pause."""
+    reports = list(result.servers.values())
+    return {
+        "sync/update_s": result.total_s, "sync/ack_wait_s": result.ack_s,
+        "sync/receive_s": max((r.receive_s for r in reports), default=0.0),
+        "sync/load_s": max((r.load_s for r in reports), default=0.0),
+        "sync/pause_s": max((r.pause_s for r in reports), default=0.0),
+    }
 
 
 def _broadcast_bytes(payload: bytes, info: DistInfo) -> bytes:

@@ -6,7 +6,7 @@ import sys
 import threading
 
 from async_rl.config import load_config
-from async_rl.launch.driver import cpu_layout, pinned_to, support_cores
+from async_rl.launch.driver import cpu_layout, pinned_to, set_process_cores, support_cores
 
 
 def test_support_processes_share_the_server_cores_not_the_learners():
@@ -41,3 +41,23 @@ def test_pinned_to_moves_every_thread_and_children_then_restores():
     assert child.stdout.strip() == str([core])  # a process started inside inherits the cores
     assert seen["thread"] == {core}  # threads that already existed moved too
     assert os.sched_getaffinity(0) == before  # restored afterwards
+
+
+def test_set_process_cores_moves_every_thread_of_another_process():
+    """How the driver lets its embedded Redis (started pinned, with its I/O threads) leave the rollout cores."""
+    cores = os.sched_getaffinity(0)
+    code = ("import os, sys, threading, time\n"
+            "threading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n"
+            "print('up', flush=True); sys.stdin.readline()\n"
+            "masks = [sorted(os.sched_getaffinity(int(t))) for t in os.listdir('/proc/self/task')]\n"
+            "print(len(masks), all(m == masks[0] for m in masks), masks[0], flush=True)\n")
+    with pinned_to({min(cores)}):
+        child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "up"
+        set_process_cores(child.pid, cores)
+        out, _ = child.communicate("go\n", timeout=30)
+    finally:
+        child.kill()
+    threads, same, mask = out.split(" ", 2)
+    assert int(threads) >= 2 and same == "True" and mask.strip() == str(sorted(cores))  # every thread moved
