@@ -1,0 +1,91 @@
+"""How much a quickstart learns and how fast: validation against wall time, as a user runs it.
+
+Runs ``async-rl quickstart NAME`` in a subprocess from the repository root (it builds the
+tiny assets if absent, timed apart) into a fresh run directory, then reads the run's
+``metrics.jsonl``: every validation point (policy version, seconds since the run started,
+greedy accuracy — for an environment task the success rate of greedy episodes — and pass@n)
+and the environment metrics of the last ten steps. The gain is the last greedy figure minus
+the one at version 0, in points; the target is ``--target-points`` within ``--target-min``
+minutes of training (the asset build is reported apart).
+
+    python benchmarks/quickstart_learning.py multiturn --json benchmarks/results/quickstart_multiturn.json
+
+JSON keys: gain_points, train_wall_s, target_met, assets_s (with assets_built), val (the curve), env_last10, plus the
+command and settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from _report import report
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("name", nargs="?", default="multiturn", help="quickstart name (addition, multiturn)")
+    ap.add_argument("--out", type=Path, default=None, help="run directory (default runs/bench/quickstart-NAME; emptied first)")
+    ap.add_argument("--target-points", type=float, default=20.0, help="greedy accuracy gain to reach, in points")
+    ap.add_argument("--target-min", type=float, default=10.0, help="within this many minutes of training")
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("overrides", nargs="*", help="KEY=VALUE overrides passed to the quickstart")
+    args = ap.parse_args()
+    out = args.out or Path("runs/bench") / f"quickstart-{args.name}"
+    shutil.rmtree(ROOT / out, ignore_errors=True)  # a run directory with a checkpoint would resume
+    cli = [sys.executable, "-m", "async_rl.cli"]
+
+    from async_rl.cli import QUICKSTARTS
+    from async_rl.data.tiny_assets import build_tiny_assets
+
+    config, assets, task = QUICKSTARTS[args.name]
+    t0 = time.perf_counter()
+    assets_built = not (ROOT / assets / "assets.json").is_file()
+    if assets_built:
+        build_tiny_assets(ROOT / assets, seed=0, task=task)
+    assets_s = time.perf_counter() - t0
+
+    command = [*cli, "quickstart", args.name, f"trainer.output_dir={out}", *args.overrides]
+    t0 = time.perf_counter()
+    subprocess.run(command, cwd=ROOT, check=True, env=os.environ.copy())
+    train_wall_s = time.perf_counter() - t0
+
+    rows = [json.loads(line) for line in (ROOT / out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    val = [
+        {"version": int(r["version"]), "elapsed_s": round(r["time/elapsed_s"], 1),
+         "greedy": r["val/greedy_accuracy"], "pass_at_n": r["val/pass_at_n"]}
+        for r in rows if "val/greedy_accuracy" in r
+    ]
+    if not val:
+        raise SystemExit(f"no validation rows in {out / 'metrics.jsonl'}: set trainer.val_every")
+    last = [r for r in rows if "env/turns_mean" in r][-10:]
+    env_last10 = {k: sum(r[k] for r in last) / len(last) for k in sorted(last[0]) if k.startswith("env/")} if last else {}
+    gain = 100.0 * (val[-1]["greedy"] - val[0]["greedy"])
+    result = {
+        "greedy_start": val[0]["greedy"],
+        "greedy_end": val[-1]["greedy"],
+        "gain_points": gain,
+        "train_wall_s": train_wall_s,
+        "assets_s": assets_s,
+        "assets_built": assets_built,  # False: they were there already and assets_s is ~0
+        "steps": val[-1]["version"],
+        "target_met": gain >= args.target_points and train_wall_s <= 60 * args.target_min,
+        "target": f"+{args.target_points:g} points in <= {args.target_min:g} min of training",
+        "val": val,
+        "env_last10": env_last10,
+        "command": " ".join(["async-rl", *command[len(cli):]]),
+        "machine": f"{os.cpu_count()} cores, cpu",
+    }
+    report(result, args.json)
+
+
+if __name__ == "__main__":
+    main()
