@@ -1,5 +1,6 @@
 """Pure tensor algorithms of the learner: advantage estimators, policy losses with off-policy
-correction, and KL estimators. No I/O, no distributed code, no dependency on other async_rl modules.
+correction, a critic's value loss, KL estimators and KL controllers. No I/O, no distributed
+code, no dependency on other async_rl modules.
 
     from async_rl.algos import advantages, losses, kl
     adv = advantages.compute("grpo", rewards=r, group_index=g, response_mask=m)

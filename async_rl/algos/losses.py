@@ -423,3 +423,53 @@ def cispo(logp: Tensor, prox_logp: Tensor, advantages: Tensor, mask: Tensor, opt
     ratio = torch.exp((logp - prox_logp).detach().clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND))
     weight = ratio.clamp(1 - options.clip_low, 1 + options.clip_high)
     return PolicyTerms(-weight * advantages * logp, weight != ratio, torch.zeros_like(ratio, dtype=torch.bool))
+
+
+def value_loss(
+    values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, cliprange: float | None, agg_mode: str = "token-mean"
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clipped value loss of a critic: ``0.5 * agg(max((v - R)^2, (clip(v, v_old +- c) - R)^2))``.
+
+    Shapes: ``values`` (current critic, with gradient), ``old_values`` (the critic that computed
+    the returns), ``returns`` (targets, e.g. GAE's ``A + V``) and ``mask`` all ``[B, T]``.
+    ``cliprange`` ``c`` is absolute (value units); ``None`` turns clipping off. ``agg_mode`` as in
+    :func:`aggregate`. Metrics (detached scalars): ``vf_loss``, ``vf_clipfrac`` (share of trained
+    tokens where the clipped term is the larger), ``explained_variance``, ``value_mean``,
+    ``return_mean``. Source: verl ``core_algos.compute_value_loss`` (PPO2's clipped value loss).
+    """
+    if agg_mode not in AGG_MODES:
+        raise ValueError(f"unknown agg_mode {agg_mode!r}; valid modes: {AGG_MODES}")
+    _check(cliprange is None or cliprange > 0, "cliprange must be > 0 or None", cliprange)
+    mask = mask.to(values.dtype)
+    unclipped = (values - returns).square()
+    if cliprange is None:
+        clipped = unclipped
+    else:
+        # clamp to [v_old - c, v_old + c] rather than v_old + clamp(v - v_old): inside the range it
+        # is v itself, so rounding never counts a token as clipped
+        clipped = (torch.clamp(values, old_values - cliprange, old_values + cliprange) - returns).square()
+    loss = 0.5 * aggregate(torch.maximum(unclipped, clipped), mask, agg_mode)
+    with torch.no_grad():
+        metrics = {
+            "vf_loss": loss.detach(),
+            "vf_clipfrac": masked_mean((clipped > unclipped).to(values.dtype), mask),
+            "explained_variance": explained_variance(values, returns, mask),
+            "value_mean": masked_mean(values, mask),
+            "return_mean": masked_mean(returns, mask),
+        }
+    return loss, metrics
+
+
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
+    """``1 - Var(R - v) / Var(R)`` over trained tokens (unbiased variances): 1 for a perfect critic,
+    0 for one that predicts the mean, negative for worse. ``[B, T]`` -> scalar; 0 when ``Var(R)``
+    is 0 or fewer than two tokens are trained. Source: verl ``critic/vf_explained_var``."""
+    mask = mask.to(returns.dtype)
+    denom = (mask.sum() - 1).clamp_min(1)
+
+    def var(x: Tensor) -> Tensor:
+        return ((x - masked_mean(x, mask)).square() * mask).sum() / denom
+
+    var_returns = var(returns)  # 0 with fewer than two trained tokens
+    ratio = var(returns - values) / var_returns.clamp_min(torch.finfo(returns.dtype).tiny)
+    return torch.where(var_returns > 0, 1 - ratio, torch.zeros_like(ratio))  # no host sync
