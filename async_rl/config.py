@@ -322,11 +322,28 @@ class LossConfig:
     agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     """How token losses are reduced to a scalar."""
     kl_coef: float = 0.0
-    """Weight of the KL penalty to the frozen reference policy; 0 loads no reference model."""
+    """Weight of the KL penalty to the frozen reference policy in the loss; 0 loads no reference model (unless ``algorithm.kl_in_reward``)."""
     kl_kind: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator (Schulman's k1/k2/k3; k3 with verl's clamps)."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus."""
+
+
+@dataclass
+class KLControlConfig:
+    """The KL penalty in the reward and its coefficient (``algorithm.kl_in_reward``; verl
+    ``algorithm.kl_ctrl`` and ``kl_penalty``; see docs/algorithms.md)."""
+
+    type: Literal["fixed", "adaptive"] = "fixed"
+    """``fixed``: the coefficient stays ``kl_coef``; ``adaptive``: Ziegler et al.'s controller steers the measured KL towards ``target_kl``."""
+    kl_coef: float = 0.001
+    """The (initial) coefficient beta of ``r_t = s_t - beta * kl_t``."""
+    target_kl: float = 0.1
+    """adaptive: the KL per token to hold, nats."""
+    horizon: int = 10000
+    """adaptive: samples over which a 20% KL error moves the coefficient by 20%."""
+    kind: Literal["k1", "k2", "k3"] = "k1"
+    """Per-token KL estimator put in the reward (verl's default ``kl`` is k1)."""
 
 
 @dataclass
@@ -341,6 +358,15 @@ class AlgorithmConfig:
     """Advantage estimator."""
     loss: LossConfig = field(default_factory=LossConfig)
     """Policy loss and off-policy correction."""
+    kl_in_reward: bool = False
+    """Subtract ``beta * KL`` to the frozen reference policy per token from the rewards before the advantage estimator (verl ``use_kl_in_reward``); loads the reference model."""
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    """Coefficient and estimator of the KL in the reward."""
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the learner loads the frozen reference policy (a KL term in the loss or the reward)."""
+        return self.loss.kl_coef > 0 or self.kl_in_reward
 
 
 @dataclass
@@ -656,6 +682,11 @@ def validate(cfg: Config) -> None:
     need(loss.clip_c is None or loss.clip_c > 1, f"algorithm.loss.clip_c={loss.clip_c} must be > 1 (or null to disable dual-clip)")
     need(loss.is_cap is None or loss.is_cap >= 1, f"algorithm.loss.is_cap={loss.is_cap} must be >= 1 (or null for no truncation)")
     need(loss.kl_coef >= 0, f"algorithm.loss.kl_coef={loss.kl_coef} must be >= 0")
+    kc = alg.kl_ctrl
+    need(math.isfinite(kc.kl_coef) and kc.kl_coef >= 0, f"algorithm.kl_ctrl.kl_coef={kc.kl_coef} must be >= 0")
+    need(kc.type != "adaptive" or kc.kl_coef > 0, f"algorithm.kl_ctrl.kl_coef={kc.kl_coef} must be > 0 with algorithm.kl_ctrl.type='adaptive' (it only scales)")
+    need(math.isfinite(kc.target_kl) and kc.target_kl > 0, f"algorithm.kl_ctrl.target_kl={kc.target_kl} must be > 0")
+    need(kc.horizon > 0, f"algorithm.kl_ctrl.horizon={kc.horizon} must be > 0")
     need(cfg.queue.timeout_s > 0 and cfg.sync.timeout_s > 0, f"queue.timeout_s={cfg.queue.timeout_s} and sync.timeout_s={cfg.sync.timeout_s} must be > 0")
     need(r.reward.num_workers >= 1, f"rollout.reward.num_workers={r.reward.num_workers} must be >= 1")
     need(r.reward.timeout_s > 0, f"rollout.reward.timeout_s={r.reward.timeout_s} must be > 0")

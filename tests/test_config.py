@@ -105,6 +105,17 @@ def test_rloo_needs_group_but_reinforce_pp_does_not():
     assert cfg.rollout.n == 1
 
 
+def test_kl_in_reward_settings_are_checked_and_load_the_reference():
+    msg = _error(["algorithm.kl_ctrl.kl_coef=-0.1", "algorithm.kl_ctrl.target_kl=0", "algorithm.kl_ctrl.horizon=0"])
+    assert "algorithm.kl_ctrl.kl_coef=-0.1 must be >= 0" in msg
+    assert "algorithm.kl_ctrl.target_kl=0.0 must be > 0" in msg and "algorithm.kl_ctrl.horizon=0 must be > 0" in msg
+    assert "must be > 0 with algorithm.kl_ctrl.type='adaptive'" in _error(["algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0"])
+    assert "did you mean 'adaptive'" in _error(["algorithm.kl_ctrl.type=adaptiv"])
+    assert not load_config(None, []).algorithm.needs_reference
+    assert load_config(None, ["algorithm.kl_in_reward=true"]).algorithm.needs_reference
+    assert load_config(None, ["algorithm.loss.kl_coef=0.01"]).algorithm.needs_reference
+
+
 def test_all_problems_reported_together():
     msg = _error(["rollout.top_p=0", "learner.optim.lr=0"])
     assert "rollout.top_p=0.0" in msg and "learner.optim.lr=0.0" in msg

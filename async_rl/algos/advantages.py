@@ -81,7 +81,7 @@ def _outcome_scores(rewards: Tensor, mask: Tensor) -> Tensor:
     return rewards if rewards.dim() == 1 else (rewards * mask).sum(-1)
 
 
-def _token_rewards(rewards: Tensor, mask: Tensor) -> Tensor:
+def token_rewards(rewards: Tensor, mask: Tensor) -> Tensor:
     """Token rewards ``[B, T]``: token-level rewards as given, an outcome reward on the last trained token."""
     if rewards.dim() == 2:
         return rewards * mask
@@ -192,7 +192,7 @@ def reinforce_pp(
     Sources: Hu, "REINFORCE++" (arXiv:2501.03262); verl ``compute_reinforce_plus_plus_outcome_advantage``.
     """
     del group_index  # the global batch is the baseline; groups play no part
-    returns = _discounted_returns(_token_rewards(rewards, response_mask), response_mask, gamma)
+    returns = _discounted_returns(token_rewards(rewards, response_mask), response_mask, gamma)
     return masked_whiten(returns, response_mask) * response_mask, returns
 
 
@@ -278,13 +278,13 @@ def gae(
     Sources: Schulman et al. (arXiv:1506.02438); verl ``compute_gae_advantage_return``.
     """
     del group_index  # the critic is the baseline
-    token_rewards = _token_rewards(rewards, response_mask)
-    values = values.to(token_rewards.dtype)
-    next_value = torch.zeros_like(token_rewards[:, 0])
+    per_token = token_rewards(rewards, response_mask)
+    values = values.to(per_token.dtype)
+    next_value = torch.zeros_like(per_token[:, 0])
     last_advantage = torch.zeros_like(next_value)
-    advantages = torch.zeros_like(token_rewards)
-    for t in reversed(range(token_rewards.shape[1])):
-        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
+    advantages = torch.zeros_like(per_token)
+    for t in reversed(range(per_token.shape[1])):
+        delta = per_token[:, t] + gamma * next_value - values[:, t]
         step = response_mask[:, t]
         last_advantage = step * (delta + gamma * lam * last_advantage) + (1 - step) * last_advantage
         next_value = step * values[:, t] + (1 - step) * next_value

@@ -183,7 +183,7 @@ def _check_memory(cfg: Config, plan: Plan) -> None:
                                  "(point it at a local copy, or at a directory holding the model's config.json, to check memory)")
         return  # an empty or missing model directory is already an error
     device_type = learner_device_type(cfg)
-    reference = cfg.algorithm.loss.kl_coef > 0
+    reference = cfg.algorithm.needs_reference
     share = servers_gpu_share(cfg.rollout, lrn) if device_type == "cuda" else 0.0
     if share >= 1:
         plan.errors.append(f"the inference servers on learner rank 0's GPU take all of it: {share:.0%} (rollout.vllm.gpu_memory_utilization="

@@ -49,6 +49,8 @@ class TrainingState:
     resumed learner commits them before reading anything."""
     counters: dict[str, int] = field(default_factory=dict)
     """Cumulative counts (dropped samples by reason, skipped steps, consumed groups)."""
+    kl_ctrl: dict[str, float] = field(default_factory=dict)
+    """The KL-in-reward controller's state (its coefficient); empty without ``algorithm.kl_in_reward``."""
 
 
 def checkpoint_dir(output_dir: str | Path, version: int) -> Path:

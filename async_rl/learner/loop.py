@@ -95,9 +95,9 @@ class LearnerLoop:
         timeout_s = 2 * max(cfg.queue.timeout_s, cfg.sync.timeout_s)
         self.info: DistInfo = init_distributed(rank, world_size, master_addr, master_port, timeout_s)
         lrn = cfg.learner
-        policy = load_sharded(lrn.model_path, lrn, self.info.device, trainable=True, reference_model=cfg.algorithm.loss.kl_coef > 0,
+        policy = load_sharded(lrn.model_path, lrn, self.info.device, trainable=True, reference_model=cfg.algorithm.needs_reference,
                               servers_share=servers_gpu_share(cfg.rollout, lrn))
-        reference = load_sharded(lrn.model_path, lrn, self.info.device, trainable=False) if cfg.algorithm.loss.kl_coef > 0 else None
+        reference = load_sharded(lrn.model_path, lrn, self.info.device, trainable=False) if cfg.algorithm.needs_reference else None
         self.vocab_size = int(policy.config.vocab_size)
         self.trainer = Trainer(policy, reference, lrn, cfg.algorithm, self.info, cfg.trainer.total_steps, cfg.trainer.seed,
                                temperature=cfg.rollout.temperature)
@@ -136,6 +136,8 @@ class LearnerLoop:
             self.trainer.scheduler.load_state_dict(state.scheduler)
             self.version = state.version
             self.counters.update(state.counters)
+            if self.trainer.kl_ctrl is not None and state.kl_ctrl:
+                self.trainer.kl_ctrl.load_state_dict(state.kl_ctrl)
             if self.queue is not None:  # the checkpoint holds these; a crash may have come before the commit
                 self.queue.commit(state.uncommitted_entry_ids)
         if self.queue is not None:
@@ -357,7 +359,8 @@ class LearnerLoop:
             self._announced = self._served
 
     def _save(self) -> None:
-        state = checkpoint.TrainingState(self.version, self.trainer.scheduler.state_dict(), list(self.uncommitted), dict(self.counters))
+        kl_ctrl = self.trainer.kl_ctrl.state_dict() if self.trainer.kl_ctrl is not None else {}
+        state = checkpoint.TrainingState(self.version, self.trainer.scheduler.state_dict(), list(self.uncommitted), dict(self.counters), kl_ctrl)
         path = checkpoint.checkpoint_dir(self.output_dir, self.version)
         checkpoint.save(path, self.trainer.policy, self.trainer.optimizer, state, self.cfg.learner.model_path, self.cfg.trainer.keep_checkpoints)
         if self.queue is not None:

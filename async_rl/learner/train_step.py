@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from async_rl.algos import advantages, losses
+from async_rl.algos import advantages, kl, losses
 from async_rl.config import AlgorithmConfig, LearnerConfig, OptimConfig
 from async_rl.learner import collectives
 from async_rl.learner.attention import attention_kwargs
@@ -100,8 +100,8 @@ class Trainer:
     ) -> None:
         """``temperature`` is the servers' sampling temperature (``rollout.temperature``):
         log-probs are computed from logits divided by it, like the behaviour log-probs."""
-        if (algorithm.loss.kl_coef > 0) != (reference is not None):
-            raise ValueError("a reference model is needed exactly when algorithm.loss.kl_coef > 0")
+        if algorithm.needs_reference != (reference is not None):
+            raise ValueError("a reference model is needed exactly when algorithm.loss.kl_coef > 0 or algorithm.kl_in_reward")
         self.policy, self.reference = policy, reference
         self.learner, self.algorithm, self.info = learner, algorithm, info
         self.seed = seed
@@ -111,6 +111,11 @@ class Trainer:
         # current policy, so logp.detach() of the loss pass is exactly the recomputed value.
         self.single_update = learner.ppo_mini_batches == 1 and learner.ppo_epochs == 1
         self.recompute = algorithm.recompute_proximal and algorithm.loss.name != "tis" and not self.single_update
+        kc = algorithm.kl_ctrl
+        self.kl_ctrl: kl.FixedKLController | kl.AdaptiveKLController | None = None
+        """The coefficient of the KL in the reward (``algorithm.kl_in_reward``); checkpointed by the loop."""
+        if algorithm.kl_in_reward:
+            self.kl_ctrl = kl.AdaptiveKLController(kc.kl_coef, kc.target_kl, kc.horizon) if kc.type == "adaptive" else kl.FixedKLController(kc.kl_coef)
 
     # -- public -------------------------------------------------------------------
 
@@ -123,9 +128,10 @@ class Trainer:
         """
         times = StepTimes()
         start = time.perf_counter()
-        adv = self._advantages(batch)
         old_logp = self._all_rows_logp(self.policy, batch) if self.recompute else None
         ref_logp = self._all_rows_logp(self.reference, batch) if self.reference is not None else None
+        rewards, reward_metrics = self._rewards(batch, old_logp, ref_logp)
+        adv = self._advantages(batch, rewards)
         times.prox = time.perf_counter() - start
 
         sums: dict[str, float] = defaultdict(float)
@@ -161,15 +167,34 @@ class Trainer:
         done = max(1, updates + skipped)
         metrics = {f"actor/{k}": v / done for k, v in sums.items()}
         metrics.update(self._batch_metrics(batch, adv))
+        metrics.update(reward_metrics)
         metrics.update({"actor/lr": lr, "actor/updates": float(updates), "actor/skipped_nonfinite_grad": float(skipped)})
         return StepResult(metrics, int(batch.lengths.sum()), updates, times)
 
     # -- pieces -------------------------------------------------------------------
 
-    def _advantages(self, batch: Batch) -> Tensor:
+    def _rewards(self, batch: Batch, old_logp: Tensor | None, ref_logp: Tensor | None) -> tuple[Tensor, dict[str, float]]:
+        """What the advantage estimator sees: the outcome rewards ``[N]``, or with
+        ``algorithm.kl_in_reward`` token rewards ``[N, T]``: the outcome on the last trained token
+        less ``beta * KL(pi || pi_ref)`` on every trained token (verl ``apply_kl_penalty``). ``pi``
+        is the proximal policy when it is recomputed (verl's old log-probs), else the behaviour
+        policy that sampled the tokens. The controller then updates from this batch's KL (the
+        same on every rank: both tables are). Metrics: ``reward/kl`` (mean over sequences of the
+        per-token KL) and ``reward/kl_coef`` (the beta applied)."""
+        if self.kl_ctrl is None or ref_logp is None:
+            return batch.rewards, {}
+        mask = batch.response_mask.to(torch.float32)
+        logp = (old_logp if old_logp is not None else batch.behav_logp).detach().cpu().float()
+        token_kl = kl.estimate(self.algorithm.kl_ctrl.kind, logp, ref_logp.detach().cpu().float())
+        coef = self.kl_ctrl.value
+        rewards, current = kl.penalize_rewards(advantages.token_rewards(batch.rewards.float(), mask), token_kl, mask, coef)
+        self.kl_ctrl.update(float(current), batch.size)
+        return rewards, {"reward/kl": float(current), "reward/kl_coef": coef}
+
+    def _advantages(self, batch: Batch, rewards: Tensor) -> Tensor:
         cfg = self.algorithm.advantage
         options = {name: getattr(cfg, name) for name in _ADVANTAGE_OPTIONS.get(cfg.name, ())}
-        return advantages.compute(cfg.name, rewards=batch.rewards, response_mask=batch.response_mask,
+        return advantages.compute(cfg.name, rewards=rewards, response_mask=batch.response_mask,
                                   group_index=batch.group_index, **options)
 
     def _weight(self, batch: Batch, rows: list[int]) -> float:

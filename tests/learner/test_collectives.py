@@ -45,6 +45,9 @@ def _combinations() -> list[tuple[str, ...]]:
                 recompute = ("algorithm.recompute_proximal=false",) if loss == "tis" else ()
                 advantage = "algorithm.advantage.name=reinforce_pp" if kl else "algorithm.advantage.name=grpo"
                 out.append((f"algorithm.loss.name={loss}", advantage, *recompute, *updates, *kl))
+    kl_in_reward = ("algorithm.kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive")
+    out.append(("algorithm.loss.name=decoupled_ppo", "algorithm.advantage.name=grpo", "learner.ppo_mini_batches=2", *kl_in_reward))
+    out.append(("algorithm.loss.name=ppo", "algorithm.advantage.name=rloo", "learner.ppo_mini_batches=1", *kl_in_reward))
     return out
 
 
@@ -54,7 +57,7 @@ def test_a_learner_step_puts_every_collective_tensor_on_the_device(
 ) -> None:
     cfg = learner_config(tiny_model, tmp_path, "strict", *overrides)
     policy = load_sharded(str(tiny_model), cfg.learner, one_rank.device, trainable=True)
-    reference = load_sharded(str(tiny_model), cfg.learner, one_rank.device, trainable=False) if cfg.algorithm.loss.kl_coef > 0 else None
+    reference = load_sharded(str(tiny_model), cfg.learner, one_rank.device, trainable=False) if cfg.algorithm.needs_reference else None
     batch = prepare(make_groups(4, seed=5), 64, 512).batch
     with simulated_cuda() as cuda:
         info = dataclasses.replace(one_rank, device=cuda)

@@ -62,12 +62,20 @@ def test_one_rank_and_two_ranks_give_the_same_parameters(tiny_model: Path, redis
         assert a["metrics"]["actor/pg_loss"] == pytest.approx(b["metrics"]["actor/pg_loss"], abs=1e-5)
 
 
+# An adaptive KL-in-reward coefficient that moves by 40% a step: a resume that lost it would
+# give other rewards, advantages and weights from step 3 on.
+ADAPTIVE_KL = ("algorithm.kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0.5",
+               "algorithm.kl_ctrl.target_kl=0.01", "algorithm.kl_ctrl.horizon=8")
+
+
 def test_resume_after_sigkill_equals_an_uninterrupted_run(tiny_model: Path, redis_url: str, tmp_path: Path) -> None:
-    straight, steps_straight = _train(tiny_model, redis_url, tmp_path / "straight", 2, 4)
+    straight, steps_straight = _train(tiny_model, redis_url, tmp_path / "straight", 2, 4, *ADAPTIVE_KL)
+    coefs = [s["metrics"]["reward/kl_coef"] for s in steps_straight]
+    assert len(set(coefs)) == 4, coefs  # the controller moved every step
 
     out, run = tmp_path / "crashed", f"loop-{uuid.uuid4().hex[:8]}"
     ids = _fill(redis_url, run, 16)
-    cfg = learner_config(tiny_model, out, run)  # save_every=2, total_steps=4
+    cfg = learner_config(tiny_model, out, run, *ADAPTIVE_KL)  # save_every=2, total_steps=4
     procs = start_ranks(2, cfg, redis_url, out / "done", max_steps=3)
     end = time.monotonic() + TIMEOUT_S
     while not all((out / f"done.{r}").exists() for r in range(2)):
@@ -87,6 +95,7 @@ def test_resume_after_sigkill_equals_an_uninterrupted_run(tiny_model: Path, redi
 
     lines = [json.loads(line) for line in (out / "learner_steps.jsonl").read_text().splitlines()]
     assert [s["version"] for s in lines] == [1, 2, 3, 3, 4]  # step 3 ran twice: killed, then redone
+    assert [s["metrics"]["reward/kl_coef"] for s in lines[3:]] == pytest.approx(coefs[2:], rel=1e-12)  # restored, not reset
     position = {entry_id: i for i, entry_id in enumerate(ids)}
     lineage = {s["version"]: sorted(position[e] for e in s["entry_ids"]) for s in lines}  # last run of each version
     assert lineage[3] == sorted(position[e] for e in lines[2]["entry_ids"])  # the same groups were retrained

@@ -18,7 +18,7 @@ from async_rl.records import RolloutGroup, Sample
 def _trainer(model_dir: Path, info: DistInfo, tmp_path: Path, *overrides: str) -> Trainer:
     cfg = learner_config(model_dir, tmp_path, "unit", *overrides)
     policy = load_sharded(str(model_dir), cfg.learner, info.device, trainable=True)
-    reference = load_sharded(str(model_dir), cfg.learner, info.device, trainable=False) if cfg.algorithm.loss.kl_coef > 0 else None
+    reference = load_sharded(str(model_dir), cfg.learner, info.device, trainable=False) if cfg.algorithm.needs_reference else None
     return Trainer(policy, reference, cfg.learner, cfg.algorithm, info, cfg.trainer.total_steps, cfg.trainer.seed)
 
 
@@ -99,3 +99,30 @@ def test_lr_schedule_warmup_then_cosine(tmp_path: Path) -> None:
     assert factors[:3] == [0.5, 1.0, 1.0]
     assert factors[-1] == pytest.approx(0.1)
     assert all(b <= a for a, b in zip(factors[2:], factors[3:]))
+
+
+def test_kl_in_reward_penalises_the_rewards_and_adapts_its_coefficient(tiny_model: Path, one_rank: DistInfo, tmp_path: Path) -> None:
+    kl_settings = ("algorithm.kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0.5",
+                   "algorithm.kl_ctrl.target_kl=0.001", "algorithm.kl_ctrl.horizon=100", "learner.ppo_mini_batches=2")
+    trainer = _trainer(tiny_model, one_rank, tmp_path, "algorithm.loss.name=ppo", *kl_settings)
+    plain = _trainer(tiny_model, one_rank, tmp_path, "algorithm.loss.name=ppo", "learner.ppo_mini_batches=2")
+    batch = prepare(make_groups(4, seed=8), 64, 512).batch
+    # step 0: pi_prox (recomputed) is the reference itself, so the KL is 0 and the step is the plain one
+    first = trainer.step(batch, 0).metrics
+    assert first["reward/kl"] == pytest.approx(0.0, abs=1e-6) and first["reward/kl_coef"] == 0.5
+    assert first["batch/advantage_mean"] == pytest.approx(plain.step(batch, 0).metrics["batch/advantage_mean"], abs=1e-6)
+    after_first = 0.5 * (1 - 0.2 * batch.size / 100)  # KL 0 is below the target: the coefficient shrinks by the capped 20%
+    assert trainer.kl_ctrl is not None and trainer.kl_ctrl.value == pytest.approx(after_first)
+    # step 1: the policy moved, so the estimator sees outcome - beta * sum_t KL_t
+    ref_logp = trainer._all_rows_logp(trainer.reference, batch)
+    old_logp = trainer._all_rows_logp(trainer.policy, batch)
+    second = trainer.step(batch, 1).metrics
+    mask = batch.response_mask
+    per_sequence = ((old_logp - ref_logp) * mask).sum(-1) / mask.sum(-1).clamp_min(1)
+    assert second["reward/kl"] == pytest.approx(float(per_sequence.mean()), abs=1e-6) and second["reward/kl"] != 0
+    assert second["reward/kl_coef"] == pytest.approx(after_first)
+    error = min(max(second["reward/kl"] / 0.001 - 1, -0.2), 0.2)
+    assert trainer.kl_ctrl.value == pytest.approx(after_first * (1 + error * batch.size / 100))
+    with pytest.raises(ValueError, match="reference model is needed exactly when"):
+        cfg = learner_config(tiny_model, tmp_path, "unit", *kl_settings)
+        Trainer(plain.policy, None, cfg.learner, cfg.algorithm, one_rank, cfg.trainer.total_steps, cfg.trainer.seed)
