@@ -29,6 +29,11 @@ RECEIVER_EXTENSION = "async_rl.sync.receiver.WeightReceiverExtension"
 """vLLM worker extension that receives weight broadcasts (see async_rl/sync/receiver.py)."""
 
 
+class EngineOutputError(RuntimeError):
+    """vLLM's output broke an invariant the records rely on (no final output, or log-probs that
+    do not follow the sampled tokens). The request fails; the worker retries and counts it."""
+
+
 @dataclass
 class Sampling:
     """Sampling settings of one request (mirrors ``rollout.*`` config keys)."""
@@ -194,7 +199,8 @@ class InferenceServer:
             self._running -= 1
             if self._running == 0:
                 self._busy_s += time.monotonic() - self._busy_since
-        assert final is not None and final.finished, "vLLM returned no final output"
+        if final is None or not final.finished:
+            raise EngineOutputError(f"{self.server_id}: vLLM returned no final output for a request")
         outputs = sorted(final.outputs, key=lambda c: c.index)
         texts = self._engine.tokenizer.batch_decode([list(c.token_ids) for c in outputs], skip_special_tokens=True)
         completions = [self._completion(c, text) for c, text in zip(outputs, texts, strict=True)]
@@ -205,7 +211,8 @@ class InferenceServer:
         token_ids = list(out.token_ids)
         flat = out.logprobs  # FlatLogprobs: the sampled token comes first at each position
         logprobs = [flat.logprobs[i] for i in flat.start_indices]
-        assert [flat.token_ids[i] for i in flat.start_indices] == token_ids, "vLLM log-probs do not follow the sampled tokens"
+        if [flat.token_ids[i] for i in flat.start_indices] != token_ids:
+            raise EngineOutputError(f"{self.server_id}: vLLM log-probs do not follow the sampled tokens")
         versions = [self._version] * len(token_ids)
         for span in out.weight_versions or []:
             versions[span.start : span.end] = [int(span.version)] * (span.end - span.start)

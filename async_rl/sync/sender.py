@@ -263,7 +263,8 @@ class WeightSender:
         """Publish one weights version and wait until the servers have loaded it
         (:meth:`begin` then :meth:`complete`; arguments as for :meth:`begin`)."""
         result = self.complete(self.begin(named_tensors, version, specs=specs, servers=servers))
-        assert result is not None
+        if result is None:  # complete(wait=True) ends every pending send; None would be a bug here
+            raise ControlError(f"weights version {version}: the send ended without an outcome")
         return result
 
     def begin(
