@@ -173,12 +173,14 @@ def _run_eval(cfg, out_dir: Path, limit: int | None) -> None:
 def export_cmd(
     checkpoint: Annotated[Path, typer.Argument(help="Learner checkpoint directory, e.g. runs/x/checkpoints/step_00000010.")],
     out_dir: Annotated[Path, typer.Option("--out", help="Directory to write the Hugging Face model into.")],
+    critic: Annotated[bool, typer.Option("--critic", help="Export the run's critic (gae) instead of the policy.")] = False,
 ) -> None:
-    """Write a learner checkpoint as a Hugging Face safetensors directory with tokenizer (loads in transformers and vLLM)."""
+    """Write a learner checkpoint's policy (or critic) as a Hugging Face safetensors directory with tokenizer
+    (the policy loads in transformers and vLLM; the critic as a one-label token classifier)."""
     from async_rl.learner.checkpoint import export_hf
 
     try:
-        export_hf(checkpoint, out_dir)
+        export_hf(checkpoint, out_dir, critic=critic)
     except FileNotFoundError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None

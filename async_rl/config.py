@@ -244,6 +244,25 @@ class KernelsConfig:
 
 
 @dataclass
+class CriticConfig:
+    """The value model of PPO with a critic (``algorithm.advantage.name: gae``): the policy's
+    architecture with a scalar head, sharded on the learner's ranks (see docs/algorithms.md)."""
+
+    model_path: Optional[str] = None
+    """Hugging Face model directory the critic starts from (its value head is new); null: ``learner.model_path``."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """The critic's own AdamW and schedule (a critic usually takes a larger lr than the policy: verl's default is 1e-5)."""
+    warmup_steps: int = 0
+    """Learner steps that train only the critic before the policy moves."""
+    cliprange_value: Optional[float] = 0.5
+    """Clip the new values to old values +- this (value units); null: no clipping."""
+    ppo_epochs: int = 1
+    """Passes of the value loss over each batch."""
+    ppo_mini_batches: int = 1
+    """Critic optimizer steps per pass (the batch's groups split into this many mini-batches)."""
+
+
+@dataclass
 class LearnerConfig:
     """The FSDP2 learner."""
 
@@ -276,6 +295,8 @@ class LearnerConfig:
     """Sharding and precision."""
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
     """Attention implementation and fused kernels."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """The value model (used with ``algorithm.advantage.name: gae``)."""
 
 
 @dataclass
@@ -283,7 +304,7 @@ class AdvantageConfig:
     """Advantage estimator (see docs/algorithms.md)."""
 
     name: Literal["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "grpo_passk", "opo", "gae"] = "grpo"
-    """Estimator (``gae`` needs a critic, which the learner does not train yet)."""
+    """Estimator (``gae`` trains a critic beside the policy: ``learner.critic``)."""
     norm_by_std: bool = True
     """GRPO: divide by the group's standard deviation (false gives Dr. GRPO)."""
     eps: float = 1e-6
@@ -362,6 +383,11 @@ class AlgorithmConfig:
     """Subtract ``beta * KL`` to the frozen reference policy per token from the rewards before the advantage estimator (verl ``use_kl_in_reward``); loads the reference model."""
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     """Coefficient and estimator of the KL in the reward."""
+
+    @property
+    def needs_critic(self) -> bool:
+        """Whether the learner trains a value model (``learner.critic``): the ``gae`` estimator."""
+        return self.advantage.name == "gae"
 
     @property
     def needs_reference(self) -> bool:
@@ -670,12 +696,20 @@ def validate(cfg: Config) -> None:
     )
     need(bool(r.openai_host), "rollout.openai_host must not be empty (0.0.0.0 binds every interface)")
     need(r.vllm.kv_cache_space_gb > 0, f"rollout.vllm.kv_cache_space_gb={r.vllm.kv_cache_space_gb} must be > 0")
-    need(lrn.optim.lr > 0, f"learner.optim.lr={lrn.optim.lr} must be > 0")
+    for name, optim in (("learner.optim", lrn.optim), ("learner.critic.optim", lrn.critic.optim)):
+        need(optim.lr > 0, f"{name}.lr={optim.lr} must be > 0")
+        need(optim.grad_clip >= 0, f"{name}.grad_clip={optim.grad_clip} must be >= 0 (0 disables clipping)")
+        need(len(optim.betas) == 2 and all(0 <= b < 1 for b in optim.betas), f"{name}.betas={optim.betas} must be two numbers in [0, 1)")
+        need(0 <= optim.min_lr_ratio <= 1, f"{name}.min_lr_ratio={optim.min_lr_ratio} must be in [0, 1]")
+        need(optim.warmup_steps >= 0, f"{name}.warmup_steps={optim.warmup_steps} must be >= 0")
+    critic = lrn.critic
+    need(critic.warmup_steps >= 0, f"learner.critic.warmup_steps={critic.warmup_steps} must be >= 0")
+    need(critic.cliprange_value is None or critic.cliprange_value > 0,
+         f"learner.critic.cliprange_value={critic.cliprange_value} must be > 0 (or null: no clipping)")
+    need(critic.ppo_epochs >= 1, f"learner.critic.ppo_epochs={critic.ppo_epochs} must be >= 1")
+    need(critic.ppo_mini_batches >= 1 and lrn.batch_size % critic.ppo_mini_batches == 0,
+         f"learner.critic.ppo_mini_batches={critic.ppo_mini_batches} must be >= 1 and divide learner.batch_size={lrn.batch_size}")
     need(lrn.gpu_memory_gb is None or lrn.gpu_memory_gb > 0, f"learner.gpu_memory_gb={lrn.gpu_memory_gb} must be > 0 (or null: the GPU's own memory)")
-    need(lrn.optim.grad_clip >= 0, f"learner.optim.grad_clip={lrn.optim.grad_clip} must be >= 0 (0 disables clipping)")
-    need(len(lrn.optim.betas) == 2 and all(0 <= b < 1 for b in lrn.optim.betas), f"learner.optim.betas={lrn.optim.betas} must be two numbers in [0, 1)")
-    need(0 <= lrn.optim.min_lr_ratio <= 1, f"learner.optim.min_lr_ratio={lrn.optim.min_lr_ratio} must be in [0, 1]")
-    need(lrn.optim.warmup_steps >= 0, f"learner.optim.warmup_steps={lrn.optim.warmup_steps} must be >= 0")
     need(cfg.trainer.val_every >= 0, f"trainer.val_every={cfg.trainer.val_every} must be >= 0 (0 disables validation)")
     need(0 < loss.clip_low < 1, f"algorithm.loss.clip_low={loss.clip_low} must be in (0, 1)")
     need(loss.clip_high > 0, f"algorithm.loss.clip_high={loss.clip_high} must be > 0")
@@ -695,7 +729,6 @@ def validate(cfg: Config) -> None:
     need(r.env.step_timeout_s > 0, f"rollout.env.step_timeout_s={r.env.step_timeout_s} must be > 0")
     need(cfg.sync.max_lag_s > 0, f"sync.max_lag_s={cfg.sync.max_lag_s} must be > 0")
     need(cfg.trainer.stall_timeout_s > 0, f"trainer.stall_timeout_s={cfg.trainer.stall_timeout_s} must be > 0")
-    need(alg.advantage.name != "gae", "algorithm.advantage.name='gae' needs a critic, which the learner does not train yet; use grpo, rloo, reinforce_pp, ...")
 
     # Cross-field rules: name both keys.
     need(

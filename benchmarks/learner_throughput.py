@@ -5,7 +5,10 @@
 1. Training: the learner (groups decoded from queue records -> ``batching.prepare`` ->
    ``Trainer.step`` on an FSDP2 model) against the plain packed loop of ``_plain_packed.py``
    (HF model, packed rows, chunked log-softmax, AdamW) on the same model, micro-batches and tokens
-   (``ratio_vs_plain``; target >= 0.9). One rank, float32, on this machine's CPU.
+   (``ratio_vs_plain``; target >= 0.9). One rank, float32, on this machine's CPU. The same
+   learner with a critic (``algorithm.advantage.name=gae``: the critic's value pass, its
+   value-loss update and GAE) gives ``critic_step_cost``: its step time over the plain
+   learner's.
 2. Publishing: gathering full parameters from the FSDP shards bucket by bucket
    (``iter_full_parameters``), packing and broadcasting the buckets on a
    ``sync.group.WeightGroup`` to a receiving process exactly as ``WeightSender`` does
@@ -79,15 +82,17 @@ def make_records(groups: int, samples: int, seed: int) -> list[bytes]:
     return out
 
 
-def learner_step(model_dir: Path, records: list[bytes], total_steps: int) -> tuple[Callable[[], int], list[list[int]], int]:
+def learner_step(model_dir: Path, records: list[bytes], total_steps: int, *overrides: str) -> tuple[Callable[[], int], list[list[int]], int]:
     """One learner step (records decoded -> ``prepare`` -> ``Trainer.step``) as a callable
-    returning its tokens; also the micro-batch plan and token count of a step."""
+    returning its tokens; also the micro-batch plan and token count of a step. ``overrides``
+    (e.g. ``algorithm.advantage.name=gae``: a critic beside the policy) change the config."""
     cfg = load_config(None, [f"learner.model_path={model_dir}", "learner.batch_size=8", "rollout.n=4",
                              f"learner.max_tokens_per_microbatch={MAX_TOKENS}", "data.max_prompt_length=64",
-                             "rollout.max_response_length=192", "queue.max_depth=256", "learner.optim.lr=1e-5"])
+                             "rollout.max_response_length=192", "queue.max_depth=256", "learner.optim.lr=1e-5", *overrides])
     info = DistInfo(0, 1, torch.device("cpu"))
     policy = load_sharded(str(model_dir), cfg.learner, info.device, trainable=True)
-    trainer = Trainer(policy, None, cfg.learner, cfg.algorithm, info, total_steps, 1)
+    critic = load_sharded(str(model_dir), cfg.learner, info.device, trainable=True, value_model=True) if cfg.algorithm.needs_critic else None
+    trainer = Trainer(policy, None, cfg.learner, cfg.algorithm, info, total_steps, 1, critic=critic)
     steps = iter(range(total_steps))
 
     def step() -> int:
@@ -181,12 +186,14 @@ def main() -> None:
         build_model(sync_dir, hidden=512, layers=8)
         records = make_records(8, 4, seed=0)
         learner_fn, plan, tokens = learner_step(model_dir, records, args.steps + 1)
-        rates = interleaved_rates({"learner": learner_fn, "plain": plain_step(model_dir, records, plan)}, args.steps)
-        learner, plain = rates["learner"], rates["plain"]
+        gae_fn, _, _ = learner_step(model_dir, records, args.steps + 1, "algorithm.advantage.name=gae")
+        rates = interleaved_rates({"learner": learner_fn, "plain": plain_step(model_dir, records, plan), "learner_gae": gae_fn}, args.steps)
+        learner, plain, gae = rates["learner"], rates["plain"], rates["learner_gae"]
         sync, raw, nbytes = sync_rates(sync_dir, args.bucket_mb << 20, args.sync_rounds)
         small_sync, small_raw, small_bytes = sync_rates(model_dir, args.bucket_mb << 20, args.sync_rounds)
     result = {
         "learner_tokens_per_s": learner, "plain_tokens_per_s": plain, "ratio_vs_plain": learner / plain,
+        "gae_tokens_per_s": gae, "critic_step_cost": learner / gae,
         "sync_gb_per_s": sync, "raw_broadcast_gb_per_s": raw, "sync_ratio_vs_raw": sync / raw,
         "small_model_sync_ratio_vs_raw": small_sync / small_raw,
         "setup": {"device": "cpu", "threads": torch.get_num_threads(), "ranks": 1, "train_params_m": round(small_bytes / 4 / 1e6, 2),

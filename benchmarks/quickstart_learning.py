@@ -4,14 +4,18 @@ Runs ``async-rl quickstart NAME`` in a subprocess from the repository root (it b
 tiny assets if absent, timed apart) into a fresh run directory, then reads the run's
 ``metrics.jsonl``: every validation point (policy version, seconds since the run started,
 greedy accuracy — for an environment task the success rate of greedy episodes — and pass@n)
-and the environment metrics of the last ten steps. The gain is the last greedy figure minus
+and the environment (``env/*``) and critic (``critic/*``) metrics averaged over the last ten
+steps, with the best ``critic/explained_variance`` of the run when it trains a critic. The gain is the last greedy figure minus
 the one at version 0, in points; the target is ``--target-points`` within ``--target-min``
 minutes of training (the asset build is reported apart).
 
     python benchmarks/quickstart_learning.py multiturn --json benchmarks/results/quickstart_multiturn.json
+    python benchmarks/quickstart_learning.py addition --out runs/bench/quickstart-gae --target-points 15 \
+        --json benchmarks/results/quickstart_gae.json \
+        algorithm.advantage.name=gae learner.critic.optim.lr=1e-4 learner.critic.warmup_steps=5
 
-JSON keys: gain_points, train_wall_s, target_met, assets_s (with assets_built), val (the curve), env_last10, plus the
-command and settings.
+JSON keys: gain_points, train_wall_s, target_met, assets_s (with assets_built), val (the curve),
+last10, critic_explained_variance_max (with a critic), plus the command and settings.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ def main() -> None:
     ap.add_argument("--target-min", type=float, default=10.0, help="within this many minutes of training")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("overrides", nargs="*", help="KEY=VALUE overrides passed to the quickstart")
-    args = ap.parse_args()
+    args = ap.parse_intermixed_args()
     out = args.out or Path("runs/bench") / f"quickstart-{args.name}"
     shutil.rmtree(ROOT / out, ignore_errors=True)  # a run directory with a checkpoint would resume
     cli = [sys.executable, "-m", "async_rl.cli"]
@@ -66,8 +70,10 @@ def main() -> None:
     ]
     if not val:
         raise SystemExit(f"no validation rows in {out / 'metrics.jsonl'}: set trainer.val_every")
-    last = [r for r in rows if "env/turns_mean" in r][-10:]
-    env_last10 = {k: sum(r[k] for r in last) / len(last) for k in sorted(last[0]) if k.startswith("env/")} if last else {}
+    steps = [r for r in rows if "actor/lr" in r]
+    last = steps[-10:]
+    last10 = {k: sum(r[k] for r in last) / len(last) for k in sorted(last[0]) if k.startswith(("env/", "critic/"))} if last else {}
+    explained = [r["critic/explained_variance"] for r in steps if "critic/explained_variance" in r]
     gain = 100.0 * (val[-1]["greedy"] - val[0]["greedy"])
     result = {
         "greedy_start": val[0]["greedy"],
@@ -80,7 +86,8 @@ def main() -> None:
         "target_met": gain >= args.target_points and train_wall_s <= 60 * args.target_min,
         "target": f"+{args.target_points:g} points in <= {args.target_min:g} min of training",
         "val": val,
-        "env_last10": env_last10,
+        "last10": last10,
+        **({"critic_explained_variance_max": max(explained)} if explained else {}),
         "command": " ".join(["async-rl", *command[len(cli):]]),
         "machine": f"{os.cpu_count()} cores, cpu",
     }

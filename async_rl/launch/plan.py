@@ -12,6 +12,7 @@ from typing import Any
 from async_rl.config import Config
 from async_rl.learner import attention, kernels
 from async_rl.learner.memory import (
+    Beside,
     MemoryEstimate,
     budget_gb,
     estimate,
@@ -183,7 +184,7 @@ def _check_memory(cfg: Config, plan: Plan) -> None:
                                  "(point it at a local copy, or at a directory holding the model's config.json, to check memory)")
         return  # an empty or missing model directory is already an error
     device_type = learner_device_type(cfg)
-    reference = cfg.algorithm.needs_reference
+    beside = Beside.of(cfg.algorithm)
     share = servers_gpu_share(cfg.rollout, lrn) if device_type == "cuda" else 0.0
     if share >= 1:
         plan.errors.append(f"the inference servers on learner rank 0's GPU take all of it: {share:.0%} (rollout.vllm.gpu_memory_utilization="
@@ -192,25 +193,25 @@ def _check_memory(cfg: Config, plan: Plan) -> None:
         return
     try:
         budget = budget_gb(lrn, device_type, share)
-        checkpointing = resolve_gradient_checkpointing(lrn, model_config, device_type, reference, share)
-        est = estimate(model_config, lrn, checkpointing, budget, device_type, reference)
+        checkpointing = resolve_gradient_checkpointing(lrn, model_config, device_type, beside, share)
+        est = estimate(model_config, lrn, checkpointing, budget, device_type, beside)
     except ValueError as exc:
         plan.warnings.append(f"no learner memory estimate for learner.model_path={lrn.model_path!r}: {exc}")
         return
     plan.memory, plan.checkpointing_auto = est, lrn.fsdp.gradient_checkpointing == "auto"
     if not est.fits:
-        plan.errors.append(_does_not_fit(cfg, model_config, est, device_type, reference))
+        plan.errors.append(_does_not_fit(cfg, model_config, est, device_type, beside))
 
 
 def _does_not_fit(cfg: Config, model_config: dict[str, Any], est: MemoryEstimate, device_type: str,
-                  reference: bool) -> str:
+                  beside: Beside) -> str:
     """The error of a plan whose learner does not fit: the budget, and what each knob would give."""
     lrn = cfg.learner
     budget = est.budget_gb
 
     def total(checkpointing: bool = est.checkpointing, **changes: Any) -> float:
         trial = dataclasses.replace(lrn, **changes)
-        return estimate(model_config, trial, checkpointing, budget, device_type, reference).total_gb
+        return estimate(model_config, trial, checkpointing, budget, device_type, beside).total_gb
 
     if device_type == "cuda":
         source = ("learner.gpu_memory_gb" if lrn.gpu_memory_gb is not None
@@ -221,14 +222,14 @@ def _does_not_fit(cfg: Config, model_config: dict[str, Any], est: MemoryEstimate
                        f"(rollout.vllm.gpu_memory_utilization={cfg.rollout.vllm.gpu_memory_utilization:g})")
     else:
         source = f"this machine's memory / learner.world_size={lrn.world_size}"
-    fit_tokens = max_fitting_tokens(model_config, lrn, est.checkpointing, budget, device_type, reference)
+    fit_tokens = max_fitting_tokens(model_config, lrn, est.checkpointing, budget, device_type, beside)
     sample = cfg.data.max_prompt_length + cfg.rollout.max_response_length
     tokens = (f"at most {fit_tokens} fits" if fit_tokens else "no size fits") + (
         f", but one sample needs {sample}" if fit_tokens < sample else "")
     if est.checkpointing:
         ckpt = "learner.fsdp.gradient_checkpointing is on already"
     else:
-        on_tokens = max_fitting_tokens(model_config, lrn, True, budget, device_type, reference)
+        on_tokens = max_fitting_tokens(model_config, lrn, True, budget, device_type, beside)
         ckpt = (f"learner.fsdp.gradient_checkpointing=on: {total(checkpointing=True):.1f} GB "
                 f"({f'then at most {on_tokens} tokens fit' if on_tokens else 'still no micro-batch size fits'})")
     ws = lrn.world_size * 2

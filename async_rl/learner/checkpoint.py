@@ -4,6 +4,9 @@ Layout of ``{output_dir}/checkpoints/step_{version:08d}/``::
 
     model/            DCP shards of the policy (one file per rank + .metadata)
     optim/            DCP shards of the AdamW state
+    critic_model/     with a critic (gae): DCP shards of the value model,
+    critic_optim/     of its AdamW state,
+    critic_hf/        and its config.json (a one-label token classifier, for export)
     rng/rank_{r}.pt   Python, torch (and CUDA) RNG states of rank r
     hf/               config.json, generation config and tokenizer files of the base model (for export)
     state.json        version, scheduler state, uncommitted queue entry ids, counters; written
@@ -51,6 +54,8 @@ class TrainingState:
     """Cumulative counts (dropped samples by reason, skipped steps, consumed groups)."""
     kl_ctrl: dict[str, float] = field(default_factory=dict)
     """The KL-in-reward controller's state (its coefficient); empty without ``algorithm.kl_in_reward``."""
+    critic_scheduler: dict[str, Any] = field(default_factory=dict)
+    """The critic's ``LambdaLR.state_dict()``; empty without a critic."""
 
 
 def checkpoint_dir(output_dir: str | Path, version: int) -> Path:
@@ -88,19 +93,25 @@ def save(
     state: TrainingState,
     model_path: str | Path,
     keep: int,
+    critic: tuple[nn.Module, torch.optim.Optimizer] | None = None,
 ) -> None:
-    """Write a checkpoint (collective: every rank calls it) and keep the ``keep`` newest.
+    """Write a checkpoint (collective: every rank calls it) and keep the ``keep`` newest;
+    ``critic`` is the value model and its optimizer, when there is one.
 
     Returns once the checkpoint is durable on every rank.
     """
     rank = dist.get_rank()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save(model_sd, checkpoint_id=path / "model")
-    dcp.save(optim_sd, checkpoint_id=path / "optim")
+    for (m, o), prefix in (((model, optimizer), ""), *(((critic, "critic_"),) if critic is not None else ())):
+        model_sd, optim_sd = get_state_dict(m, o)
+        dcp.save(model_sd, checkpoint_id=path / f"{prefix}model")
+        dcp.save(optim_sd, checkpoint_id=path / f"{prefix}optim")
     _write_durable(path / "rng" / f"rank_{rank}.pt", lambda f: torch.save(_rng_state(), f))
     collectives.barrier()
     if rank == 0:
         _copy_hf_files(Path(model_path), path / "hf")
+        if critic is not None:
+            config = critic[0].config.to_json_string()
+            _write_durable(path / "critic_hf" / "config.json", lambda f: f.write(config.encode()))
         _write_durable(path / _STATE, lambda f: f.write(json.dumps(asdict(state), indent=1).encode()))
         _fsync_dir(path)
         _fsync_dir(path.parent)
@@ -109,30 +120,42 @@ def save(
     collectives.barrier()
 
 
-def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> TrainingState:
-    """Restore model, optimizer and this rank's RNG from checkpoint ``path`` (collective)."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.load(model_sd, checkpoint_id=path / "model")
-    dcp.load(optim_sd, checkpoint_id=path / "optim")
-    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+         critic: tuple[nn.Module, torch.optim.Optimizer] | None = None) -> TrainingState:
+    """Restore model, optimizer (and the critic's), and this rank's RNG from checkpoint
+    ``path`` (collective). A checkpoint saved without a critic cannot resume a run with one."""
+    if critic is not None and not (path / "critic_model").is_dir():
+        raise FileNotFoundError(f"{path} holds no critic (saved without algorithm.advantage.name=gae): resume with trainer.resume=off "
+                                "or point trainer.resume at a checkpoint of a run with a critic")
+    for (m, o), prefix in (((model, optimizer), ""), *(((critic, "critic_"),) if critic is not None else ())):
+        model_sd, optim_sd = get_state_dict(m, o)
+        dcp.load(model_sd, checkpoint_id=path / f"{prefix}model")
+        dcp.load(optim_sd, checkpoint_id=path / f"{prefix}optim")
+        set_state_dict(m, o, model_state_dict=model_sd, optim_state_dict=optim_sd)
     rng_file = path / "rng" / f"rank_{dist.get_rank()}.pt"
     if rng_file.is_file():  # absent when resuming with more ranks than saved: seeds stay as set
         _set_rng_state(torch.load(rng_file, weights_only=False))
     return TrainingState(**json.loads((path / _STATE).read_text()))
 
 
-def export_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
-    """Write checkpoint ``checkpoint``'s policy as a Hugging Face directory (safetensors,
-    config, tokenizer) that ``transformers`` and vLLM load. Runs in one process, no GPU needed."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def export_hf(checkpoint: str | Path, out_dir: str | Path, critic: bool = False) -> Path:
+    """Write checkpoint ``checkpoint``'s policy (or with ``critic``, its value model, as a
+    ``*ForTokenClassification`` with one label) as a Hugging Face directory (safetensors,
+    config, tokenizer) that ``transformers`` (and, for the policy, vLLM) load. Runs in one
+    process, no GPU needed."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
     src, out = Path(checkpoint), Path(out_dir)
     if not (src / _STATE).is_file():
         raise FileNotFoundError(f"{src} is not a complete checkpoint (no {_STATE})")
-    config = AutoConfig.from_pretrained(src / "hf")
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if critic and not (src / "critic_hf").is_dir():
+        raise FileNotFoundError(f"{src} holds no critic (the run did not use algorithm.advantage.name=gae)")
+    if critic:
+        model = AutoModelForTokenClassification.from_config(AutoConfig.from_pretrained(src / "critic_hf"), dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(src / "hf"), dtype=torch.float32)
     state = model.state_dict()
-    dcp.load(state, checkpoint_id=src / "model", no_dist=True)
+    dcp.load(state, checkpoint_id=src / ("critic_model" if critic else "model"), no_dist=True)
     model.load_state_dict(state)
     out.mkdir(parents=True, exist_ok=True)
     _copy_hf_files(src / "hf", out)

@@ -19,13 +19,13 @@ from typing import Protocol
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
 from async_rl.config import Config
 from async_rl.learner import checkpoint, collectives
 from async_rl.learner.batching import prepare, screen_group
 from async_rl.learner.model import DistInfo, init_distributed, iter_full_parameters, load_sharded
-from async_rl.learner.memory import servers_gpu_share
+from async_rl.learner.memory import Beside, servers_gpu_share
 from async_rl.learner.train_step import Trainer, staleness_metrics
 from async_rl.queue import Drop, ReplayQueue, Staleness
 from async_rl.records import RolloutGroup, decode, encode
@@ -95,12 +95,14 @@ class LearnerLoop:
         timeout_s = 2 * max(cfg.queue.timeout_s, cfg.sync.timeout_s)
         self.info: DistInfo = init_distributed(rank, world_size, master_addr, master_port, timeout_s)
         lrn = cfg.learner
-        policy = load_sharded(lrn.model_path, lrn, self.info.device, trainable=True, reference_model=cfg.algorithm.needs_reference,
-                              servers_share=servers_gpu_share(cfg.rollout, lrn))
-        reference = load_sharded(lrn.model_path, lrn, self.info.device, trainable=False) if cfg.algorithm.needs_reference else None
+        beside, share = Beside.of(cfg.algorithm), servers_gpu_share(cfg.rollout, lrn)
+        policy = load_sharded(lrn.model_path, lrn, self.info.device, trainable=True, beside=beside, servers_share=share)
+        reference = load_sharded(lrn.model_path, lrn, self.info.device, trainable=False) if beside.reference else None
+        critic = (load_sharded(lrn.critic.model_path or lrn.model_path, lrn, self.info.device, trainable=True, beside=beside,
+                               servers_share=share, value_model=True) if beside.critic else None)
         self.vocab_size = int(policy.config.vocab_size)
         self.trainer = Trainer(policy, reference, lrn, cfg.algorithm, self.info, cfg.trainer.total_steps, cfg.trainer.seed,
-                               temperature=cfg.rollout.temperature)
+                               temperature=cfg.rollout.temperature, critic=critic)
         self.publisher = publisher
         self._pending: PendingSend | None = None
         """Rank 0: the update the servers may still be loading."""
@@ -128,12 +130,19 @@ class LearnerLoop:
 
     # -- lifecycle ----------------------------------------------------------------
 
+    def _critic(self) -> tuple[nn.Module, torch.optim.Optimizer] | None:
+        """The critic and its optimizer, checkpointed beside the policy (None without one)."""
+        trainer = self.trainer
+        return (trainer.critic, trainer.critic_optimizer) if trainer.critic is not None and trainer.critic_optimizer is not None else None
+
     def _resume(self) -> None:
         path = checkpoint.resolve_resume(self.cfg.trainer.resume, self.output_dir) if self.info.rank == 0 else None
         chosen = _broadcast_bytes(str(path).encode() if path else b"", self.info).decode()
         if chosen:
-            state = checkpoint.load(Path(chosen), self.trainer.policy, self.trainer.optimizer)
+            state = checkpoint.load(Path(chosen), self.trainer.policy, self.trainer.optimizer, self._critic())
             self.trainer.scheduler.load_state_dict(state.scheduler)
+            if self.trainer.critic_scheduler is not None:
+                self.trainer.critic_scheduler.load_state_dict(state.critic_scheduler)
             self.version = state.version
             self.counters.update(state.counters)
             if self.trainer.kl_ctrl is not None and state.kl_ctrl:
@@ -359,10 +368,14 @@ class LearnerLoop:
             self._announced = self._served
 
     def _save(self) -> None:
-        kl_ctrl = self.trainer.kl_ctrl.state_dict() if self.trainer.kl_ctrl is not None else {}
-        state = checkpoint.TrainingState(self.version, self.trainer.scheduler.state_dict(), list(self.uncommitted), dict(self.counters), kl_ctrl)
+        trainer = self.trainer
+        kl_ctrl = trainer.kl_ctrl.state_dict() if trainer.kl_ctrl is not None else {}
+        critic_scheduler = trainer.critic_scheduler.state_dict() if trainer.critic_scheduler is not None else {}
+        state = checkpoint.TrainingState(self.version, trainer.scheduler.state_dict(), list(self.uncommitted), dict(self.counters), kl_ctrl,
+                                         critic_scheduler)
         path = checkpoint.checkpoint_dir(self.output_dir, self.version)
-        checkpoint.save(path, self.trainer.policy, self.trainer.optimizer, state, self.cfg.learner.model_path, self.cfg.trainer.keep_checkpoints)
+        checkpoint.save(path, trainer.policy, trainer.optimizer, state, self.cfg.learner.model_path, self.cfg.trainer.keep_checkpoints,
+                        critic=self._critic())
         if self.queue is not None:
             self.queue.commit(self.uncommitted)
         self.uncommitted = []

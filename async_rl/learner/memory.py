@@ -25,6 +25,9 @@ element of the compute dtype: 2 for bf16, 4 for float32; ``V`` vocabulary, ``H``
   once in its forward or backward: the logits in the compute dtype, their float32 copy and the
   float32 softmax/gradient: ``chunk V (c + 8)``, ``chunk = min(logprob_chunk_tokens, tokens)``;
 * reference (only with a KL penalty): the frozen reference's float32 shard and gathered root;
+* critic (only with ``gae``): the value model's float32 shard, AdamW states and gathered root,
+  ``12 P / W + c P_root``, taken to have the policy's shape; its gradients and activations
+  live while the policy's do not (the critic trains before the policy in a step);
 * overhead: fixed (:data:`GPU_OVERHEAD_GB`: CUDA context, NCCL and workspaces) plus allocator
   fragmentation, :data:`FRAGMENTATION` (10%) of activations + log-prob chunk.
 
@@ -44,7 +47,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from async_rl.config import LearnerConfig, RolloutConfig
+from async_rl.config import AlgorithmConfig, LearnerConfig, RolloutConfig
 
 GB = 1e9
 """Bytes per GB."""
@@ -155,6 +158,8 @@ class MemoryEstimate:
     """CUDA context, communication buffers, workspaces, allocator fragmentation."""
     reference_gb: float
     """The frozen reference model (KL penalty), 0 without one."""
+    critic_gb: float
+    """The critic's resident state (gae), 0 without one."""
     tokens: int
     """Tokens of one micro-batch (``learner.max_tokens_per_microbatch``)."""
     checkpointing: bool
@@ -166,7 +171,7 @@ class MemoryEstimate:
     def total_gb(self) -> float:
         """Sum of the parts."""
         return (self.params_gb + self.grads_gb + self.optimizer_gb + self.compute_copies_gb + self.activations_gb
-                + self.logprob_chunk_gb + self.overhead_gb + self.reference_gb)
+                + self.logprob_chunk_gb + self.overhead_gb + self.reference_gb + self.critic_gb)
 
     @property
     def fits(self) -> bool:
@@ -183,6 +188,8 @@ class MemoryEstimate:
                  f"log-prob chunk {self.logprob_chunk_gb:.1f}"]
         if self.reference_gb:
             parts.append(f"reference model {self.reference_gb:.1f}")
+        if self.critic_gb:
+            parts.append(f"critic {self.critic_gb:.1f}")
         parts.append(f"overhead {self.overhead_gb:.1f}")
         return f"learner memory: {self.total_gb:.1f} GB of {self.budget_gb:.4g} GB per rank ({', '.join(parts)})"
 
@@ -239,14 +246,28 @@ def activation_bytes_per_token(shape: ModelShape, c: int, checkpointing: bool, r
     return kept + outer + backward
 
 
+@dataclass(frozen=True)
+class Beside:
+    """The models a learner rank holds beside the policy it trains."""
+
+    reference: bool = False
+    """The frozen reference (``algorithm.needs_reference``)."""
+    critic: bool = False
+    """The critic (``algorithm.needs_critic``)."""
+
+    @classmethod
+    def of(cls, algorithm: AlgorithmConfig) -> Beside:
+        return cls(algorithm.needs_reference, algorithm.needs_critic)
+
+
 def estimate(model_config: Mapping[str, Any], learner: LearnerConfig, checkpointing: bool, budget_gb: float,
-             device_type: str = "cuda", reference_model: bool = False) -> MemoryEstimate:
+             device_type: str = "cuda", beside: Beside = Beside()) -> MemoryEstimate:
     """Peak memory of one learner rank in GB (see the module docstring for each part).
 
     ``model_config`` is the model's ``config.json`` (Qwen2/Llama keys; raises ``ValueError``
     when one is missing); ``checkpointing`` the resolved gradient checkpointing; ``budget_gb``
     what a rank may use (:func:`budget_gb`); ``device_type`` ``cuda`` or ``cpu`` (compute dtype,
-    attention path, overhead); ``reference_model`` adds the frozen reference (KL penalty).
+    attention path, overhead); ``beside`` adds the frozen reference and the critic.
     """
     shape = ModelShape.from_config(model_config)
     c = compute_bytes(learner, device_type)
@@ -265,7 +286,8 @@ def estimate(model_config: Mapping[str, Any], learner: LearnerConfig, checkpoint
         activations_gb=activations / GB,
         logprob_chunk_gb=chunk_bytes / GB,
         overhead_gb=fixed + FRAGMENTATION * (activations + chunk_bytes) / GB,
-        reference_gb=(4 * p / world + c * shape.root_params) / GB if reference_model else 0.0,
+        reference_gb=(4 * p / world + c * shape.root_params) / GB if beside.reference else 0.0,
+        critic_gb=(12 * p / world + c * shape.root_params) / GB if beside.critic else 0.0,
         tokens=tokens,
         checkpointing=checkpointing,
         budget_gb=budget_gb,
@@ -273,13 +295,13 @@ def estimate(model_config: Mapping[str, Any], learner: LearnerConfig, checkpoint
 
 
 def max_fitting_tokens(model_config: Mapping[str, Any], learner: LearnerConfig, checkpointing: bool, budget_gb: float,
-                       device_type: str = "cuda", reference_model: bool = False) -> int:
+                       device_type: str = "cuda", beside: Beside = Beside()) -> int:
     """Largest ``learner.max_tokens_per_microbatch`` (a multiple of 1024) whose estimate fits
     ``budget_gb``, all else as in ``learner``; 0 if none does."""
 
     def fits(tokens: int) -> bool:
         trial = dataclasses.replace(learner, max_tokens_per_microbatch=tokens)
-        return estimate(model_config, trial, checkpointing, budget_gb, device_type, reference_model).fits
+        return estimate(model_config, trial, checkpointing, budget_gb, device_type, beside).fits
 
     if not fits(1024):
         return 0
@@ -326,7 +348,7 @@ def budget_gb(learner: LearnerConfig, device_type: str, servers_share: float = 0
 
 
 def resolve_gradient_checkpointing(learner: LearnerConfig, model_config: Mapping[str, Any], device_type: str,
-                                   reference_model: bool = False, servers_share: float = 0.0) -> bool:
+                                   beside: Beside = Beside(), servers_share: float = 0.0) -> bool:
     """Whether to checkpoint the decoder layers: ``on`` -> True, ``off`` -> False, ``auto`` ->
     True only on GPU (``device_type == "cuda"``) when the estimate without checkpointing does
     not fit :func:`budget_gb` (CPU: memory is plentiful and recomputation costs more than it saves)."""
@@ -335,4 +357,4 @@ def resolve_gradient_checkpointing(learner: LearnerConfig, model_config: Mapping
         return mode == "on"
     if device_type != "cuda":
         return False
-    return not estimate(model_config, learner, False, budget_gb(learner, device_type, servers_share), device_type, reference_model).fits
+    return not estimate(model_config, learner, False, budget_gb(learner, device_type, servers_share), device_type, beside).fits

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
 from async_rl.config import FsdpConfig, LearnerConfig
 from async_rl.learner import attention, kernels, memory
@@ -84,10 +84,15 @@ def compute_dtype(fsdp: FsdpConfig, device: torch.device) -> torch.dtype:
     return getattr(torch, fsdp.param_dtype)
 
 
-def load_sharded(model_path: str, learner: LearnerConfig, device: torch.device, trainable: bool, reference_model: bool = False,
-                 servers_share: float = 0.0) -> nn.Module:
+def load_sharded(model_path: str, learner: LearnerConfig, device: torch.device, trainable: bool, beside: memory.Beside = memory.Beside(),
+                 servers_share: float = 0.0, value_model: bool = False) -> nn.Module:
     """Load a causal LM with float32 master weights and shard it: ``fully_shard`` per decoder
     layer, then at the root (embeddings, final norm, LM head).
+
+    ``value_model`` loads the critic instead: the same checkpoint as a token classifier with
+    one label (the base model's weights, a new ``score`` head ``[H] -> 1``, dropout off), whose
+    values are read through :func:`async_rl.learner.values.token_values`; it saves and exports
+    as a Hugging Face ``*ForTokenClassification`` model.
 
     The model attends over packed rows (``learner.kernels.attention``, see ``attention.py``)
     and its ``lm_head`` returns log-probs and entropies in chunks (``logprobs.py``); call it
@@ -95,15 +100,20 @@ def load_sharded(model_path: str, learner: LearnerConfig, device: torch.device, 
     frozen reference model (no gradients, eval mode). The trainable model recomputes each
     decoder layer in backward when ``learner.fsdp.gradient_checkpointing`` resolves to on
     (``auto``: the memory estimate, with a reference model beside it when
-    ``reference_model``, does not fit this GPU, less the ``servers_share`` of inference
+    the models ``beside`` it, does not fit this GPU, less the ``servers_share`` of inference
     servers on it, without it).
     """
     fsdp = learner.fsdp
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
-                                                 attn_implementation=attention.choose(learner.kernels, device))
-    install_logprob_head(model, learner.logprob_chunk_tokens)
+    attn = attention.choose(learner.kernels, device)
+    if value_model:  # transformers' default classifier dropout is 0.1: values must be deterministic
+        config = AutoConfig.from_pretrained(model_path, num_labels=1)
+        config.classifier_dropout = 0.0  # a config attribute; from_pretrained takes no such keyword for every model
+        model = AutoModelForTokenClassification.from_pretrained(model_path, config=config, dtype=torch.float32, attn_implementation=attn)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation=attn)
+        install_logprob_head(model, learner.logprob_chunk_tokens)
     if trainable:
-        checkpointing = memory.resolve_gradient_checkpointing(learner, model.config.to_dict(), device.type, reference_model, servers_share)
+        checkpointing = memory.resolve_gradient_checkpointing(learner, model.config.to_dict(), device.type, beside, servers_share)
         log.info("learner gradient checkpointing: %s (learner.fsdp.gradient_checkpointing=%s)", "on" if checkpointing else "off",
                  fsdp.gradient_checkpointing)
         if checkpointing:

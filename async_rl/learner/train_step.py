@@ -16,7 +16,9 @@ import dataclasses
 import math
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -28,10 +30,11 @@ from async_rl.learner.attention import attention_kwargs
 from async_rl.learner.batching import Batch, pack, plan_micro_batches, split_groups, unpack
 from async_rl.learner.logprobs import token_logprobs
 from async_rl.learner.model import DistInfo
+from async_rl.learner.values import token_values
 
-# Options each advantage estimator accepts from AdvantageConfig (gae also needs critic values,
-# which this learner has not: it is rejected in Trainer.__init__).
-_ADVANTAGE_OPTIONS = {"grpo": ("norm_by_std", "eps"), "grpo_passk": ("norm_by_std", "eps"), "reinforce_pp": ("gamma",)}
+# Options each advantage estimator accepts from AdvantageConfig (gae also takes the critic's values).
+_ADVANTAGE_OPTIONS = {"grpo": ("norm_by_std", "eps"), "grpo_passk": ("norm_by_std", "eps"), "reinforce_pp": ("gamma",),
+                      "gae": ("gamma", "lam")}
 
 
 def lr_factor(step: int, optim: OptimConfig, total_steps: int) -> float:
@@ -46,14 +49,13 @@ def lr_factor(step: int, optim: OptimConfig, total_steps: int) -> float:
     return optim.min_lr_ratio + (1 - optim.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def build_optimizer(model: nn.Module, learner: LearnerConfig, total_steps: int) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+def build_optimizer(model: nn.Module, o: OptimConfig, total_steps: int) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW over the (sharded) parameters and its per-learner-step schedule.
 
     The fused implementation (one kernel over all parameters, CPU and GPU) is about 9x
     faster than the default per-parameter loop on DTensor shards (6 vs 55 ms for 10 M
     parameters on 2 CPU cores); the update is the same AdamW.
     """
-    o = learner.optim
     optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.betas[0], o.betas[1]), eps=o.eps, weight_decay=o.weight_decay,
                                   fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, o, total_steps))
@@ -65,7 +67,7 @@ class StepTimes:
     """Seconds spent in each phase of a step."""
 
     prox: float = 0.0
-    """Proximal and reference log-prob forward passes."""
+    """Proximal and reference log-prob and critic value forward passes."""
     fwd_bwd: float = 0.0
     """Forward and backward passes of the loss."""
     optim: float = 0.0
@@ -84,8 +86,27 @@ class StepResult:
     times: StepTimes = field(default_factory=StepTimes)
 
 
+MicroLoss = Callable[[Batch, list[int]], tuple[Tensor, Mapping[str, Any]]]
+"""``(micro-batch, its rows in the batch) -> (loss, metrics)``: the policy's or the critic's loss."""
+
+
+@dataclass
+class _Updates:
+    """What the optimizer steps of one model did over a learner step."""
+
+    sums: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    """Mini-batch metrics summed over the updates."""
+    updates: int = 0
+    skipped: int = 0
+    """Updates not applied for a non-finite gradient norm."""
+
+    def means(self, prefix: str) -> dict[str, float]:
+        done = max(1, self.updates + self.skipped)
+        return {f"{prefix}/{k}": v / done for k, v in self.sums.items()}
+
+
 class Trainer:
-    """Owns the policy (and frozen reference), optimizer and schedule of one learner rank."""
+    """Owns the policy (and frozen reference, and critic), optimizers and schedules of one learner rank."""
 
     def __init__(
         self,
@@ -97,16 +118,22 @@ class Trainer:
         total_steps: int,
         seed: int,
         temperature: float = 1.0,
+        critic: nn.Module | None = None,
     ) -> None:
         """``temperature`` is the servers' sampling temperature (``rollout.temperature``):
-        log-probs are computed from logits divided by it, like the behaviour log-probs."""
+        log-probs are computed from logits divided by it, like the behaviour log-probs.
+        ``critic`` is the value model (``load_sharded(..., value_model=True)``), given exactly
+        when the estimator is ``gae``."""
         if algorithm.needs_reference != (reference is not None):
             raise ValueError("a reference model is needed exactly when algorithm.loss.kl_coef > 0 or algorithm.kl_in_reward")
-        self.policy, self.reference = policy, reference
+        if algorithm.needs_critic != (critic is not None):
+            raise ValueError("a critic is needed exactly when algorithm.advantage.name='gae'")
+        self.policy, self.reference, self.critic = policy, reference, critic
         self.learner, self.algorithm, self.info = learner, algorithm, info
         self.seed = seed
         self.temperature = temperature
-        self.optimizer, self.scheduler = build_optimizer(policy, learner, total_steps)
+        self.optimizer, self.scheduler = build_optimizer(policy, learner.optim, total_steps)
+        self.critic_optimizer, self.critic_scheduler = build_optimizer(critic, learner.critic.optim, total_steps) if critic is not None else (None, None)
         # tis anchors on mu and ignores old_logp; with one update per step pi_prox is the
         # current policy, so logp.detach() of the loss pass is exactly the recomputed value.
         self.single_update = learner.ppo_mini_batches == 1 and learner.ppo_epochs == 1
@@ -123,6 +150,12 @@ class Trainer:
         """Train on ``batch`` (the same on every rank): ``ppo_epochs`` passes of
         ``ppo_mini_batches`` optimizer updates, then one scheduler step.
 
+        With a critic (``gae``): the critic's values of the batch (the critic before this
+        step) give the advantages and the returns; the critic then trains on the clipped value
+        loss towards those returns (``learner.critic.ppo_epochs`` x ``ppo_mini_batches``
+        updates, its own schedule), and the policy on the advantages, except during the
+        critic's ``warmup_steps``, when the policy and its schedule do not move.
+
         ``step_index`` (the policy version before the step) seeds the per-epoch shuffle of
         groups, so a resumed run repeats it exactly.
         """
@@ -130,46 +163,63 @@ class Trainer:
         start = time.perf_counter()
         old_logp = self._all_rows_logp(self.policy, batch) if self.recompute else None
         ref_logp = self._all_rows_logp(self.reference, batch) if self.reference is not None else None
-        rewards, reward_metrics = self._rewards(batch, old_logp, ref_logp)
-        adv = self._advantages(batch, rewards)
+        critic = self.critic
+        old_values = self._all_rows(batch, lambda m: self._values(critic, m), "critic values") if critic is not None else None
+        rewards, metrics = self._rewards(batch, old_logp, ref_logp)
+        adv, returns = self._advantages(batch, rewards, old_values)
         times.prox = time.perf_counter() - start
 
-        sums: dict[str, float] = defaultdict(float)
-        updates = skipped = 0
-        num_groups = int(batch.group_index.max()) + 1
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step_index)
-        for epoch in range(self.learner.ppo_epochs):
-            order = torch.randperm(num_groups, generator=generator).tolist() if self.learner.ppo_epochs > 1 else None
-            for groups in split_groups(num_groups, self.learner.ppo_mini_batches, order):
+        if critic is not None and old_values is not None:
+            cc = self.learner.critic
+            value_updates = self._update(batch, critic, self.critic_optimizer, cc.optim.grad_clip, cc.ppo_epochs,  # type: ignore[arg-type]
+                                         cc.ppo_mini_batches, generator, times, lambda m, i: self._value_loss(m, i, old_values, returns))
+            metrics.update(value_updates.means("critic"))
+            metrics.update({"critic/lr": self.critic_scheduler.get_last_lr()[0], "critic/updates": float(value_updates.updates)})  # type: ignore[union-attr]
+            self.critic_scheduler.step()  # type: ignore[union-attr]
+        actor = _Updates()
+        lr = self.scheduler.get_last_lr()[0]
+        if critic is None or step_index >= self.learner.critic.warmup_steps:  # the critic's warm-up: values only
+            actor = self._update(batch, self.policy, self.optimizer, self.learner.optim.grad_clip, self.learner.ppo_epochs,
+                                 self.learner.ppo_mini_batches, generator, times, lambda m, i: self._policy_loss(m, i, adv, old_logp, ref_logp))
+            t2 = time.perf_counter()
+            self.scheduler.step()
+            times.optim += time.perf_counter() - t2
+        metrics.update(actor.means("actor"))
+        metrics.update(self._batch_metrics(batch, adv))
+        metrics.update({"actor/lr": lr, "actor/updates": float(actor.updates), "actor/skipped_nonfinite_grad": float(actor.skipped)})
+        return StepResult(metrics, int(batch.lengths.sum()), actor.updates, times)
+
+    def _update(self, batch: Batch, model: nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float, epochs: int, mini_batches: int,
+                generator: torch.Generator, times: StepTimes, micro_loss: MicroLoss) -> _Updates:
+        """``epochs`` passes of ``mini_batches`` optimizer steps of ``model`` on the loss
+        ``micro_loss`` (see :meth:`_accumulate`). Groups are shuffled per epoch (with
+        ``generator``) when there are several epochs."""
+        out = _Updates()
+        num_groups = int(batch.group_index.max()) + 1
+        for _ in range(epochs):
+            order = torch.randperm(num_groups, generator=generator).tolist() if epochs > 1 else None
+            for groups in split_groups(num_groups, mini_batches, order):
                 chosen = set(groups)
                 rows = [r for r, g in enumerate(batch.group_index.tolist()) if g in chosen]
                 if not rows:
                     continue
                 t0 = time.perf_counter()
-                mini = self._accumulate(batch, rows, adv, old_logp, ref_logp)
+                mini = self._accumulate(batch, rows, micro_loss)
                 t1 = time.perf_counter()
-                grad_norm = self._clip()
+                grad_norm = _clip(model, grad_clip)
                 if math.isfinite(grad_norm):
-                    self.optimizer.step()
-                    updates += 1
+                    optimizer.step()
+                    out.updates += 1
                 else:  # one bad gradient must not reach the weights; the step is counted, not applied
-                    skipped += 1
-                self.optimizer.zero_grad(set_to_none=True)
+                    out.skipped += 1
+                optimizer.zero_grad(set_to_none=True)
                 times.fwd_bwd += t1 - t0
                 times.optim += time.perf_counter() - t1
                 for key, value in mini.items():
-                    sums[key] += value
-                sums["grad_norm"] += grad_norm if math.isfinite(grad_norm) else 0.0
-        t2 = time.perf_counter()
-        lr = self.scheduler.get_last_lr()[0]
-        self.scheduler.step()
-        times.optim += time.perf_counter() - t2
-        done = max(1, updates + skipped)
-        metrics = {f"actor/{k}": v / done for k, v in sums.items()}
-        metrics.update(self._batch_metrics(batch, adv))
-        metrics.update(reward_metrics)
-        metrics.update({"actor/lr": lr, "actor/updates": float(updates), "actor/skipped_nonfinite_grad": float(skipped)})
-        return StepResult(metrics, int(batch.lengths.sum()), updates, times)
+                    out.sums[key] += value
+                out.sums["grad_norm"] += grad_norm if math.isfinite(grad_norm) else 0.0
+        return out
 
     # -- pieces -------------------------------------------------------------------
 
@@ -191,10 +241,13 @@ class Trainer:
         self.kl_ctrl.update(float(current), batch.size)
         return rewards, {"reward/kl": float(current), "reward/kl_coef": coef}
 
-    def _advantages(self, batch: Batch, rewards: Tensor) -> Tensor:
+    def _advantages(self, batch: Batch, rewards: Tensor, values: Tensor | None) -> tuple[Tensor, Tensor]:
+        """``(advantages, returns)`` ``[N, T]`` on the CPU; ``values`` (gae) are the critic's."""
         cfg = self.algorithm.advantage
-        options = {name: getattr(cfg, name) for name in _ADVANTAGE_OPTIONS.get(cfg.name, ())}
-        return advantages.compute(cfg.name, rewards=rewards, response_mask=batch.response_mask,
+        options: dict[str, object] = {name: getattr(cfg, name) for name in _ADVANTAGE_OPTIONS.get(cfg.name, ())}
+        if values is not None:
+            options["values"] = values.cpu()
+        return advantages.compute_with_returns(cfg.name, rewards=rewards, response_mask=batch.response_mask,
                                   group_index=batch.group_index, **options)
 
     def _weight(self, batch: Batch, rows: list[int]) -> float:
@@ -207,17 +260,37 @@ class Trainer:
         return float((mask.sum(-1) > 0).sum())
 
     @torch.no_grad()
-    def _all_rows_logp(self, model: nn.Module, batch: Batch) -> Tensor:
-        """Log-probs ``[N, T]`` of every sample under ``model`` (no gradient): each rank
-        computes its share, one all-reduce assembles the whole table on every rank."""
+    def _all_rows(self, batch: Batch, per_micro: Callable[[Batch], Tensor], what: str) -> Tensor:
+        """A table ``[N, T]`` of every sample (log-probs under a model, or the critic's values;
+        no gradient): each rank computes ``per_micro`` of its share, one all-reduce assembles
+        the whole table on every rank (0 on padding)."""
         table = torch.zeros(batch.behav_logp.shape, device=self.info.device)
         plan = plan_micro_batches(batch.lengths.tolist(), range(batch.size), self.info.world_size, self.learner.max_tokens_per_microbatch)
         for rows in plan[self.info.rank]:
             micro = _micro(batch, rows)
-            logp, _ = self._logprobs(model, micro)
+            values = per_micro(micro)
             if rows:
-                table[rows] = logp * micro.response_mask.to(logp.device)
-        return collectives.all_reduce(table, self.info.device, "proximal/reference log-probs")
+                table[rows] = values * micro.response_mask.to(values.device)
+        return collectives.all_reduce(table, self.info.device, what)
+
+    def _all_rows_logp(self, model: nn.Module, batch: Batch) -> Tensor:
+        """Log-probs ``[N, T]`` of every sample under ``model`` (see :meth:`_all_rows`)."""
+        return self._all_rows(batch, lambda micro: self._logprobs(model, micro)[0], "proximal/reference log-probs")
+
+    def _values(self, critic: nn.Module, micro: Batch) -> Tensor:
+        """The critic's values ``[n, T]`` of ``micro``'s response tokens, from one packed row (0 on padding)."""
+        device = self.info.device
+        row = pack(micro)
+        values = token_values(critic, row.input_ids.to(device), row.position_ids.to(device), row.logit_rows.to(device),
+                              **attention_kwargs(critic.config._attn_implementation, row.bounds, device))
+        return unpack(values, row)
+
+    def _value_loss(self, micro: Batch, index: list[int], old_values: Tensor, returns: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        """The clipped value loss of ``micro`` (rows ``index`` of the batch) under the critic."""
+        values = self._values(self.critic, micro)  # type: ignore[arg-type]
+        device = values.device
+        return losses.value_loss(values, old_values[index].to(device), returns[index].to(device), micro.response_mask.to(device),
+                                 self.learner.critic.cliprange_value, self.algorithm.loss.agg_mode)
 
     def _logprobs(self, model: nn.Module, micro: Batch, with_entropy: bool = False, entropy_grad: bool = False) -> tuple[Tensor, Tensor | None]:
         """Log-probs (and entropies) ``[n, T]`` of ``micro``'s response tokens under ``model``,
@@ -231,44 +304,42 @@ class Trainer:
         )
         return unpack(logp, row), None if entropy is None else unpack(entropy, row)
 
-    def _accumulate(self, batch: Batch, rows: list[int], adv: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None) -> dict[str, float]:
-        """Forward/backward of this rank's micro-batches of one mini-batch; returns the
-        mini-batch's metrics (weighted means over all ranks)."""
-        loss_cfg = self.algorithm.loss
+    def _accumulate(self, batch: Batch, rows: list[int], micro_loss: MicroLoss) -> dict[str, float]:
+        """Forward/backward of this rank's micro-batches of one mini-batch of ``rows``;
+        ``micro_loss(micro, index)`` gives a micro-batch's loss (a mean over its own tokens or
+        sequences) and metrics. Returns the mini-batch's metrics (weighted means over all ranks)."""
         plan = plan_micro_batches(batch.lengths.tolist(), rows, self.info.world_size, self.learner.max_tokens_per_microbatch)
         total = self._weight(batch, rows)
         sums: dict[str, float] = defaultdict(float)
         for micro_rows in plan[self.info.rank]:
             micro = _micro(batch, micro_rows)
             share = self._weight(batch, micro_rows) / total
-            index = micro_rows or [0]  # a filler pass reads row 0 under a zero mask
-            logp, entropy = self._logprobs(self.policy, micro, with_entropy=True, entropy_grad=loss_cfg.entropy_coef != 0)
-            device = logp.device
-            mask = micro.response_mask.to(device)
-            behav = micro.behav_logp.to(device)
-            if self.single_update and self.algorithm.recompute_proximal:
-                prox = logp.detach()
-            elif old_logp is not None:
-                prox = old_logp[index].to(device)
-            else:
-                prox = behav  # bypass: pi_prox := mu
-            loss, metrics = losses.compute(
-                loss_cfg.name, logp=logp, old_logp=prox, behav_logp=behav, advantages=adv[index].to(device) * mask, mask=mask,
-                config=loss_cfg, ref_logp=None if ref_logp is None else ref_logp[index].to(device),
-                entropy=entropy,
-            )
+            loss, metrics = micro_loss(micro, micro_rows or [0])  # a filler pass reads row 0 under a zero mask
             # FSDP averages gradients over ranks; scale back to a sum of global shares.
             (loss * share * self.info.world_size).backward()
             for key, value in metrics.items():
-                sums[key] += value * share
+                sums[key] += float(value) * share
         return _all_reduce_sum(sums, self.info.device)
 
-    def _clip(self) -> float:
-        """Global gradient norm before clipping (clipped in place when ``grad_clip > 0``)."""
-        limit = self.learner.optim.grad_clip or math.inf
-        norm = torch.nn.utils.clip_grad_norm_([p for p in self.policy.parameters() if p.grad is not None], limit)
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        return float(norm)
+    def _policy_loss(self, micro: Batch, index: list[int], adv: Tensor, old_logp: Tensor | None,
+                     ref_logp: Tensor | None) -> tuple[Tensor, Mapping[str, Any]]:
+        """The policy loss of ``micro`` (rows ``index`` of the batch), off-policy correction included."""
+        loss_cfg = self.algorithm.loss
+        logp, entropy = self._logprobs(self.policy, micro, with_entropy=True, entropy_grad=loss_cfg.entropy_coef != 0)
+        device = logp.device
+        mask = micro.response_mask.to(device)
+        behav = micro.behav_logp.to(device)
+        if self.single_update and self.algorithm.recompute_proximal:
+            prox = logp.detach()
+        elif old_logp is not None:
+            prox = old_logp[index].to(device)
+        else:
+            prox = behav  # bypass: pi_prox := mu
+        return losses.compute(
+            loss_cfg.name, logp=logp, old_logp=prox, behav_logp=behav, advantages=adv[index].to(device) * mask, mask=mask,
+            config=loss_cfg, ref_logp=None if ref_logp is None else ref_logp[index].to(device),
+            entropy=entropy,
+        )
 
     def _batch_metrics(self, batch: Batch, adv: Tensor) -> dict[str, float]:
         mask = batch.response_mask
@@ -282,6 +353,13 @@ class Trainer:
             "batch/advantage_mean": float((adv * mask).sum() / mask.sum()),
             "batch/advantage_abs_max": float((adv * mask).abs().max()),
         }
+
+
+def _clip(model: nn.Module, grad_clip: float) -> float:
+    """Global gradient norm of ``model`` before clipping (clipped in place when ``grad_clip > 0``)."""
+    norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], grad_clip or math.inf)
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    return float(norm)
 
 
 def _micro(batch: Batch, rows: list[int]) -> Batch:

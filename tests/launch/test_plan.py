@@ -94,7 +94,7 @@ def test_plan_lists_openai_api_ports(data: Path):
 @pytest.mark.parametrize("override, key", [
     ("algorithm.loss.name=nonsense", "algorithm.loss.name='nonsense' is not allowed"),
     ("algorithm.advantage.name=nonsense", "algorithm.advantage.name='nonsense' is not allowed"),
-    ("algorithm.advantage.name=gae", "algorithm.advantage.name='gae' needs a critic"),
+    ("learner.critic.cliprange_value=0", "learner.critic.cliprange_value=0.0 must be > 0"),
     ("rollout.reward.type=batched", "rollout.reward.type='batched' is not allowed (did you mean 'batch'?)"),
 ])
 def test_dry_run_rejects_unknown_algorithm_and_option_names(override: str, key: str, data: Path):

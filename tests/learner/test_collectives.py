@@ -48,6 +48,8 @@ def _combinations() -> list[tuple[str, ...]]:
     kl_in_reward = ("algorithm.kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive")
     out.append(("algorithm.loss.name=decoupled_ppo", "algorithm.advantage.name=grpo", "learner.ppo_mini_batches=2", *kl_in_reward))
     out.append(("algorithm.loss.name=ppo", "algorithm.advantage.name=rloo", "learner.ppo_mini_batches=1", *kl_in_reward))
+    critic = ("algorithm.advantage.name=gae", "learner.critic.ppo_mini_batches=2", "learner.critic.ppo_epochs=2")
+    out.append(("algorithm.loss.name=decoupled_ppo", "learner.ppo_mini_batches=2", *critic))
     return out
 
 
@@ -58,10 +60,11 @@ def test_a_learner_step_puts_every_collective_tensor_on_the_device(
     cfg = learner_config(tiny_model, tmp_path, "strict", *overrides)
     policy = load_sharded(str(tiny_model), cfg.learner, one_rank.device, trainable=True)
     reference = load_sharded(str(tiny_model), cfg.learner, one_rank.device, trainable=False) if cfg.algorithm.needs_reference else None
+    critic = load_sharded(str(tiny_model), cfg.learner, one_rank.device, trainable=True, value_model=True) if cfg.algorithm.needs_critic else None
     batch = prepare(make_groups(4, seed=5), 64, 512).batch
     with simulated_cuda() as cuda:
         info = dataclasses.replace(one_rank, device=cuda)
-        trainer = Trainer(policy, reference, cfg.learner, cfg.algorithm, info, cfg.trainer.total_steps, cfg.trainer.seed)
+        trainer = Trainer(policy, reference, cfg.learner, cfg.algorithm, info, cfg.trainer.total_steps, cfg.trainer.seed, critic=critic)
         result = trainer.step(batch, 0)
         groups = _broadcast_groups(make_groups(2, seed=6), info)
         assert _broadcast_bytes(b"stop", info) == b"stop"

@@ -14,6 +14,7 @@ import pytest
 import torch
 from learner_helpers import learner_config, make_groups, start_ranks
 from safetensors.torch import load_file
+from transformers import AutoModelForTokenClassification
 
 from async_rl.learner.checkpoint import checkpoint_dir, export_hf, list_checkpoints
 from async_rl.queue import ReplayQueue
@@ -62,10 +63,12 @@ def test_one_rank_and_two_ranks_give_the_same_parameters(tiny_model: Path, redis
         assert a["metrics"]["actor/pg_loss"] == pytest.approx(b["metrics"]["actor/pg_loss"], abs=1e-5)
 
 
-# An adaptive KL-in-reward coefficient that moves by 40% a step: a resume that lost it would
-# give other rewards, advantages and weights from step 3 on.
+# State beyond the policy that a resume must restore, or steps 3 and 4 give other advantages and
+# weights: an adaptive KL-in-reward coefficient that moves by 40% a step, and a critic (GAE) with
+# its optimizer and schedule.
 ADAPTIVE_KL = ("algorithm.kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0.5",
-               "algorithm.kl_ctrl.target_kl=0.01", "algorithm.kl_ctrl.horizon=8")
+               "algorithm.kl_ctrl.target_kl=0.01", "algorithm.kl_ctrl.horizon=8",
+               "algorithm.advantage.name=gae", "learner.critic.optim.lr=1e-3", "learner.critic.optim.warmup_steps=2")
 
 
 def test_resume_after_sigkill_equals_an_uninterrupted_run(tiny_model: Path, redis_url: str, tmp_path: Path) -> None:
@@ -96,6 +99,10 @@ def test_resume_after_sigkill_equals_an_uninterrupted_run(tiny_model: Path, redi
     lines = [json.loads(line) for line in (out / "learner_steps.jsonl").read_text().splitlines()]
     assert [s["version"] for s in lines] == [1, 2, 3, 3, 4]  # step 3 ran twice: killed, then redone
     assert [s["metrics"]["reward/kl_coef"] for s in lines[3:]] == pytest.approx(coefs[2:], rel=1e-12)  # restored, not reset
+    for key in ("critic/vf_loss", "critic/lr"):  # the critic, its optimizer and its schedule too
+        assert [s["metrics"][key] for s in lines[3:]] == pytest.approx([s["metrics"][key] for s in steps_straight[2:]], abs=1e-6), key
+    critic = AutoModelForTokenClassification.from_pretrained(export_hf(list_checkpoints(out)[-1], out / "critic", critic=True))
+    assert critic.config.num_labels == 1 and critic(input_ids=torch.tensor([[5, 6, 7]])).logits.shape == (1, 3, 1)
     position = {entry_id: i for i, entry_id in enumerate(ids)}
     lineage = {s["version"]: sorted(position[e] for e in s["entry_ids"]) for s in lines}  # last run of each version
     assert lineage[3] == sorted(position[e] for e in lines[2]["entry_ids"])  # the same groups were retrained

@@ -111,8 +111,11 @@ def test_parts_scale_as_documented():
     assert one.logprob_chunk_gb == pytest.approx(2048 * 151936 * (2 + 8) / 1e9)
     cpu = memory.estimate(QWEN25_15B, _learner("learner.max_tokens_per_microbatch=8192"), False, 80.0, device_type="cpu")
     assert cpu.activations_gb > half.activations_gb  # float32 compute
-    with_ref = memory.estimate(QWEN25_15B, _learner(), False, 80.0, reference_model=True)
+    with_ref = memory.estimate(QWEN25_15B, _learner(), False, 80.0, beside=memory.Beside(reference=True))
     assert with_ref.reference_gb > with_ref.params_gb and "reference model" in with_ref.summary()
+    with_critic = memory.estimate(QWEN25_15B, _learner(), False, 80.0, beside=memory.Beside(critic=True))
+    assert with_critic.critic_gb == pytest.approx(with_critic.params_gb + with_critic.optimizer_gb + with_ref.reference_gb - with_ref.params_gb)
+    assert "critic" in with_critic.summary() and with_critic.total_gb == pytest.approx(memory.estimate(QWEN25_15B, _learner(), False, 80.0).total_gb + with_critic.critic_gb)
 
 
 def test_checkpointing_reduces_activations():

@@ -19,7 +19,8 @@ def _trainer(model_dir: Path, info: DistInfo, tmp_path: Path, *overrides: str) -
     cfg = learner_config(model_dir, tmp_path, "unit", *overrides)
     policy = load_sharded(str(model_dir), cfg.learner, info.device, trainable=True)
     reference = load_sharded(str(model_dir), cfg.learner, info.device, trainable=False) if cfg.algorithm.needs_reference else None
-    return Trainer(policy, reference, cfg.learner, cfg.algorithm, info, cfg.trainer.total_steps, cfg.trainer.seed)
+    critic = load_sharded(str(model_dir), cfg.learner, info.device, trainable=True, value_model=True) if cfg.algorithm.needs_critic else None
+    return Trainer(policy, reference, cfg.learner, cfg.algorithm, info, cfg.trainer.total_steps, cfg.trainer.seed, critic=critic)
 
 
 def _params(trainer: Trainer) -> dict[str, torch.Tensor]:
@@ -126,3 +127,24 @@ def test_kl_in_reward_penalises_the_rewards_and_adapts_its_coefficient(tiny_mode
     with pytest.raises(ValueError, match="reference model is needed exactly when"):
         cfg = learner_config(tiny_model, tmp_path, "unit", *kl_settings)
         Trainer(plain.policy, None, cfg.learner, cfg.algorithm, one_rank, cfg.trainer.total_steps, cfg.trainer.seed)
+
+
+def test_the_critic_learns_the_returns_and_holds_the_policy_during_its_warm_up(tiny_model: Path, one_rank: DistInfo, tmp_path: Path) -> None:
+    trainer = _trainer(tiny_model, one_rank, tmp_path, "algorithm.advantage.name=gae", "algorithm.advantage.lam=0.95",
+                       "learner.critic.optim.lr=1e-3", "learner.critic.warmup_steps=3", "learner.critic.ppo_mini_batches=2",
+                       "learner.critic.ppo_epochs=2")
+    batch = prepare(make_groups(4, seed=10), 64, 512).batch
+    before = _params(trainer)
+    steps = [trainer.step(batch, step).metrics for step in range(4)]
+    for m in steps[:3]:  # warm-up: 4 critic updates a step, the policy untouched
+        assert m["critic/updates"] == 4 and m["actor/updates"] == 0
+    assert steps[3]["actor/updates"] == 1 and steps[3]["critic/updates"] == 4
+    warm = steps[2]
+    assert warm["critic/vf_loss"] < steps[0]["critic/vf_loss"]  # the same returns' targets are learnt
+    assert warm["critic/explained_variance"] > steps[0]["critic/explained_variance"]
+    assert 0 <= warm["critic/vf_clipfrac"] <= 1 and steps[0]["critic/lr"] == 1e-3
+    after = _params(trainer)
+    assert any(not torch.equal(before[k], after[k]) for k in before)  # the policy moved at step 3 only
+    with pytest.raises(ValueError, match="a critic is needed exactly when"):
+        cfg = learner_config(tiny_model, tmp_path, "unit", "algorithm.advantage.name=gae")
+        Trainer(trainer.policy, None, cfg.learner, cfg.algorithm, one_rank, cfg.trainer.total_steps, cfg.trainer.seed)
