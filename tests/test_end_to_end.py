@@ -61,9 +61,13 @@ def test_the_multiturn_quickstart_trains_on_episodes(tiny_assets, tmp_path):
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "perf/tokens_per_s" in r]
     assert [r["version"] for r in steps] == [1, 2]
+    # env/* are deltas of the servers' counters, flushed once a second: a 2-step run may log only
+    # the first few episodes, so these hold for what was logged ...
     episodes = [r for r in records if "env/turns_mean" in r]
-    assert episodes and all(1.0 <= r["env/turns_mean"] <= 3.0 and r["env/errors"] == 0 for r in episodes)
-    assert any(r["env/turns_mean"] > 1.0 for r in episodes)  # wrong answers got feedback and another turn
+    assert all(1.0 <= r["env/turns_mean"] <= 3.0 and r["env/errors"] == 0 for r in episodes)
+    # ... and the trained samples show the feedback turns: one turn is at most max_turn_tokens (8)
+    # plus the template's closing tokens; a second adds the feedback message and another reply.
+    assert any(r["batch/response_length_max"] > 8 + 4 for r in steps), [r["batch/response_length_max"] for r in steps]
     assert [r["version"] for r in records if "val/greedy_accuracy" in r] == [0, 2]
     assert wait_gone(run_dir) == []
 

@@ -253,12 +253,17 @@ class RewardPool:
         loop = asyncio.get_running_loop()
         gone: asyncio.Future[None] = loop.create_future()
         loop.add_reader(proc.sentinel, lambda: gone.done() or gone.set_result(None))
+        deadline = loop.time() + 1.0
         try:
             await asyncio.wait_for(gone, 1.0)
         except asyncio.TimeoutError:
             return "still running"
         finally:
             loop.remove_reader(proc.sentinel)
+        # The sentinel is readable once the child's end of it closes, a moment before the
+        # process can be reaped: until then exitcode is None.
+        while proc.exitcode is None and loop.time() < deadline:
+            await asyncio.sleep(0.005)
         code = proc.exitcode
         if code is not None and code < 0:
             return f"killed by signal {signal.Signals(-code).name}"
