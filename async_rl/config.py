@@ -35,6 +35,9 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from async_rl.data.images import PixelBounds
+from async_rl.data.prompts import ImageFields
+
 
 class ConfigError(ValueError):
     """A configuration problem; the message says which key and how to fix it."""
@@ -67,6 +70,18 @@ class DataConfig:
     """Shuffle the prompt order (deterministically, with ``data.seed``) each epoch."""
     seed: int = 1
     """Seed of the prompt order."""
+    image_key: str = "images"
+    """Field of a vision-language row that holds its list of images (data URIs, ``file://`` URLs or paths); rows without it are text-only."""
+    image_dir: Optional[str] = None
+    """Folder that relative image paths are read from; null: the dataset file's folder."""
+    min_pixels: int = 262144
+    """Smaller images are upscaled to this many pixels (width x height), aspect kept (EasyR1's default)."""
+    max_pixels: int = 4194304
+    """Larger images are downscaled to this many pixels (width x height), aspect kept (EasyR1's default)."""
+
+    def image_fields(self) -> ImageFields:
+        """How :func:`~async_rl.data.prompts.read_prompt_rows` finds and checks this dataset's images."""
+        return ImageFields(self.image_key, self.image_dir, PixelBounds(self.min_pixels, self.max_pixels))
 
 
 @dataclass
@@ -728,6 +743,8 @@ def validate(cfg: Config) -> None:
     need(r.env.max_turn_tokens >= 0, f"rollout.env.max_turn_tokens={r.env.max_turn_tokens} must be >= 0 (0: no per-turn limit)")
     need(r.env.step_timeout_s > 0, f"rollout.env.step_timeout_s={r.env.step_timeout_s} must be > 0")
     need(cfg.sync.max_lag_s > 0, f"sync.max_lag_s={cfg.sync.max_lag_s} must be > 0")
+    need(cfg.data.max_pixels >= cfg.data.min_pixels,
+         f"data.max_pixels={cfg.data.max_pixels} must be >= data.min_pixels={cfg.data.min_pixels}")
     need(cfg.trainer.stall_timeout_s > 0, f"trainer.stall_timeout_s={cfg.trainer.stall_timeout_s} must be > 0")
 
     # Cross-field rules: name both keys.
@@ -776,6 +793,7 @@ def _positive_ints(cfg: Config) -> list[tuple[str, int]]:
         ("rollout.max_inflight", cfg.rollout.max_inflight),
         ("rollout.vllm.tensor_parallel_size", cfg.rollout.vllm.tensor_parallel_size),
         ("data.max_prompt_length", cfg.data.max_prompt_length),
+        ("data.min_pixels", cfg.data.min_pixels),
         ("queue.max_depth", cfg.queue.max_depth),
         ("learner.world_size", cfg.learner.world_size),
         ("learner.batch_size", cfg.learner.batch_size),

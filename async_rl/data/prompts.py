@@ -1,7 +1,10 @@
 """Prompt datasets: reading EasyR1-style JSONL rows and rendering them as chat prompts.
 
 A malformed row never stops a run: it is returned as a :class:`RejectedRow` (line number,
-reason, raw text) that the caller counts and writes to a dead-letter file.
+reason, raw text) that the caller counts and writes to a dead-letter file. A row with an
+``images`` list (``data.image_key``) is a vision-language row: each image is opened and
+checked when the file is read (:mod:`async_rl.data.images`), so a missing or undecodable
+image, or a prompt whose ``<image>`` placeholders do not match its images, rejects the row.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+
+from async_rl.data.images import ImageError, PixelBounds, chat_content, load_image, normalise_ref
 
 
 @dataclass(frozen=True)
@@ -24,6 +29,8 @@ class PromptRow:
     """Prompt text (before the chat template)."""
     answer: str
     """Reference answer, as a string, handed to the reward function as ``ground_truth``."""
+    images: tuple[str, ...] = ()
+    """Image references (data URIs or absolute paths), one per ``<image>`` in ``prompt``."""
 
 
 @dataclass(frozen=True)
@@ -35,14 +42,29 @@ class RejectedRow:
     raw: str
 
 
-def read_prompt_rows(path: str | Path, prompt_key: str = "problem", answer_key: str = "answer") -> tuple[list[PromptRow], list[RejectedRow]]:
-    """Read a JSONL file of objects with ``prompt_key`` and ``answer_key`` fields.
+@dataclass(frozen=True)
+class ImageFields:
+    """Where a row's images are and how they are checked (``data.image_key``,
+    ``data.image_dir``, ``data.min_pixels``/``max_pixels``)."""
+
+    key: str = "images"
+    base_dir: str | None = None
+    """Folder of relative image paths; None: the dataset file's folder."""
+    bounds: PixelBounds = PixelBounds(1, 2**31 - 1)
+
+
+def read_prompt_rows(
+    path: str | Path, prompt_key: str = "problem", answer_key: str = "answer", images: ImageFields = ImageFields()
+) -> tuple[list[PromptRow], list[RejectedRow]]:
+    """Read a JSONL file of objects with ``prompt_key`` and ``answer_key`` fields (and,
+    for vision-language rows, a list of images under ``images.key``).
 
     Blank lines are ignored. Raises FileNotFoundError (with the path) if the file is missing.
     """
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"dataset file {str(p)!r} not found (check data.train_files / data.val_files)")
+    base_dir = Path(images.base_dir) if images.base_dir else p.resolve().parent
     rows: list[PromptRow] = []
     rejected: list[RejectedRow] = []
     with p.open(encoding="utf-8", errors="replace") as fh:
@@ -50,7 +72,7 @@ def read_prompt_rows(path: str | Path, prompt_key: str = "problem", answer_key: 
             text = raw.strip()
             if not text:
                 continue
-            row, reason = _parse_row(text, prompt_key, answer_key)
+            row, reason = _parse_row(text, prompt_key, answer_key, images, base_dir)
             if row is None:
                 rejected.append(RejectedRow(line_no, f"{p.name} line {line_no}: {reason}", text))
             else:
@@ -58,7 +80,9 @@ def read_prompt_rows(path: str | Path, prompt_key: str = "problem", answer_key: 
     return rows, rejected
 
 
-def _parse_row(text: str, prompt_key: str, answer_key: str) -> tuple[tuple[str, str] | None, str]:
+def _parse_row(
+    text: str, prompt_key: str, answer_key: str, images: ImageFields, base_dir: Path
+) -> tuple[tuple[str, str, tuple[str, ...]] | None, str]:
     try:
         obj: Any = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -73,7 +97,17 @@ def _parse_row(text: str, prompt_key: str, answer_key: str) -> tuple[tuple[str, 
         return None, f"field {prompt_key!r} must be a non-empty string, got {prompt!r:.60}"
     if isinstance(answer, (dict, list)) or answer is None:
         return None, f"field {answer_key!r} must be a string or a number, got {answer!r:.60}"
-    return (prompt, str(answer)), ""
+    refs = obj.get(images.key) or []
+    if not isinstance(refs, list):
+        return None, f"field {images.key!r} must be a list of images (data.image_key), got {type(refs).__name__}"
+    try:
+        normalised = tuple(normalise_ref(ref, base_dir) for ref in refs)
+        chat_content(prompt, len(normalised))
+        for ref in normalised:
+            load_image(ref, images.bounds)
+    except ImageError as exc:
+        return None, str(exc)
+    return (prompt, str(answer), normalised), ""
 
 
 def write_rejected(rejected: list[RejectedRow], path: str | Path) -> None:
@@ -107,16 +141,18 @@ class PromptFormatter:
         if getattr(tokenizer, "chat_template", None) is None:
             raise ValueError("the tokenizer has no chat template; add one to tokenizer_config.json (key 'chat_template')")
 
-    def messages(self, text: str) -> list[dict[str, str]]:
-        """Chat messages for one prompt."""
+    def messages(self, text: str, num_images: int = 0) -> list[dict[str, Any]]:
+        """Chat messages for one prompt; with images, the user content is EasyR1's list of
+        text and image parts (split at each ``<image>``)."""
         content = self.template.render(content=text) if self.template is not None else text
-        msgs = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-        return msgs + [{"role": "user", "content": content}]
+        msgs: list[dict[str, Any]] = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        return msgs + [{"role": "user", "content": chat_content(content, num_images)}]
 
-    def render(self, text: str) -> str:
-        """Prompt string ending with the assistant turn's opening."""
-        return self.tokenizer.apply_chat_template(self.messages(text), tokenize=False, add_generation_prompt=True)
+    def render(self, text: str, num_images: int = 0) -> str:
+        """Prompt string ending with the assistant turn's opening (one image token per image,
+        not yet expanded: the inference server and the learner's processor expand it)."""
+        return self.tokenizer.apply_chat_template(self.messages(text, num_images), tokenize=False, add_generation_prompt=True)
 
-    def token_ids(self, text: str) -> list[int]:
+    def token_ids(self, text: str, num_images: int = 0) -> list[int]:
         """Token ids of :meth:`render` (no special tokens added beyond the template's)."""
-        return self.tokenizer(self.render(text), add_special_tokens=False)["input_ids"]
+        return self.tokenizer(self.render(text, num_images), add_special_tokens=False)["input_ids"]

@@ -209,7 +209,7 @@ class _Run:
         return RewardScorer(self.rewards, self.cfg.rollout.reward, self.cfg.rollout.max_response_length)
 
     def _read_rows(self, path: str) -> list:
-        rows, rejected = read_prompt_rows(path, self.cfg.data.prompt_key, self.cfg.data.answer_key)
+        rows, rejected = read_prompt_rows(path, self.cfg.data.prompt_key, self.cfg.data.answer_key, self.cfg.data.image_fields())
         if rejected:
             write_rejected(rejected, self.run_dir / "rejected_rows.jsonl")
             log.warning("%s: %d malformed rows skipped (first: %s); see %s", path, len(rejected), rejected[0].reason, self.run_dir / "rejected_rows.jsonl")

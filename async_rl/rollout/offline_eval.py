@@ -49,7 +49,7 @@ def evaluate(cfg: Config, out_dir: str | Path, limit: int | None = None, progres
 
     out = Path(out_dir)
     save_resolved(cfg, out)
-    rows, rejected = read_prompt_rows(cfg.data.val_files, cfg.data.prompt_key, cfg.data.answer_key)
+    rows, rejected = read_prompt_rows(cfg.data.val_files, cfg.data.prompt_key, cfg.data.answer_key, cfg.data.image_fields())
     write_rejected(rejected, out / "rejected_rows.jsonl")
     for row in rejected[:3]:
         progress(f"skipped malformed row: {row.reason}")
