@@ -204,6 +204,8 @@ class QueueConfig:
     """Timeout of each blocking queue operation in seconds."""
     recover_idle_s: float = 60.0
     """Entries pending this long (seconds) with a consumer are treated as orphaned and redelivered."""
+    image_ttl_s: float = 86400.0
+    """Images of vision-language groups are kept in Redis this long (seconds) after the last put of a group that uses them; a group read later is dropped (``dropped_missing_image``)."""
 
 
 @dataclass
@@ -736,6 +738,7 @@ def validate(cfg: Config) -> None:
     need(kc.type != "adaptive" or kc.kl_coef > 0, f"algorithm.kl_ctrl.kl_coef={kc.kl_coef} must be > 0 with algorithm.kl_ctrl.type='adaptive' (it only scales)")
     need(math.isfinite(kc.target_kl) and kc.target_kl > 0, f"algorithm.kl_ctrl.target_kl={kc.target_kl} must be > 0")
     need(kc.horizon > 0, f"algorithm.kl_ctrl.horizon={kc.horizon} must be > 0")
+    need(cfg.queue.image_ttl_s >= 1, f"queue.image_ttl_s={cfg.queue.image_ttl_s} must be >= 1 (seconds)")
     need(cfg.queue.timeout_s > 0 and cfg.sync.timeout_s > 0, f"queue.timeout_s={cfg.queue.timeout_s} and sync.timeout_s={cfg.sync.timeout_s} must be > 0")
     need(r.reward.num_workers >= 1, f"rollout.reward.num_workers={r.reward.num_workers} must be >= 1")
     need(r.reward.timeout_s > 0, f"rollout.reward.timeout_s={r.reward.timeout_s} must be > 0")

@@ -23,6 +23,7 @@ from typing import Any
 import msgspec
 
 __all__ = [
+    "ImageRef",
     "MaskSpan",
     "RecordDecodeError",
     "RolloutGroup",
@@ -194,12 +195,28 @@ class Sample(msgspec.Struct, frozen=True):
         return min((s.version for s in self.version_spans), default=None)
 
 
+class ImageRef(msgspec.Struct, array_like=True, frozen=True):
+    """One image of a vision-language prompt, by reference: the SHA-256 (hex) of its pixels,
+    under which its PNG bytes are stored once in the queue (``RunKeys.image``), and its size
+    in pixels as the inference server saw it."""
+
+    sha256: str
+    width: int
+    height: int
+
+    def __post_init__(self) -> None:
+        if len(self.sha256) != 64 or self.width < 1 or self.height < 1:
+            raise ValueError("an image reference needs a 64-hex-digit sha256 and a positive size")
+
+
 class RolloutGroup(msgspec.Struct, frozen=True, tag="rollout_group.v1", tag_field="schema"):
     """All samples generated for one prompt: the unit the queue moves and admits.
 
     ``generation_s`` is the wall-clock seconds the server spent on the group;
     ``created_at`` is Unix time (seconds) when the group was finished. The ``schema`` tag
-    on the wire lets a reader reject records of another schema version.
+    on the wire lets a reader reject records of another schema version. ``images`` are the
+    prompt's images in prompt order (empty for text); ``prompt_token_ids`` then hold the
+    prompt as the engine ran it, each image's placeholder expanded into its image tokens.
     """
 
     run_id: str
@@ -210,6 +227,7 @@ class RolloutGroup(msgspec.Struct, frozen=True, tag="rollout_group.v1", tag_fiel
     server_id: str
     generation_s: float
     created_at: float
+    images: list[ImageRef] = []
 
     def __post_init__(self) -> None:
         if len(self.prompt_token_ids) % 4:
@@ -228,6 +246,7 @@ class RolloutGroup(msgspec.Struct, frozen=True, tag="rollout_group.v1", tag_fiel
         server_id: str,
         generation_s: float,
         created_at: float | None = None,
+        images: list[ImageRef] | None = None,
     ) -> RolloutGroup:
         """Build from a Python list of prompt tokens; ``created_at`` defaults to now."""
         return cls(
@@ -239,6 +258,7 @@ class RolloutGroup(msgspec.Struct, frozen=True, tag="rollout_group.v1", tag_fiel
             server_id=server_id,
             generation_s=generation_s,
             created_at=time.time() if created_at is None else created_at,
+            images=list(images or []),
         )
 
     def prompt_array(self) -> array.array[int]:

@@ -28,6 +28,7 @@ from typing import Any
 import ray
 
 from async_rl.config import Config, save_resolved
+from async_rl.data.images import load_image
 from async_rl.data.prompts import PromptFormatter, read_prompt_rows, write_rejected
 from async_rl.envs import load_environment
 from async_rl.envs.conversation import ChatEncoder
@@ -44,7 +45,7 @@ from async_rl.rollout.host import COUNTERS, WorkerHostSpec
 from async_rl.rollout.pool import ServerPool, ServerSpec
 from async_rl.rollout.episodes import EpisodeSampler
 from async_rl.rollout.server import Sampling
-from async_rl.rollout.validation import ValidationResult, validate, validate_episodes
+from async_rl.rollout.validation import ValidationResult, ValPrompt, validate, validate_episodes
 
 log = logging.getLogger(__name__)
 
@@ -152,13 +153,20 @@ class _Run:
         self.rows = self._read_rows(cfg.data.train_files)
         val_rows = self._read_rows(cfg.data.val_files) if cfg.data.val_files else []
         self.val_rows = val_rows
-        self.val_prompts = [(self.formatter.token_ids(r.prompt), r.answer) for r in val_rows]
+        bounds = cfg.data.image_fields().bounds
+        self.val_prompts = [
+            ValPrompt(self.formatter.token_ids(r.prompt, len(r.images)), r.answer, [load_image(ref, bounds) for ref in r.images] or None)
+            for r in val_rows
+        ]
         self.env_cls = None
         if cfg.rollout.env.name is not None:
             try:
                 self.env_cls = load_environment(cfg.rollout.env.name)
             except (ValueError, ImportError, OSError, AttributeError) as exc:
                 raise StartupError(f"rollout.env.name={cfg.rollout.env.name!r}: {type(exc).__name__}: {exc}") from None
+            if any(r.images for r in (*self.rows, *val_rows)):
+                raise StartupError(f"rollout.env.name={cfg.rollout.env.name!r}: multi-turn environments take text prompts only; "
+                                   f"the dataset has rows with images ({cfg.data.image_key!r}): train them without rollout.env")
         self.rewards = stack.enter_context(RewardPool(cfg.rollout.reward))
         try:
             await check_reward_function(self._scorer(), [r.answer for r in (val_rows or self.rows)])

@@ -29,6 +29,9 @@ class RunKeys:
       (makes retried admissions idempotent).
     - ``last_put(producer)``: ``"<seq> <entry id>"`` of a producer's last put, expiring
       a minute after its retries end (makes retried puts idempotent).
+    - ``image(sha256)``: PNG bytes of one image of a vision-language prompt, stored once
+      per content however many groups use it; every put of a group that uses it renews
+      its expiry (``queue.image_ttl_s``).
     """
 
     run: str
@@ -66,3 +69,6 @@ class RunKeys:
 
     def last_put(self, producer: str) -> str:
         return f"{self.run}:last-put:{producer}"
+
+    def image(self, sha256: str) -> str:
+        return f"{self.run}:image:{sha256}"

@@ -214,6 +214,32 @@ class ReplayQueue:
         raise TimeoutError(f"replay queue {self.run!r} stayed at max_depth={self.max_depth} "
                            f"for {timeout} s: is the learner consuming?")
 
+    def put_images(self, blobs: Sequence[tuple[str, bytes]], ttl_s: float) -> int:
+        """Store images ``(sha256, png bytes)`` under their content keys, each once, and renew
+        the expiry of every key to ``ttl_s`` seconds from now. Call it before :meth:`put` of a
+        group that refers to them. Returns how many were new."""
+        if not blobs:
+            return 0
+        ttl_ms = max(1, int(ttl_s * 1000))
+
+        def store() -> int:
+            pipe = self._client.pipeline(transaction=False)
+            for sha, png in blobs:
+                pipe.set(self.keys.image(sha), png, px=ttl_ms, nx=True)
+                pipe.pexpire(self.keys.image(sha), ttl_ms)
+            return sum(bool(ok) for ok in pipe.execute()[::2])
+
+        return self._call("put_images", store)
+
+    def get_images(self, shas: Sequence[str]) -> dict[str, bytes]:
+        """The stored PNG bytes of ``shas`` (one round trip); a key that expired or was never
+        stored is absent from the result."""
+        if not shas:
+            return {}
+        unique = list(dict.fromkeys(shas))
+        values = self._call("get_images", lambda: self._client.mget([self.keys.image(sha) for sha in unique]))
+        return {sha: value for sha, value in zip(unique, values) if value is not None}
+
     def publish_version(self, version: int) -> None:
         """Announce the policy version whose weights have reached every server."""
         self._call("publish_version", lambda: self._ledger.publish_version(version))

@@ -55,7 +55,7 @@ class FakeServer(InferenceServer):
     def tokenizer(self) -> Any:
         return CharTokenizer()
 
-    async def generate(self, prompt_token_ids: list[int], n: int, sampling: Sampling) -> list[Completion]:
+    async def generate(self, prompt_token_ids: list[int], n: int, sampling: Sampling, images: list[Any] | None = None) -> list[Completion]:
         lengths = [self._rng.randint(1, sampling.max_tokens) if not sampling.ignore_eos else sampling.max_tokens for _ in range(n)]
         now = time.monotonic()
         self._free_at = max(now, self._free_at) + sum(lengths) / self.tokens_per_s

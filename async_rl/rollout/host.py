@@ -86,6 +86,7 @@ class WorkerHostSpec:
             max_inflight=r.max_inflight, max_prompt_length=cfg.data.max_prompt_length,
             overlong_prompt=cfg.data.overlong_prompt, dynamic_sampling=r.reward.dynamic_sampling,
             shuffle=cfg.data.shuffle, seed=cfg.data.seed, put_timeout_s=cfg.queue.timeout_s,
+            pixel_bounds=cfg.data.image_fields().bounds, image_ttl_s=cfg.queue.image_ttl_s,
         )
         return cls(redis_url, cfg.trainer.run_name, cfg.queue.max_depth, cfg.queue.timeout_s, settings, r.workers_per_server,
                    r.reward, r.max_response_length, cfg.data.system_prompt, cfg.data.format_prompt,

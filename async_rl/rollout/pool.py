@@ -147,18 +147,18 @@ class ServerPool:
         """Per server, the base URL of its OpenAI-compatible API (None: not served or not started)."""
         return [h.openai_url if h is not None else None for h in self.started]
 
-    async def generate(self, i: int, prompt_token_ids: list[int], n: int, sampling: Sampling) -> list[Completion]:
+    async def generate(self, i: int, prompt_token_ids: list[int], n: int, sampling: Sampling, images: list[Any] | None = None) -> list[Completion]:
         """Generate on server ``i``; if it died, replace it before re-raising (the caller retries)."""
         handle = self._handles[i]
         try:
-            return await handle.generate.remote(prompt_token_ids, n, sampling)
+            return await handle.generate.remote(prompt_token_ids, n, sampling, images)
         except RayActorError:
             await self.restart(i, handle)
             raise
 
-    def generate_fn(self, i: int) -> Callable[[], Callable[[list[int], int, Sampling], Awaitable[list[Completion]]]]:
+    def generate_fn(self, i: int) -> Callable[[], Callable[..., Awaitable[list[Completion]]]]:
         """What a rollout worker bound to server ``i`` calls to get its ``generate``."""
-        return lambda: (lambda prompt, n, sampling: self.generate(i, prompt, n, sampling))
+        return lambda: (lambda prompt, n, sampling, images=None: self.generate(i, prompt, n, sampling, images))
 
     async def restart(self, i: int, dead: Any) -> None:
         """Replace server ``i`` if ``dead`` is still its handle (one restart however many callers saw it die)."""

@@ -61,6 +61,9 @@ class Completion:
     versions: list[int]
     finish_reason: str
     text: str = ""
+    prompt_token_ids: list[int] | None = None
+    """The prompt as the engine ran it, when images expanded it (each image's placeholder
+    token replaced by the model's image tokens); None for a text prompt (it is the request's)."""
 
 
 @dataclass
@@ -166,8 +169,12 @@ class InferenceServer:
         else:
             log.warning("%s: weight update %d failed, still serving version %d: %s", self.server_id, outcome.update_id, self._version, outcome.error)
 
-    async def generate(self, prompt_token_ids: list[int], n: int, sampling: Sampling) -> list[Completion]:
-        """Sample ``n`` responses to one tokenised prompt; returns them in index order."""
+    async def generate(self, prompt_token_ids: list[int], n: int, sampling: Sampling, images: list[Any] | None = None) -> list[Completion]:
+        """Sample ``n`` responses to one tokenised prompt; returns them in index order.
+
+        ``images`` (PIL images, in prompt order) go to a vision-language model with the prompt
+        holding one placeholder token per image; vLLM's processor expands each into the
+        model's image tokens, and the completions carry the expanded prompt."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -193,7 +200,10 @@ class InferenceServer:
             self._busy_since = time.monotonic()
         self._running += 1
         try:
-            async for out in self._engine.generate({"prompt_token_ids": prompt_token_ids}, params, request_id=uuid.uuid4().hex):
+            request: dict[str, Any] = {"prompt_token_ids": prompt_token_ids}
+            if images:
+                request["multi_modal_data"] = {"image": images if len(images) > 1 else images[0]}
+            async for out in self._engine.generate(request, params, request_id=uuid.uuid4().hex):
                 final = out
         finally:
             self._running -= 1
@@ -204,6 +214,10 @@ class InferenceServer:
         outputs = sorted(final.outputs, key=lambda c: c.index)
         texts = self._engine.tokenizer.batch_decode([list(c.token_ids) for c in outputs], skip_special_tokens=True)
         completions = [self._completion(c, text) for c, text in zip(outputs, texts, strict=True)]
+        if images:
+            expanded = list(final.prompt_token_ids)
+            for c in completions:
+                c.prompt_token_ids = expanded
         self._generated += sum(len(c.token_ids) for c in completions)
         return completions
 

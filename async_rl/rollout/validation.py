@@ -10,14 +10,25 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 from async_rl.data.prompts import PromptRow
 from async_rl.rewards.scoring import RewardScorer, Score
 from async_rl.rollout.episodes import EpisodeSampler
 from async_rl.rollout.server import Completion, Sampling
 
-Generate = Callable[[list[int], int, Sampling], Awaitable[list[Completion]]]
+Generate = Callable[..., Awaitable[list[Completion]]]
+"""``generate(prompt_token_ids, n, sampling, images)`` (see ``rollout.worker.GenerateFn``)."""
+
+
+@dataclass(frozen=True)
+class ValPrompt:
+    """One validation prompt: chat-formatted token ids, the reference answer and, for a
+    vision-language prompt, its images (PIL, in prompt order)."""
+
+    prompt_ids: list[int]
+    answer: str
+    images: list[Any] | None = None
 
 
 @dataclass
@@ -44,7 +55,7 @@ def _correct(score: Score) -> bool:
 
 async def validate(
     generate: Generate,
-    prompts: list[tuple[list[int], str]],
+    prompts: list[ValPrompt],
     scorer: RewardScorer,
     *,
     n: int,
@@ -52,23 +63,24 @@ async def validate(
     max_tokens: int,
     concurrency: int = 32,
 ) -> ValidationResult:
-    """Greedy and ``n``-sample evaluation of ``(prompt_token_ids, answer)`` pairs."""
+    """Greedy and ``n``-sample evaluation of ``prompts``."""
     t0 = time.monotonic()
     limit = asyncio.Semaphore(concurrency)
     greedy = Sampling(temperature=0.0, max_tokens=max_tokens)
     sampled = Sampling(temperature=temperature, max_tokens=max_tokens)
 
-    async def one(prompt: list[int], answer: str) -> tuple[bool, list[bool], int]:
+    async def one(prompt: ValPrompt) -> tuple[bool, list[bool], int]:
         async with limit:
-            best, samples = await asyncio.gather(generate(prompt, 1, greedy), generate(prompt, n, sampled))
+            extra = (prompt.images,) if prompt.images else ()
+            best, samples = await asyncio.gather(generate(prompt.prompt_ids, 1, greedy, *extra), generate(prompt.prompt_ids, n, sampled, *extra))
         completions = best + samples
         scores = await scorer.score(
-            [{"response": c.text, "response_length": len(c.token_ids), "ground_truth": answer} for c in completions]
+            [{"response": c.text, "response_length": len(c.token_ids), "ground_truth": prompt.answer} for c in completions]
         )
         version = min((min(c.versions) for c in completions if c.versions), default=0)
         return _correct(scores[0]), [_correct(s) for s in scores[1:]], version
 
-    return _summary(await asyncio.gather(*(one(p, a) for p, a in prompts)), n, t0)
+    return _summary(await asyncio.gather(*(one(p) for p in prompts)), n, t0)
 
 
 async def validate_episodes(

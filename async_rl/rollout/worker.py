@@ -25,11 +25,12 @@ import logging
 import random
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Awaitable, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol
 
+from async_rl.data.images import ImageError, PixelBounds, image_blob, load_image
 from async_rl.data.prompts import PromptRow
 from async_rl.queue import ReplayQueue, Ticket
-from async_rl.records import RolloutGroup, Sample
+from async_rl.records import ImageRef, RolloutGroup, Sample
 from async_rl.rewards.scoring import RewardScorer
 from async_rl.rollout.server import Completion, Sampling
 
@@ -44,9 +45,11 @@ class GenerationFailed(RuntimeError):
 
 
 class GenerateFn(Protocol):
-    """``await generate(prompt_token_ids, n, sampling)`` on some inference server."""
+    """``await generate(prompt_token_ids, n, sampling, images)`` on some inference server
+    (``images``: PIL images of a vision-language prompt, in prompt order; passed only for
+    such prompts, so a text-only stand-in may take three arguments)."""
 
-    def __call__(self, prompt_token_ids: list[int], n: int, sampling: Sampling) -> Awaitable[list[Completion]]: ...
+    def __call__(self, prompt_token_ids: list[int], n: int, sampling: Sampling, images: list[Any] | None = None) -> Awaitable[list[Completion]]: ...
 
 
 @dataclass
@@ -76,6 +79,10 @@ class WorkerSettings:
     owner: str = ""
     """Owner recorded with each ticket, unique per process (``server-0#2``: the server's
     third start), so a dead host's open tickets can be ended; empty: ``server_id``."""
+    pixel_bounds: PixelBounds = PixelBounds(262144, 4194304)
+    """``data.min_pixels`` / ``data.max_pixels``: the size images are resized into."""
+    image_ttl_s: float = 86400.0
+    """``queue.image_ttl_s``: how long the queue keeps an image after the last group using it was put."""
 
 
 @dataclass
@@ -89,6 +96,8 @@ class WorkerCounters:
     generate_failures: int = 0
     groups_returned_after_failures: int = 0
     """Groups whose generation failed every retry (their prompts go back to the queue)."""
+    image_errors: int = 0
+    """Prompts skipped because an image no longer loads (it did when the dataset was read)."""
     tokens_generated: int = 0
     admission_wait_s: float = 0.0
 
@@ -100,7 +109,8 @@ class RolloutWorker:
         settings: see :class:`WorkerSettings`.
         queue: the run's replay queue (cursor, admission, put).
         rows: the training prompts (dataset order; shuffled per epoch when ``settings.shuffle``).
-        encode: prompt text -> chat-formatted token ids.
+        encode: ``encode(prompt text)`` -> chat-formatted token ids; ``encode(text, num_images)``
+            for a prompt with images (one placeholder token per image).
         scorer: reward function wrapper.
         server: returns the current ``generate`` of this worker's server; called again after a
             failure, so a restarted server is picked up.
@@ -170,7 +180,7 @@ class RolloutWorker:
         return self.counters
 
     def _prompt_ids(self, row: PromptRow) -> list[int] | None:
-        ids = self.encode(row.prompt)
+        ids = self.encode(row.prompt, len(row.images)) if row.images else self.encode(row.prompt)
         if len(ids) <= self.s.max_prompt_length:
             return ids
         if self.s.overlong_prompt == "truncate":
@@ -232,9 +242,23 @@ class RolloutWorker:
             self.counters.groups_put += enqueued
 
     async def _generate_group(self, index: int, row: PromptRow, prompt_ids: list[int]) -> RolloutGroup | None:
-        """The scored group, or None when dynamic sampling filtered it."""
+        """The scored group, or None when dynamic sampling filtered it (or an image no longer loads)."""
         t0 = time.monotonic()
-        completions = await self._sample(prompt_ids)
+        images = None
+        if row.images:
+            try:
+                images = await asyncio.to_thread(lambda: [load_image(ref, self.s.pixel_bounds) for ref in row.images])
+            except ImageError as exc:
+                self.counters.image_errors += 1
+                log.warning("skipped prompt of line %d: %s", row.line, exc)
+                return None
+        completions = await self._sample(prompt_ids, images)
+        expanded = completions[0].prompt_token_ids if completions else None
+        if expanded is not None and len(expanded) > self.s.max_prompt_length:  # image tokens counted; never truncated
+            self.counters.prompts_skipped_overlong += 1
+            log.info("skipped prompt of line %d: %d tokens with its image tokens > data.max_prompt_length=%d",
+                     row.line, len(expanded), self.s.max_prompt_length)
+            return None
         scores = await self.scorer.score(
             [{"response": c.text, "response_length": len(c.token_ids), "ground_truth": row.answer} for c in completions]
         )
@@ -246,15 +270,24 @@ class RolloutWorker:
             for c, s in zip(completions, scores)
         ]
         self.counters.tokens_generated += sum(len(c.token_ids) for c in completions)
+        refs = await self._store_images(images) if images else None
         return RolloutGroup.from_lists(
             run_id=self.s.run_id,
             group_id=f"{self.s.run_id}:{index}",
             prompt_id=index,
-            prompt_token_ids=prompt_ids,
+            prompt_token_ids=expanded or prompt_ids,
             samples=samples,
             server_id=self.s.server_id,
             generation_s=time.monotonic() - t0,
+            images=refs,
         )
+
+    async def _store_images(self, images: list[Any]) -> list[ImageRef]:
+        """Put the group's images into the queue's image store (once per content) before the
+        group that refers to them; returns the references."""
+        blobs = await asyncio.to_thread(lambda: [image_blob(im) for im in images])
+        await asyncio.to_thread(self.queue.put_images, [(b.sha256, b.png) for b in blobs], self.s.image_ttl_s)
+        return [ImageRef(b.sha256, b.width, b.height) for b in blobs]
 
     async def _episode_group(self, index: int, row: PromptRow) -> RolloutGroup | None:
         """The group of ``n`` episodes of ``row``, or None when none reached the model."""
@@ -269,12 +302,13 @@ class RolloutWorker:
             samples=samples, server_id=self.s.server_id, generation_s=time.monotonic() - t0,
         )
 
-    async def _sample(self, prompt_ids: list[int]) -> list[Completion]:
+    async def _sample(self, prompt_ids: list[int], images: list[Any] | None = None) -> list[Completion]:
         """``n`` completions; raises :class:`GenerationFailed` after ``generate_retries`` failures."""
         error: Exception | None = None
         for attempt in range(1, self.s.generate_retries + 1):
             try:
-                return await self.server()(prompt_ids, self.s.n, self.s.sampling)
+                generate = self.server()
+                return await (generate(prompt_ids, self.s.n, self.s.sampling, images) if images else generate(prompt_ids, self.s.n, self.s.sampling))
             except Exception as exc:  # noqa: BLE001 - server died or errored: retry on a fresh handle
                 error = exc
                 self.counters.generate_failures += 1
