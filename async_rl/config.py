@@ -284,7 +284,9 @@ class LearnerConfig:
     """The FSDP2 learner."""
 
     model_path: str = ""
-    """Hugging Face model directory of the initial policy (and of the frozen reference)."""
+    """Hugging Face model directory of the initial policy (and of the frozen reference); a vision-language model (a ``vision_config``) trains on image prompts."""
+    freeze_vision_tower: bool = False
+    """Vision-language models: keep the vision encoder's weights fixed (EasyR1's ``freeze_vision_tower``); the projector and the text decoder train."""
     world_size: int = 1
     """Learner ranks (one per GPU, or per CPU process here)."""
     batch_size: int = 16
@@ -400,6 +402,18 @@ class AlgorithmConfig:
     """Subtract ``beta * KL`` to the frozen reference policy per token from the rewards before the advantage estimator (verl ``use_kl_in_reward``); loads the reference model."""
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     """Coefficient and estimator of the KL in the reward."""
+    use_vppo_on_perception: bool = False
+    """VPPO (arXiv:2510.09285): one extra no-grad forward with each image's patches blackened gives every token's visual dependency; only each response's most dependent tokens carry the policy gradient. Vision-language models only."""
+    top_p_perception_tokens: float = 0.2
+    """VPPO: the fraction of each response's trained tokens kept (the ``ceil(L * p)`` most visually dependent), in (0, 1]."""
+    use_advantage_shaping: bool = False
+    """VPPO: scale each response's advantage by its mean visual dependency, min-max normalised over the step's batch (needs ``use_vppo_on_perception``)."""
+    advantage_scaling_min: float = 0.8
+    """VPPO: the scale of the least visually dependent response, in [0, 1]; the scales average 1."""
+    use_entropy_penalty: bool = False
+    """VPPO: add ``entropy_penalty_coef * mean(-log pi(y_t))`` over the trained tokens to the loss (lowers the entropy)."""
+    entropy_penalty_coef: float = 0.06
+    """VPPO: coefficient of the entropy penalty, >= 0."""
 
     @property
     def needs_critic(self) -> bool:
@@ -738,6 +752,11 @@ def validate(cfg: Config) -> None:
     need(kc.type != "adaptive" or kc.kl_coef > 0, f"algorithm.kl_ctrl.kl_coef={kc.kl_coef} must be > 0 with algorithm.kl_ctrl.type='adaptive' (it only scales)")
     need(math.isfinite(kc.target_kl) and kc.target_kl > 0, f"algorithm.kl_ctrl.target_kl={kc.target_kl} must be > 0")
     need(kc.horizon > 0, f"algorithm.kl_ctrl.horizon={kc.horizon} must be > 0")
+    need(0 < alg.top_p_perception_tokens <= 1, f"algorithm.top_p_perception_tokens={alg.top_p_perception_tokens} must be in (0, 1]")
+    need(0 <= alg.advantage_scaling_min <= 1, f"algorithm.advantage_scaling_min={alg.advantage_scaling_min} must be in [0, 1]")
+    need(alg.entropy_penalty_coef >= 0, f"algorithm.entropy_penalty_coef={alg.entropy_penalty_coef} must be >= 0")
+    need(not alg.use_advantage_shaping or alg.use_vppo_on_perception,
+         "algorithm.use_advantage_shaping=true needs algorithm.use_vppo_on_perception=true (the shaping scales by the visual dependency it computes)")
     need(cfg.queue.image_ttl_s >= 1, f"queue.image_ttl_s={cfg.queue.image_ttl_s} must be >= 1 (seconds)")
     need(cfg.queue.timeout_s > 0 and cfg.sync.timeout_s > 0, f"queue.timeout_s={cfg.queue.timeout_s} and sync.timeout_s={cfg.sync.timeout_s} must be > 0")
     need(r.reward.num_workers >= 1, f"rollout.reward.num_workers={r.reward.num_workers} must be >= 1")

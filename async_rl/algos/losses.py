@@ -180,6 +180,7 @@ def compute(
     config: Mapping[str, Any] | object | None = None,
     ref_logp: Tensor | None = None,
     entropy: Tensor | None = None,
+    token_weight: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """Scalar loss and float metrics for policy loss ``name`` (one of :func:`names`).
 
@@ -195,6 +196,9 @@ def compute(
         entropy: ``[B, T]`` per-token entropy of ``pi_theta`` with gradient (e.g.
             :func:`entropy_from_logits`); when given, ``entropy`` is logged and
             ``entropy_coef * entropy`` subtracted. Required when ``entropy_coef != 0``.
+        token_weight: ``[B, T]`` factor of each token's policy-gradient term (VPPO's perception
+            token selection: 0 takes a token out of the gradient); the aggregation's
+            denominators still count every trained token, as VPPO's.
 
     Returns:
         ``(loss, metrics)``; metrics: ``pg_loss``, ``pg_clipfrac``, ``pg_clipfrac_lower``,
@@ -216,7 +220,7 @@ def compute(
     keep = mask * rejection_mask(behav_log_ratio, mask, options.mask_level, options.mask_lower, options.mask_upper)
 
     terms = spec.fn(logp, prox_logp, advantages, keep, options)
-    pg_loss = aggregate(terms.loss * weight, keep, options.agg_mode)
+    pg_loss = aggregate(terms.loss * weight * (1.0 if token_weight is None else token_weight), keep, options.agg_mode)
     metrics = {
         "pg_loss": pg_loss,
         "pg_clipfrac": masked_mean(terms.clipped.to(keep.dtype), keep),

@@ -22,14 +22,15 @@ Huang et al., "Spotlight on Token Perception for Multimodal Reinforcement Learni
   estimate of the entropy, with its gradient: it lowers the entropy.
 
 Where this differs from the reference code, on purpose: the min, max and mean of the shaping
-are taken over the whole batch a rank trains on in one optimiser step (VPPO: min/max over
-the per-device mini-batch and the mean per micro-batch, whose composition in a token-packed
-learner is arbitrary), and the blackening is seeded per sample (VPPO: unseeded numpy).
+are taken over the learner step's whole batch (VPPO: min/max over the per-device mini-batch
+and the mean per micro-batch, whose composition in a token-packed learner is arbitrary), and
+the blackening is seeded (VPPO: unseeded numpy).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -47,7 +48,7 @@ _SHAPING_EPS = 1e-8  # VPPO's epsilon in (1 - b) / (mu + eps)
 _SHAPING_MIN_RANGE = 1e-6  # below this spread of scores, every factor is 1 (VPPO's guard)
 
 
-def blacken_patches(image: Image.Image, seed: int, patch_size: int = PATCH_SIZE, prob: float = BLACKEN_PROB) -> Image.Image:
+def blacken_patches(image: Image.Image, seed: int | Sequence[int], patch_size: int = PATCH_SIZE, prob: float = BLACKEN_PROB) -> Image.Image:
     """The perception probe's image: each ``patch_size`` x ``patch_size`` cell of the grid
     from the top-left corner (edge cells clipped) set to black with probability ``prob``,
     drawn from ``numpy.random.default_rng(seed)`` (VPPO's ``random_patch_blackening``)."""

@@ -20,6 +20,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from async_rl.learner.vision import VisionInputs
 from async_rl.records import RolloutGroup
 
 #: Reasons a sample or a group is dropped before training (the keys of ``DropCounts``).
@@ -38,7 +39,8 @@ class Batch:
     (natural log) and ``token_versions`` ``[N, T]`` int64 the policy version of each token
     (-1 on padding). ``rewards`` ``[N]`` float32, ``group_index`` ``[N]`` int64 (position of the
     sample's group in the step's list), ``behaviour_version`` ``[N]`` int64 (min token version),
-    ``lengths`` ``[N]`` int64 (prompt + response tokens).
+    ``lengths`` ``[N]`` int64 (prompt + response tokens). ``vision`` holds the processed
+    images of a vision-language batch's groups (indexed by ``group_index``), None for text.
     """
 
     input_ids: Tensor
@@ -51,6 +53,7 @@ class Batch:
     group_index: Tensor
     behaviour_version: Tensor
     lengths: Tensor
+    vision: VisionInputs | None = None
 
     @property
     def size(self) -> int:
@@ -61,10 +64,14 @@ class Batch:
         """The samples ``rows`` (in that order), with ``L`` cut to their longest sequence."""
         index = torch.as_tensor(list(rows), dtype=torch.long)
         width = int(self.lengths[index].max()) if len(rows) else 1
-        picked = {f.name: getattr(self, f.name).index_select(0, index) for f in fields(self)}
+        picked = {f.name: getattr(self, f.name).index_select(0, index) for f in fields(self) if f.name != "vision"}
         picked["input_ids"] = picked["input_ids"][:, :width]
         picked["attention_mask"] = picked["attention_mask"][:, :width]
-        return Batch(**picked)
+        return Batch(**picked, vision=self.vision)  # per group: group_index still indexes it
+
+    def image_inputs(self, device: torch.device) -> dict[str, Tensor]:
+        """The model's image keyword arguments for these samples packed in order ({} for text)."""
+        return {} if self.vision is None else self.vision.for_samples(self.group_index.tolist(), device)
 
 
 @dataclass(frozen=True)
@@ -75,6 +82,8 @@ class Prepared:
     dropped: Counter[str]
     groups_used: int
     """Groups with at least one trainable sample."""
+    kept: tuple[int, ...] = ()
+    """Positions in the input list of those groups, in ``Batch.group_index`` order."""
 
 
 def prepare(groups: Sequence[RolloutGroup], max_tokens: int, vocab_size: int | None = None) -> Prepared:
@@ -89,8 +98,8 @@ def prepare(groups: Sequence[RolloutGroup], max_tokens: int, vocab_size: int | N
     """
     dropped: Counter[str] = Counter()
     rows: list[_Row] = []
-    groups_used = 0
-    for group in groups:
+    kept_groups: list[int] = []
+    for position, group in enumerate(groups):
         prompt = list(group.prompt_array())
         reason = "bad_token" if _out_of_vocab(prompt, vocab_size) is not None else _group_problem(group)
         if reason is not None:
@@ -103,12 +112,14 @@ def prepare(groups: Sequence[RolloutGroup], max_tokens: int, vocab_size: int | N
             if problem is not None:
                 dropped[problem] += 1
                 continue
-            rows.append(_Row(prompt, tokens, list(sample.logprob_array()), sample.token_versions(), sample.token_mask(), sample.reward, groups_used))
+            rows.append(_Row(prompt, tokens, list(sample.logprob_array()), sample.token_versions(), sample.token_mask(), sample.reward,
+                             len(kept_groups)))
             kept += 1
-        groups_used += kept > 0
+        if kept:
+            kept_groups.append(position)
     if not rows:
         return Prepared(None, dropped, 0)
-    return Prepared(_pad(rows), dropped, groups_used)
+    return Prepared(_pad(rows), dropped, len(kept_groups), tuple(kept_groups))
 
 
 def screen_group(group: RolloutGroup, max_tokens: int, vocab_size: int) -> tuple[str, str, bool] | None:

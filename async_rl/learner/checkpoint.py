@@ -143,7 +143,9 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, critic: bool = False)
     ``*ForTokenClassification`` with one label) as a Hugging Face directory (safetensors,
     config, tokenizer) that ``transformers`` (and, for the policy, vLLM) load. Runs in one
     process, no GPU needed."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForTokenClassification
+
+    from async_rl.learner.vision import is_vision_language
 
     src, out = Path(checkpoint), Path(out_dir)
     if not (src / _STATE).is_file():
@@ -153,7 +155,9 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, critic: bool = False)
     if critic:
         model = AutoModelForTokenClassification.from_config(AutoConfig.from_pretrained(src / "critic_hf"), dtype=torch.float32)
     else:
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(src / "hf"), dtype=torch.float32)
+        config = AutoConfig.from_pretrained(src / "hf")
+        model_class = AutoModelForImageTextToText if is_vision_language(config.to_dict()) else AutoModelForCausalLM
+        model = model_class.from_config(config, dtype=torch.float32)
     state = model.state_dict()
     dcp.load(state, checkpoint_id=src / ("critic_model" if critic else "model"), no_dist=True)
     model.load_state_dict(state)

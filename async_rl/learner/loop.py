@@ -9,6 +9,7 @@ commits what its checkpoint covers, then re-reads its own pending entries first.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections import Counter
@@ -17,13 +18,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+import msgspec
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from async_rl.config import Config
-from async_rl.learner import checkpoint, collectives
-from async_rl.learner.batching import prepare, screen_group
+from async_rl.data.images import ImageError, decode_blob
+from async_rl.learner import checkpoint, collectives, vision
+from async_rl.learner.batching import Batch, Prepared, prepare, screen_group
 from async_rl.learner.model import DistInfo, init_distributed, iter_full_parameters, load_sharded
 from async_rl.learner.memory import Beside, servers_gpu_share
 from async_rl.learner.train_step import Trainer, staleness_metrics
@@ -100,7 +103,12 @@ class LearnerLoop:
         reference = load_sharded(lrn.model_path, lrn, self.info.device, trainable=False) if beside.reference else None
         critic = (load_sharded(lrn.critic.model_path or lrn.model_path, lrn, self.info.device, trainable=True, beside=beside,
                                servers_share=share, value_model=True) if beside.critic else None)
-        self.vocab_size = int(policy.config.vocab_size)
+        self.vocab_size = int(policy.config.get_text_config().vocab_size)
+        self.model_type = str(policy.config.model_type)
+        self.process_images = vision.load_image_processor(lrn.model_path) if vision.is_vision_language(policy.config.to_dict()) else None
+        """A vision-language policy's image processor (None for a text model)."""
+        self._images: dict[str, bytes] = {}
+        """Rank 0: PNG bytes of the images of the groups read and not yet trained, by sha256."""
         self.trainer = Trainer(policy, reference, lrn, cfg.algorithm, self.info, cfg.trainer.total_steps, cfg.trainer.seed,
                                temperature=cfg.rollout.temperature, critic=critic)
         self.publisher = publisher
@@ -206,6 +214,8 @@ class LearnerLoop:
         self.counters["groups_consumed"] += len(groups)
         if prepared.batch is None:  # screen_group let through only groups with a trainable sample
             raise RuntimeError(f"no trainable sample in a screened batch (dropped: {dict(prepared.dropped)}): a bug in screen_group")
+        if any(g.images for g in groups):  # the same on every rank: they hold the same groups
+            prepared = dataclasses.replace(prepared, batch=self._with_images(prepared, groups))
         metrics: dict[str, float] = staleness_metrics(prepared.batch, self.version)
         metrics["reward/mean"] = float(prepared.batch.rewards.float().mean())
         metrics["response_length/mean"] = float(prepared.batch.response_mask.sum(1).float().mean())
@@ -218,7 +228,7 @@ class LearnerLoop:
         metrics.update({
             "perf/tokens": float(result.tokens),
             "perf/tokens_per_s": result.tokens / max(step_s - wait_s, 1e-9),
-            "time/prox": result.times.prox, "time/fwd_bwd": result.times.fwd_bwd,
+            "time/prox": result.times.prox, "time/perception": result.times.perception, "time/fwd_bwd": result.times.fwd_bwd,
             "time/optim": result.times.optim, "time/sync": sync_s,
         })
         metrics.update({"time/wait": wait_s, "time/step": step_s, "perf/idle_fraction": wait_s / max(step_s, 1e-9)})
@@ -281,9 +291,41 @@ class LearnerLoop:
         return Staleness(self.version, self.cfg.algorithm.max_staleness)
 
     def _check(self, group: RolloutGroup) -> Drop | None:
-        """Groups not worth a place in the batch are dropped (or dead-lettered) when read."""
+        """Groups not worth a place in the batch are dropped (or dead-lettered) when read. A
+        group's images are fetched here, once (rank 0), and must decode."""
         problem = screen_group(group, self.cfg.learner.max_tokens_per_microbatch, self.vocab_size)
-        return None if problem is None else Drop(*problem)
+        if problem is not None:
+            return Drop(*problem)
+        if not group.images:
+            return None
+        if self.process_images is None:
+            return Drop("images_for_text_model", f"{len(group.images)} images, but {self.cfg.learner.model_path} is a text model", True)
+        found = self.queue.get_images([ref.sha256 for ref in group.images])  # type: ignore[union-attr]
+        missing = [ref.sha256[:12] for ref in group.images if ref.sha256 not in found]
+        if missing:
+            return Drop("missing_image", f"image(s) {', '.join(missing)} no longer in the queue (expired after queue.image_ttl_s)")
+        try:
+            for png in found.values():
+                decode_blob(png)
+        except ImageError as exc:
+            return Drop("bad_image", str(exc), True)
+        self._images.update(found)
+        return None
+
+    def _with_images(self, prepared: Prepared, groups: Sequence[RolloutGroup]) -> Batch:
+        """The batch with its groups' processed images: rank 0 sends the PNG bytes it fetched
+        when reading the groups to every rank (one broadcast), each rank decodes and processes
+        them once per group."""
+        kept = [groups[i] for i in prepared.kept]
+        wanted = list(dict.fromkeys(ref.sha256 for g in kept for ref in g.images))
+        payload = msgspec.msgpack.encode({sha: self._images[sha] for sha in wanted}) if self.info.rank == 0 else b""
+        blobs: dict[str, bytes] = msgspec.msgpack.decode(_broadcast_bytes(payload, self.info), type=dict[str, bytes])
+        if self.info.rank == 0:  # keep only what groups still waiting in the backlog refer to
+            waiting = {ref.sha256 for _, g in self.backlog for ref in g.images}
+            self._images = {sha: png for sha, png in self._images.items() if sha in waiting}
+        decoded = {sha: decode_blob(png) for sha, png in blobs.items()}
+        inputs = vision.VisionInputs.build(self.model_type, [[decoded[ref.sha256] for ref in g.images] for g in kept], self.process_images)  # type: ignore[arg-type]
+        return dataclasses.replace(prepared.batch, vision=inputs)  # type: ignore[arg-type]
 
     def _note_screen(self) -> None:
         report = self.queue.last_screen  # type: ignore[union-attr]

@@ -87,10 +87,19 @@ class ModelShape:
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
+    vision_params: int = 0
+    """A vision-language model's vision encoder and projector (counted as weights, not as activations)."""
 
     @classmethod
     def from_config(cls, model_config: Mapping[str, Any]) -> ModelShape:
-        """Read a Hugging Face ``config.json`` dict; raise ``ValueError`` naming missing keys."""
+        """Read a Hugging Face ``config.json`` dict; raise ``ValueError`` naming missing keys.
+        A vision-language config (``text_config`` + ``vision_config``) is read as its text
+        decoder plus the vision encoder's parameters (:func:`vision_parameter_count`)."""
+        vision = model_config.get("vision_config")
+        if isinstance(vision, Mapping) and isinstance(model_config.get("text_config"), Mapping):
+            text = {"tie_word_embeddings": model_config.get("tie_word_embeddings", False), **model_config["text_config"]}
+            return dataclasses.replace(cls.from_config(text), vision_params=vision_parameter_count(
+                vision, int(text.get("hidden_size", 0)), int(model_config.get("scale_factor", vision.get("scale_factor", 2)))))
         required = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
         missing = [k for k in required if not isinstance(model_config.get(k), int)]
         if missing:
@@ -130,7 +139,23 @@ class ModelShape:
     @property
     def params(self) -> int:
         """All parameters."""
-        return self.layers * self.layer_params + self.root_params
+        return self.layers * self.layer_params + self.root_params + self.vision_params
+
+
+def vision_parameter_count(vision_config: Mapping[str, Any], text_hidden: int, scale_factor: int = 2) -> int:
+    """Parameters of a ViT-style vision encoder (patch and position embeddings, ``layers`` x
+    (attention with biases, a two-matrix MLP, two LayerNorms)) and a linear projector into the
+    text decoder's ``text_hidden`` (its input: the encoder width times the pixel-shuffle
+    ``scale_factor**2``; an estimate for other projectors)."""
+    h = int(vision_config.get("hidden_size", 0))
+    i = int(vision_config.get("intermediate_size", 4 * h))
+    layers = int(vision_config.get("num_hidden_layers", vision_config.get("depth", 0)))
+    patch, channels = int(vision_config.get("patch_size", 14)), int(vision_config.get("num_channels", 3))
+    image = int(vision_config.get("image_size", 224))
+    per_layer = 4 * (h * h + h) + 2 * h * i + i + h + 4 * h
+    embeddings = channels * patch * patch * h + h + (image // patch) ** 2 * h
+    projector = h * scale_factor**2 * text_hidden
+    return layers * per_layer + embeddings + projector + 2 * h
 
 
 def parameter_count(model_config: Mapping[str, Any]) -> int:

@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForTokenClassification
 
 from async_rl.config import FsdpConfig, LearnerConfig
-from async_rl.learner import attention, kernels, memory
+from async_rl.learner import attention, kernels, memory, vision
 from async_rl.learner.logprobs import install_logprob_head
 
 log = logging.getLogger(__name__)
@@ -105,7 +105,16 @@ def load_sharded(model_path: str, learner: LearnerConfig, device: torch.device, 
     """
     fsdp = learner.fsdp
     attn = attention.choose(learner.kernels, device)
-    if value_model:  # transformers' default classifier dropout is 0.1: values must be deterministic
+    model_config = AutoConfig.from_pretrained(model_path).to_dict()
+    vlm = vision.is_vision_language(model_config)
+    vision.check_supported(model_config)
+    if vlm and value_model:
+        raise vision.UnsupportedVisionModel(f"{model_path}: a critic (algorithm.advantage.name=gae) of a vision-language model is not supported yet")
+    if vlm:  # the text decoder attends over packed rows; the vision tower over each image, bidirectionally
+        model = AutoModelForImageTextToText.from_pretrained(
+            model_path, dtype=torch.float32, attn_implementation={"": attn, "text_config": attn, "vision_config": "sdpa"})
+        install_logprob_head(model, learner.logprob_chunk_tokens)
+    elif value_model:  # transformers' default classifier dropout is 0.1: values must be deterministic
         config = AutoConfig.from_pretrained(model_path, num_labels=1)
         config.classifier_dropout = 0.0  # a config attribute; from_pretrained takes no such keyword for every model
         model = AutoModelForTokenClassification.from_pretrained(model_path, config=config, dtype=torch.float32, attn_implementation=attn)
@@ -120,21 +129,23 @@ def load_sharded(model_path: str, learner: LearnerConfig, device: torch.device, 
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     kernels.apply(model, decoder_layers(model), learner.kernels, device)
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype(fsdp, device), reduce_dtype=getattr(torch, fsdp.reduce_dtype))
-    for layer in decoder_layers(model):
+    for layer in [*vision.vision_layers(model), *decoder_layers(model)]:
         fully_shard(layer, mp_policy=policy, reshard_after_forward=fsdp.reshard_after_forward)
     fully_shard(model, mp_policy=policy, reshard_after_forward=fsdp.reshard_after_forward)
     model.to(device)
     model.train(trainable)
     model.requires_grad_(trainable)
+    if vlm and trainable and learner.freeze_vision_tower:
+        vision.vision_tower(model).requires_grad_(False)  # type: ignore[union-attr]
     return model
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The model's list of decoder layers (``model.<base>.layers``)."""
-    base = getattr(model, model.base_model_prefix)
-    layers = getattr(base, "layers", None)
+    """The model's list of text decoder layers (``model.<base>.layers``, or a vision-language
+    model's ``model.<base>.text_model.layers``)."""
+    layers = getattr(vision.text_model(model), "layers", None)
     if not isinstance(layers, nn.ModuleList):
-        raise TypeError(f"{type(model).__name__}: no decoder layer list at {model.base_model_prefix}.layers")
+        raise TypeError(f"{type(model).__name__}: no decoder layer list at {model.base_model_prefix}[.text_model].layers")
     return layers
 
 

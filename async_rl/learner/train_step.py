@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from async_rl.algos import advantages, kl, losses
+from async_rl.algos import advantages, kl, losses, vppo
 from async_rl.config import AlgorithmConfig, LearnerConfig, OptimConfig
 from async_rl.learner import collectives
 from async_rl.learner.attention import attention_kwargs
@@ -68,6 +68,8 @@ class StepTimes:
 
     prox: float = 0.0
     """Proximal and reference log-prob and critic value forward passes."""
+    perception: float = 0.0
+    """VPPO's forward with blackened images (``algorithm.use_vppo_on_perception``)."""
     fwd_bwd: float = 0.0
     """Forward and backward passes of the loss."""
     optim: float = 0.0
@@ -168,6 +170,14 @@ class Trainer:
         rewards, metrics = self._rewards(batch, old_logp, ref_logp)
         adv, returns = self._advantages(batch, rewards, old_values)
         times.prox = time.perf_counter() - start
+        selected = None
+        if self.algorithm.use_vppo_on_perception:
+            start = time.perf_counter()
+            selected, scale, vppo_metrics = self._perception(batch, old_logp, step_index)
+            if scale is not None:
+                adv = adv * scale[:, None]
+            metrics.update(vppo_metrics)
+            times.perception = time.perf_counter() - start
 
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step_index)
         if critic is not None and old_values is not None:
@@ -181,7 +191,7 @@ class Trainer:
         lr = self.scheduler.get_last_lr()[0]
         if critic is None or step_index >= self.learner.critic.warmup_steps:  # the critic's warm-up: values only
             actor = self._update(batch, self.policy, self.optimizer, self.learner.optim.grad_clip, self.learner.ppo_epochs,
-                                 self.learner.ppo_mini_batches, generator, times, lambda m, i: self._policy_loss(m, i, adv, old_logp, ref_logp))
+                                 self.learner.ppo_mini_batches, generator, times, lambda m, i: self._policy_loss(m, i, adv, old_logp, ref_logp, selected))
             t2 = time.perf_counter()
             self.scheduler.step()
             times.optim += time.perf_counter() - t2
@@ -240,6 +250,37 @@ class Trainer:
         rewards, current = kl.penalize_rewards(advantages.token_rewards(batch.rewards.float(), mask), token_kl, mask, coef)
         self.kl_ctrl.update(float(current), batch.size)
         return rewards, {"reward/kl": float(current), "reward/kl_coef": coef}
+
+    def _perception(self, batch: Batch, old_logp: Tensor | None, step_index: int) -> tuple[Tensor, Tensor | None, dict[str, float]]:
+        """VPPO: each token's visual dependency ``S_t`` (:mod:`async_rl.algos.vppo`), from one
+        no-grad forward of the policy with every image's patches blackened against the
+        log-probs given the real images: the proximal policy's when they are recomputed,
+        else the sampler's (the rule of the KL in the reward). Returns the selected tokens
+        ``[N, T]``, the advantage scales ``[N]`` (``use_advantage_shaping``, else None) and
+        ``vppo/*`` metrics. The blackening is seeded by (seed, step, group, image), so every
+        rank and a resumed run draw the same."""
+        if batch.vision is None:
+            raise ValueError("algorithm.use_vppo_on_perception needs image prompts (a vision-language model and data.image_key rows)")
+        alg = self.algorithm
+        seed = self.seed
+
+        def blacken(image: Any, group: int, index: int) -> Any:
+            return vppo.blacken_patches(image, seed=[seed, step_index, group, index])
+
+        masked = dataclasses.replace(batch, vision=batch.vision.transformed(blacken))
+        masked_logp = self._all_rows_logp(self.policy, masked).cpu().float()
+        mask = batch.response_mask.float()
+        real = (old_logp if old_logp is not None else batch.behav_logp).detach().cpu().float()
+        dependency = vppo.visual_dependency(real, masked_logp) * mask
+        selected = vppo.select_perception_tokens(dependency, mask, alg.top_p_perception_tokens)
+        metrics = {k: float(v) for k, v in vppo.dependency_metrics(dependency, mask, selected).items()}
+        scale = None
+        if alg.use_advantage_shaping:
+            scale = vppo.advantage_scale(dependency, mask, alg.advantage_scaling_min)
+            scores = vppo.sequence_scores(dependency, mask)
+            metrics.update({"vppo/scale_max": float(scale.max()), "vppo/scale_min": float(scale.min()),
+                            "vppo/sequence_score_min": float(scores.min()), "vppo/sequence_score_max": float(scores.max())})
+        return selected, scale, metrics
 
     def _advantages(self, batch: Batch, rewards: Tensor, values: Tensor | None) -> tuple[Tensor, Tensor]:
         """``(advantages, returns)`` ``[N, T]`` on the CPU; ``values`` (gae) are the critic's."""
@@ -300,7 +341,7 @@ class Trainer:
         logp, entropy = token_logprobs(
             model, row.input_ids.to(device), row.position_ids.to(device), row.logit_rows.to(device), row.targets.to(device),
             temperature=self.temperature, with_entropy=with_entropy, entropy_grad=entropy_grad,
-            **attention_kwargs(model.config._attn_implementation, row.bounds, device),
+            **attention_kwargs(model.config._attn_implementation, row.bounds, device), **micro.image_inputs(device),
         )
         return unpack(logp, row), None if entropy is None else unpack(entropy, row)
 
@@ -322,8 +363,10 @@ class Trainer:
         return _all_reduce_sum(sums, self.info.device)
 
     def _policy_loss(self, micro: Batch, index: list[int], adv: Tensor, old_logp: Tensor | None,
-                     ref_logp: Tensor | None) -> tuple[Tensor, Mapping[str, Any]]:
-        """The policy loss of ``micro`` (rows ``index`` of the batch), off-policy correction included."""
+                     ref_logp: Tensor | None, selected: Tensor | None = None) -> tuple[Tensor, Mapping[str, Any]]:
+        """The policy loss of ``micro`` (rows ``index`` of the batch), off-policy correction
+        included; ``selected`` ``[N, T]`` (VPPO) keeps the gradient on those tokens only, and
+        ``algorithm.use_entropy_penalty`` adds VPPO's sampled-entropy penalty."""
         loss_cfg = self.algorithm.loss
         logp, entropy = self._logprobs(self.policy, micro, with_entropy=True, entropy_grad=loss_cfg.entropy_coef != 0)
         device = logp.device
@@ -335,11 +378,16 @@ class Trainer:
             prox = old_logp[index].to(device)
         else:
             prox = behav  # bypass: pi_prox := mu
-        return losses.compute(
+        loss, metrics = losses.compute(
             loss_cfg.name, logp=logp, old_logp=prox, behav_logp=behav, advantages=adv[index].to(device) * mask, mask=mask,
             config=loss_cfg, ref_logp=None if ref_logp is None else ref_logp[index].to(device),
-            entropy=entropy,
+            entropy=entropy, token_weight=None if selected is None else selected[index].to(device),
         )
+        if self.algorithm.use_entropy_penalty:
+            penalty = vppo.sampled_entropy(logp, mask)
+            loss = loss + self.algorithm.entropy_penalty_coef * penalty
+            metrics["entropy_penalty"] = float(penalty.detach())
+        return loss, metrics
 
     def _batch_metrics(self, batch: Batch, adv: Tensor) -> dict[str, float]:
         mask = batch.response_mask

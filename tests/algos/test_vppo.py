@@ -98,3 +98,27 @@ def test_blacken_patches_is_seeded_and_cell_aligned():
             cell = pixels[r * 14 : (r + 1) * 14, col * 14 : (col + 1) * 14]
             assert (cell == 0).all() if black[r, col] else (cell == [200, 100, 50]).all()
     assert np.array(image).min() == 50  # the input is not modified
+
+
+@pytest.mark.parametrize("loss", ["ppo", "decoupled_ppo", "gspo", "cispo"])
+def test_only_selected_tokens_carry_the_policy_gradient(loss: str):
+    from async_rl.algos import losses
+
+    torch.manual_seed(0)
+    logp = (torch.randn(3, 5) * 0.1 - 1.0).requires_grad_(True)
+    old = logp.detach() + torch.randn(3, 5) * 0.05
+    mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]], dtype=torch.float32)
+    adv = torch.tensor([1.0, -0.5, 2.0])[:, None] * mask
+    selected = vppo.select_perception_tokens(torch.rand(3, 5), mask, 0.4)
+    total, _ = losses.compute(loss, logp=logp, old_logp=old, behav_logp=old, advantages=adv, mask=mask, token_weight=selected)
+    total.backward()
+    grad = logp.grad.abs()
+    if loss == "gspo":  # the sequence-level ratio ties every token of a sequence with a selected token
+        assert (grad[selected.sum(1) == 0] == 0).all()
+    else:
+        assert (grad[selected == 0] == 0).all()
+        assert (grad[selected == 1] > 0).all()
+    # the denominator still counts every trained token: the selected tokens' terms are not re-weighted
+    full, _ = losses.compute(loss, logp=logp.detach(), old_logp=old, behav_logp=old, advantages=adv * selected, mask=mask)
+    if loss != "gspo":
+        assert total.item() == pytest.approx(full.item(), rel=1e-6)
