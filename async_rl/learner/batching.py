@@ -24,7 +24,7 @@ from async_rl.learner.vision import VisionInputs
 from async_rl.records import RolloutGroup
 
 #: Reasons a sample or a group is dropped before training (the keys of ``DropCounts``).
-DROP_REASONS = ("empty_response", "nonfinite_reward", "reward_error", "nonfinite_logprob", "bad_token", "too_long")
+DROP_REASONS = ("empty_response", "nonfinite_reward", "reward_error", "nonfinite_logprob", "bad_token", "too_long", "image_token")
 
 
 @dataclass(frozen=True)
@@ -86,12 +86,14 @@ class Prepared:
     """Positions in the input list of those groups, in ``Batch.group_index`` order."""
 
 
-def prepare(groups: Sequence[RolloutGroup], max_tokens: int, vocab_size: int | None = None) -> Prepared:
+def prepare(groups: Sequence[RolloutGroup], max_tokens: int, vocab_size: int | None = None, image_token: int | None = None) -> Prepared:
     """Validate and pad ``groups`` into a :class:`Batch`.
 
     A sample is dropped (counted under its reason) when its response is empty, a response
     token id is outside ``[0, vocab_size)`` (``bad_token``), or prompt + response exceed
-    ``max_tokens`` (``too_long``: it fits no micro-batch). A whole group is dropped when any
+    ``max_tokens`` (``too_long``: it fits no micro-batch), or the response holds a
+    vision-language model's ``image_token`` (``image_token``: the model would look for an
+    image there that does not exist; a sampler may draw it). A whole group is dropped when any
     sample has a non-finite reward, a failed reward (``reward_error``) or a non-finite
     behaviour log-probability: group baselines computed from such a group would be wrong, and
     one NaN reaches every parameter. Counts are in samples.
@@ -108,7 +110,7 @@ def prepare(groups: Sequence[RolloutGroup], max_tokens: int, vocab_size: int | N
         kept = 0
         for sample in group.samples:
             tokens = list(sample.token_array())
-            problem = _sample_problem(len(prompt), tokens, max_tokens, vocab_size, any(sample.token_mask()))
+            problem = _sample_problem(len(prompt), tokens, max_tokens, vocab_size, any(sample.token_mask()), image_token)
             if problem is not None:
                 dropped[problem] += 1
                 continue
@@ -122,7 +124,7 @@ def prepare(groups: Sequence[RolloutGroup], max_tokens: int, vocab_size: int | N
     return Prepared(_pad(rows), dropped, len(kept_groups), tuple(kept_groups))
 
 
-def screen_group(group: RolloutGroup, max_tokens: int, vocab_size: int) -> tuple[str, str, bool] | None:
+def screen_group(group: RolloutGroup, max_tokens: int, vocab_size: int, image_token: int | None = None) -> tuple[str, str, bool] | None:
     """Why the learner must not train ``group`` at all, or None: ``(reason, detail, malformed)``.
 
     Malformed (to be dead-lettered): a prompt or response token id outside ``[0, vocab_size)``
@@ -143,7 +145,8 @@ def screen_group(group: RolloutGroup, max_tokens: int, vocab_size: int) -> tuple
     if reason is not None:
         error = next((s.error for s in group.samples if s.error is not None), None)
         return reason, error or f"a sample has a {reason.replace('_', ' ')}", False
-    problems = [_sample_problem(len(prompt), list(s.token_array()), max_tokens, vocab_size, any(s.token_mask())) for s in group.samples]
+    problems = [_sample_problem(len(prompt), list(s.token_array()), max_tokens, vocab_size, any(s.token_mask()), image_token)
+                for s in group.samples]
     if all(problems):
         return str(problems[0]), "no sample is trainable", False
     return None
@@ -167,7 +170,8 @@ def _group_problem(group: RolloutGroup) -> str | None:
     return None
 
 
-def _sample_problem(prompt_len: int, tokens: list[int], max_tokens: int, vocab_size: int | None, trained: bool = True) -> str | None:
+def _sample_problem(prompt_len: int, tokens: list[int], max_tokens: int, vocab_size: int | None, trained: bool = True,
+                    image_token: int | None = None) -> str | None:
     """Why a sample cannot be trained, or None; ``trained``: it has a token to train (a
     multi-turn episode whose environment failed before the model's first turn has none)."""
     if not tokens or not trained:
@@ -176,6 +180,8 @@ def _sample_problem(prompt_len: int, tokens: list[int], max_tokens: int, vocab_s
         return "bad_token"
     if prompt_len + len(tokens) > max_tokens:
         return "too_long"
+    if image_token is not None and image_token in tokens:
+        return "image_token"
     return None
 
 

@@ -107,6 +107,8 @@ class LearnerLoop:
         self.model_type = str(policy.config.model_type)
         self.process_images = vision.load_image_processor(lrn.model_path) if vision.is_vision_language(policy.config.to_dict()) else None
         """A vision-language policy's image processor (None for a text model)."""
+        self.image_token: int | None = getattr(policy.config, "image_token_id", None) if self.process_images is not None else None
+        """A vision-language policy's image token: a response that holds it is not trained."""
         self._images: dict[str, bytes] = {}
         """Rank 0: PNG bytes of the images of the groups read and not yet trained, by sha256."""
         self.trainer = Trainer(policy, reference, lrn, cfg.algorithm, self.info, cfg.trainer.total_steps, cfg.trainer.seed,
@@ -209,7 +211,7 @@ class LearnerLoop:
             return None
         wait_s = time.perf_counter() - start
         groups = [group for _, group in entries]
-        prepared = prepare(groups, self.cfg.learner.max_tokens_per_microbatch, self.vocab_size)
+        prepared = prepare(groups, self.cfg.learner.max_tokens_per_microbatch, self.vocab_size, self.image_token)
         self.counters.update({f"dropped/{k}": v for k, v in prepared.dropped.items()})
         self.counters["groups_consumed"] += len(groups)
         if prepared.batch is None:  # screen_group let through only groups with a trainable sample
@@ -293,7 +295,7 @@ class LearnerLoop:
     def _check(self, group: RolloutGroup) -> Drop | None:
         """Groups not worth a place in the batch are dropped (or dead-lettered) when read. A
         group's images are fetched here, once (rank 0), and must decode."""
-        problem = screen_group(group, self.cfg.learner.max_tokens_per_microbatch, self.vocab_size)
+        problem = screen_group(group, self.cfg.learner.max_tokens_per_microbatch, self.vocab_size, self.image_token)
         if problem is not None:
             return Drop(*problem)
         if not group.images:

@@ -112,3 +112,21 @@ def test_pack_concatenates_samples_with_restarting_positions() -> None:
     mask = batch.response_mask.bool()
     assert grid[mask].tolist() == batch.input_ids.gather(1, batch.response_positions)[mask].float().tolist()
     assert (grid[~mask] == 0).all()
+
+
+def test_a_response_holding_the_image_token_is_not_trained() -> None:
+    """A sampler may draw a vision-language model's image token; the model would then look for
+    an image that is not there (a crash in its input merger), so the sample is dropped."""
+    from async_rl.learner.batching import prepare, screen_group
+    from async_rl.records import RolloutGroup, Sample
+
+    image_token = 9
+    prompt = [3, image_token, image_token, 4]  # the prompt's image tokens are the images' places
+    good, bad = Sample.from_lists([5, 6], [-1.0, -1.0], 0, 1.0), Sample.from_lists([5, image_token], [-1.0, -1.0], 0, 0.0)
+    group = RolloutGroup.from_lists("t", "g", 0, prompt, [good, bad], "s", 0.0)
+    prepared = prepare([group], 64, 512, image_token)
+    assert prepared.batch is not None and prepared.batch.size == 1 and prepared.dropped == {"image_token": 1}
+    assert screen_group(group, 64, 512, image_token) is None
+    only_bad = RolloutGroup.from_lists("t", "g", 0, prompt, [bad], "s", 0.0)
+    assert screen_group(only_bad, 64, 512, image_token) == ("image_token", "no sample is trainable", False)
+    assert prepare([only_bad], 64, 512).batch is not None  # a text model has no image token
