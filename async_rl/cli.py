@@ -37,6 +37,7 @@ OverridesArg = Annotated[Optional[list[str]], typer.Argument(help="Dotted overri
 QUICKSTARTS = {
     "addition": (Path("configs/quickstart.yaml"), Path("runs/quickstart/assets"), "addition"),
     "multiturn": (Path("configs/multiturn_quickstart.yaml"), Path("runs/multiturn/assets"), "multiturn"),
+    "vlm": (Path("configs/vlm_quickstart.yaml"), Path("runs/vlm/assets"), "vlm"),
 }
 
 
@@ -71,9 +72,9 @@ def config_docs(
 def assets_tiny(
     out_dir: Annotated[Path, typer.Option("--out", help="Directory to write model/, data/ and assets.json into.")],
     seed: Annotated[int, typer.Option(help="Seed: the same seed gives the same tokenizer and weights.")] = 0,
-    task: Annotated[str, typer.Option(help="addition (single-turn) or multiturn (the addition_feedback environment's warm-start).")] = "addition",
+    task: Annotated[str, typer.Option(help="addition (single-turn), multiturn (the addition_feedback environment's warm-start) or vlm (an Idefics3 vision-language model and a coloured-square task).")] = "addition",
 ) -> None:
-    """Build the tiny tokenizer, Qwen2 model, arithmetic task and warm-start (about a minute on 2 cores)."""
+    """Build the tiny tokenizer, Qwen2 model, arithmetic task and warm-start (about a minute on 2 cores); --task vlm: a tiny Idefics3 and a visual task (~15 s)."""
     from async_rl.data.tiny_assets import TASKS, build_tiny_assets
 
     if task not in TASKS:
@@ -109,12 +110,13 @@ def train_cmd(
 @app.command("quickstart")
 def quickstart(
     overrides: Annotated[
-        Optional[list[str]], typer.Argument(help="[multiturn] then dotted overrides, e.g. trainer.total_steps=50.")
+        Optional[list[str]], typer.Argument(help="[multiturn|vlm] then dotted overrides, e.g. trainer.total_steps=50.")
     ] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan only.")] = False,
 ) -> None:
     """Build the tiny assets if absent, then train configs/quickstart.yaml, or with
-    `multiturn` first, configs/multiturn_quickstart.yaml (CPU, about 10 minutes)."""
+    `multiturn` first, configs/multiturn_quickstart.yaml, or with `vlm` first,
+    configs/vlm_quickstart.yaml (a vision-language model with VPPO) (CPU, about 10 minutes)."""
     from async_rl.data.tiny_assets import build_tiny_assets
 
     args = list(overrides or [])

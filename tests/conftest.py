@@ -13,3 +13,11 @@ def tiny_assets(tmp_path_factory: pytest.TempPathFactory) -> TinyAssetsReport:
     per test session with seed 0 (about a minute on 2 cores). Treat the files as read-only:
     other test modules share them."""
     return build_tiny_assets(tmp_path_factory.mktemp("tiny_assets"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_assets(tmp_path_factory: pytest.TempPathFactory) -> TinyAssetsReport:
+    """The tiny vision-language assets (Idefics3 model and processor, coloured-square
+    train/val JSONL with PNG data URIs) built once per test session with seed 0 (about 15 s
+    on one core). Read-only, like ``tiny_assets``."""
+    return build_tiny_assets(tmp_path_factory.mktemp("tiny_vlm_assets"), seed=0, task="vlm")

@@ -26,6 +26,9 @@ the same rows, a tokenizer that also knows the environment's messages, and a war
 whose examples are half single-turn and half a wrong first answer, its feedback, then the
 right one (loss on the right one only), so the model has seen a second turn before RL.
 
+``task="vlm"`` builds a tiny Idefics3 vision-language model and a coloured-shapes task
+instead (:mod:`async_rl.data.tiny_vlm`), written in the same layout with the same report.
+
 Same seed -> byte-identical tokenizer.json and identical weights hash: every random
 choice flows from ``seed`` (Python RNG for data, torch RNG forked for init and sampling),
 the data order is fixed, and the build runs with a fixed torch thread count (CPU
@@ -40,9 +43,11 @@ import json
 import platform
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import safetensors.torch
 import tokenizers
@@ -52,6 +57,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, train
 from transformers import (
     AutoTokenizer,
     GenerationConfig,
+    PreTrainedModel,
     PreTrainedTokenizerBase,
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -126,7 +132,7 @@ class TinyAssetsReport:
     timings_s: dict[str, float] = field(default_factory=dict)
 
 
-TASKS = ("addition", "multiturn")
+TASKS = ("addition", "multiturn", "vlm")
 """What ``build_tiny_assets`` can build (``async-rl assets tiny --task``)."""
 
 
@@ -134,84 +140,150 @@ def build_tiny_assets(
     out_dir: str | Path,
     seed: int = 0,
     progress: Callable[[str], None] = print,
-    warm_start: WarmStart = WARM_START,
+    warm_start: WarmStart | None = None,
     task: str = "addition",
 ) -> TinyAssetsReport:
     """Build all tiny assets into ``out_dir`` (created; existing files overwritten).
-    ``warm_start`` is the supervised schedule (the default gives the documented base model);
-    ``task`` is one of :data:`TASKS`."""
+    ``warm_start`` is the supervised schedule (None: the task's default, which gives the
+    documented base model); ``task`` is one of :data:`TASKS`."""
     if task not in TASKS:
         raise ValueError(f"unknown tiny task {task!r}; choose one of {', '.join(TASKS)}")
+    if task == "vlm":
+        from async_rl.data.tiny_vlm import build_tiny_vlm_assets
+
+        return build_tiny_vlm_assets(out_dir, seed, progress, warm_start)
+    warm_start = warm_start or WARM_START
     out = Path(out_dir)
+    model_dir, data_dir = make_layout(out)
+    timings: dict[str, float] = {}
+    t_start = time.perf_counter()
+    with build_determinism():
+        train, val = make_splits(TASK, seed, N_TRAIN, N_VAL)
+        train_path, val_path = data_dir / "train.jsonl", data_dir / "val.jsonl"
+        write_jsonl(train, train_path)
+        write_jsonl(val, val_path)
+
+        t0 = time.perf_counter()
+        tokenizer = _build_tokenizer(train, model_dir, FEEDBACK if task == "multiturn" else ())
+        timings["tokenizer"] = time.perf_counter() - t0
+        progress(f"[assets] tokenizer: {len(tokenizer)} tokens -> {model_dir}")
+
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(_model_config(tokenizer))
+        num_params = sum(p.numel() for p in model.parameters())
+        progress(f"[assets] model: Qwen2, {num_params / 1e6:.2f}M parameters")
+
+        t0 = time.perf_counter()
+        examples = _examples(tokenizer, train, seed if task == "multiturn" else None)
+        steps, base_acc = _warm_start(model, tokenizer, examples, val, seed, progress, warm_start)
+        timings["warm_start"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        samples = generate_completions(
+            model, tokenizer, [r.problem for r in val], num_samples=PASS_AT_K
+        )
+        sampled_acc, pass_at_k = sample_stats(samples, [r.answer for r in val], is_correct)
+        timings["pass_at_k"] = time.perf_counter() - t0
+
+        return finish_build(
+            out,
+            model,
+            tokenizer,
+            seed=seed,
+            base_accuracy=base_acc,
+            sampled_accuracy=sampled_acc,
+            pass_at_k=pass_at_k,
+            sft_steps=steps,
+            timings=timings,
+            t_start=t_start,
+            warm_start=warm_start,
+            task={"name": task, **asdict(TASK)},
+            sizes={"train": N_TRAIN, "val": N_VAL},
+            progress=progress,
+        )
+
+
+def make_layout(out: Path) -> tuple[Path, Path]:
+    """Create and return ``out/model`` and ``out/data``."""
     model_dir, data_dir = out / "model", out / "data"
     model_dir.mkdir(parents=True, exist_ok=True)
     data_dir.mkdir(parents=True, exist_ok=True)
-    timings: dict[str, float] = {}
-    t_start = time.perf_counter()
+    return model_dir, data_dir
+
+
+@contextmanager
+def build_determinism() -> Iterator[None]:
+    """Run a build with ``NUM_THREADS`` torch threads and a forked torch RNG, restoring
+    the caller's thread count and RNG state afterwards."""
     threads_before = torch.get_num_threads()
     torch.set_num_threads(NUM_THREADS)
     try:
         with torch.random.fork_rng(devices=[]):
-            train, val = make_splits(TASK, seed, N_TRAIN, N_VAL)
-            train_path, val_path = data_dir / "train.jsonl", data_dir / "val.jsonl"
-            write_jsonl(train, train_path)
-            write_jsonl(val, val_path)
-
-            t0 = time.perf_counter()
-            tokenizer = _build_tokenizer(train, model_dir, FEEDBACK if task == "multiturn" else ())
-            timings["tokenizer"] = time.perf_counter() - t0
-            progress(f"[assets] tokenizer: {len(tokenizer)} tokens -> {model_dir}")
-
-            torch.manual_seed(seed)
-            model = Qwen2ForCausalLM(_model_config(tokenizer))
-            num_params = sum(p.numel() for p in model.parameters())
-            progress(f"[assets] model: Qwen2, {num_params / 1e6:.2f}M parameters")
-
-            t0 = time.perf_counter()
-            examples = _examples(tokenizer, train, seed if task == "multiturn" else None)
-            steps, base_acc = _warm_start(model, tokenizer, examples, val, seed, progress, warm_start)
-            timings["warm_start"] = time.perf_counter() - t0
-
-            t0 = time.perf_counter()
-            samples = generate_completions(
-                model, tokenizer, [r.problem for r in val], num_samples=PASS_AT_K
-            )
-            hits = [
-                [is_correct(s, row.answer) for s in samples[i * PASS_AT_K : (i + 1) * PASS_AT_K]]
-                for i, row in enumerate(val)
-            ]
-            sampled_acc = sum(map(sum, hits)) / (len(val) * PASS_AT_K)
-            pass_at_k = sum(map(any, hits)) / len(val)
-            timings["pass_at_k"] = time.perf_counter() - t0
-
-            model.generation_config = _generation_config(tokenizer)
-            model.save_pretrained(model_dir)
+            yield
     finally:
         torch.set_num_threads(threads_before)
-    timings["total"] = time.perf_counter() - t_start
 
+
+def sample_stats(
+    samples: Sequence[str], answers: Sequence[str], correct: Callable[[str, str], bool], k: int = PASS_AT_K
+) -> tuple[float, float]:
+    """``(mean accuracy of all samples, fraction of problems with >= 1 correct sample)`` of
+    ``k`` samples per problem, grouped by problem (``samples[i * k : (i + 1) * k]`` answer
+    ``answers[i]``), judged by ``correct(sample, answer)``."""
+    if not answers or len(samples) != k * len(answers):
+        raise ValueError(f"expected {k} samples for each of {len(answers)} problems (>= 1), got {len(samples)}")
+    hits = [[correct(s, a) for s in samples[i * k : (i + 1) * k]] for i, a in enumerate(answers)]
+    return sum(map(sum, hits)) / len(samples), sum(map(any, hits)) / len(answers)
+
+
+def finish_build(
+    out: Path,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    seed: int,
+    base_accuracy: float,
+    sampled_accuracy: float,
+    pass_at_k: float,
+    sft_steps: int,
+    timings: dict[str, float],
+    t_start: float,
+    warm_start: WarmStart,
+    task: dict[str, Any],
+    sizes: dict[str, int],
+    progress: Callable[[str], None],
+    versions: dict[str, str] | None = None,
+) -> TinyAssetsReport:
+    """Save the warm-started model (with :func:`_generation_config`) into ``out/model``, set
+    ``timings["total"]`` (seconds since ``t_start``, a ``time.perf_counter()`` reading), write
+    the manifest (:func:`write_manifest`) and report the build; returns its report (paths
+    of the standard layout, hashes read from the files, timings rounded to 10 ms)."""
+    model_dir, data_dir = out / "model", out / "data"
+    model.generation_config = _generation_config(tokenizer)
+    model.save_pretrained(model_dir)
+    timings["total"] = time.perf_counter() - t_start
     report = TinyAssetsReport(
         out_dir=out,
         model_dir=model_dir,
         data_dir=data_dir,
-        train_path=train_path,
-        val_path=val_path,
+        train_path=data_dir / "train.jsonl",
+        val_path=data_dir / "val.jsonl",
         manifest_path=out / "assets.json",
         seed=seed,
-        base_accuracy=base_acc,
-        sampled_accuracy=sampled_acc,
+        base_accuracy=base_accuracy,
+        sampled_accuracy=sampled_accuracy,
         pass_at_k=pass_at_k,
-        sft_steps=steps,
+        sft_steps=sft_steps,
         weights_sha256=weights_sha256(model_dir),
         tokenizer_sha256=hashlib.sha256((model_dir / "tokenizer.json").read_bytes()).hexdigest(),
         vocab_size=len(tokenizer),
-        num_parameters=num_params,
+        num_parameters=sum(p.numel() for p in model.parameters()),
         timings_s={k: round(v, 2) for k, v in timings.items()},
     )
-    _write_manifest(report, warm_start, task)
+    write_manifest(report, warm_start, task, sizes, versions)
     progress(
-        f"[assets] base greedy val accuracy {base_acc:.1%} after {steps} SFT steps "
-        f"(T=1 sample accuracy {sampled_acc:.1%}, pass@{PASS_AT_K} {pass_at_k:.1%}); "
+        f"[assets] base greedy val accuracy {base_accuracy:.1%} after {sft_steps} SFT steps "
+        f"(T=1 sample accuracy {sampled_accuracy:.1%}, pass@{PASS_AT_K} {pass_at_k:.1%}); "
         f"{timings['total']:.1f}s total -> {out}"
     )
     return report
@@ -288,8 +360,26 @@ def weights_sha256(model_dir: str | Path) -> str:
 
 def _build_tokenizer(train: Sequence[Row], model_dir: Path, extra_user_texts: Sequence[str] = ()) -> PreTrainedTokenizerBase:
     """Train a byte-level BPE on the training split (and ``extra_user_texts``, user messages
-    the model will also see), save it as a HF tokenizer (written by hand so the files load
-    in transformers 4.x and 5.x alike) and load it back."""
+    the model will also see), save it as a HF tokenizer and load it back."""
+    # The text the model will see, minus the special tokens (added whole, not merged).
+    corpus = [f"user\n{r.problem}\nassistant\n{r.answer}\n" for r in train]
+    corpus += [f"user\n{text}\nassistant\n" for text in extra_user_texts for _ in range(len(train) // 10)]
+    return write_tokenizer(model_dir, corpus, (ENDOFTEXT, IM_START, IM_END), CHAT_TEMPLATE)
+
+
+def write_tokenizer(
+    model_dir: Path,
+    corpus: Sequence[str],
+    special_tokens: Sequence[str],
+    chat_template: str,
+) -> PreTrainedTokenizerBase:
+    """Train a byte-level BPE (Qwen2's digit-splitting pre-tokenizer, at most ``VOCAB_CAP``
+    tokens) on ``corpus``, with ``special_tokens`` first (ids 0, 1, ...; the first is the pad
+    token, the third the eos), save it into ``model_dir`` as a HF tokenizer with
+    ``chat_template`` (written by hand so the files load in transformers 4.x and 5.x alike)
+    and load it back."""
+    if len(special_tokens) < 3:
+        raise ValueError(f"need at least pad, start and eos special tokens, got {list(special_tokens)}")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
@@ -300,21 +390,18 @@ def _build_tokenizer(train: Sequence[Row], model_dir: Path, extra_user_texts: Se
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB_CAP,
-        special_tokens=[ENDOFTEXT, IM_START, IM_END],
+        special_tokens=list(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    # The text the model will see, minus the special tokens (added whole, not merged).
-    corpus = [f"user\n{r.problem}\nassistant\n{r.answer}\n" for r in train]
-    corpus += [f"user\n{text}\nassistant\n" for text in extra_user_texts for _ in range(len(train) // 10)]
     tok.train_from_iterator(corpus, trainer, length=len(corpus))
     tok.save(str(model_dir / "tokenizer.json"))
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": None,
-        "eos_token": IM_END,
-        "pad_token": ENDOFTEXT,
-        "chat_template": CHAT_TEMPLATE,
+        "eos_token": special_tokens[2],
+        "pad_token": special_tokens[0],
+        "chat_template": chat_template,
         "model_max_length": MAX_MODEL_LEN,
         "clean_up_tokenization_spaces": False,
     }
@@ -325,7 +412,13 @@ def _build_tokenizer(train: Sequence[Row], model_dir: Path, extra_user_texts: Se
 
 
 def _model_config(tokenizer: PreTrainedTokenizerBase) -> Qwen2Config:
-    return Qwen2Config(
+    return Qwen2Config(**text_model_sizes(tokenizer), dtype="float32")
+
+
+def text_model_sizes(tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
+    """The tiny decoder's sizes and special token ids, as config keyword arguments (the
+    Qwen2 model's, and the vision-language model's Llama text model's)."""
+    return dict(
         vocab_size=len(tokenizer),
         hidden_size=128,
         intermediate_size=512,
@@ -337,7 +430,6 @@ def _model_config(tokenizer: PreTrainedTokenizerBase) -> Qwen2Config:
         bos_token_id=None,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        dtype="float32",
     )
 
 
@@ -376,34 +468,73 @@ def _warm_start(
 ) -> tuple[int, float]:
     """SFT on ``examples`` (chat prompt, answer + <|im_end|>) with loss on completion tokens
     only, until greedy (single-turn) val accuracy reaches ``cfg.target``; returns (steps,
-    accuracy).
-
-    Should an evaluation overshoot the band, the last in-band weights are restored.
-    """
+    accuracy)."""
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    low, high = cfg.band
+    return sft_until_band(
+        model,
+        len(examples),
+        lambda batch: _sft_loss(model, [examples[i] for i in batch], eos, pad),
+        lambda: greedy_accuracy(model, tokenizer, val),
+        seed,
+        progress,
+        cfg,
+    )
+
+
+def sft_steps(
+    model: torch.nn.Module,
+    num_examples: int,
+    batch_loss: Callable[[list[int]], torch.Tensor],
+    seed: int,
+    cfg: WarmStart = WARM_START,
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """Supervised steps, yielding ``(step, loss)`` after each (1-based, up to ``cfg.max_steps``):
+    AdamW with ``cfg``'s linear warmup then constant lr, grad-norm clip 1, on batches of
+    ``cfg.batch_size`` example indices (``batch_loss(indices) -> scalar loss``) drawn epoch by
+    epoch from permutations seeded with ``seed``. Leaves the model in training mode."""
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / cfg.warmup_steps)
     )
     order_rng = torch.Generator().manual_seed(seed)
     order: list[int] = []
-    in_band: tuple[int, float, dict[str, torch.Tensor]] | None = None
     model.train()
     for step in range(1, cfg.max_steps + 1):
         if len(order) < cfg.batch_size:  # new epoch: fresh permutation of the train split
-            order = torch.randperm(len(examples), generator=order_rng).tolist()
-        batch = [examples[i] for i in order[: cfg.batch_size]]
+            order = torch.randperm(num_examples, generator=order_rng).tolist()
+        batch = order[: cfg.batch_size]
         del order[: cfg.batch_size]
-        loss = _sft_loss(model, batch, eos, pad)
+        loss = batch_loss(batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
+        yield step, loss
+
+
+def sft_until_band(
+    model: torch.nn.Module,
+    num_examples: int,
+    batch_loss: Callable[[list[int]], torch.Tensor],
+    accuracy: Callable[[], float],
+    seed: int,
+    progress: Callable[[str], None],
+    cfg: WarmStart = WARM_START,
+) -> tuple[int, float]:
+    """:func:`sft_steps`, evaluating ``accuracy()`` (greedy validation accuracy, a fraction)
+    every ``cfg.eval_every`` steps until it reaches ``cfg.target``; returns (steps, accuracy).
+
+    Should an evaluation overshoot the band, the last in-band weights are restored; none in
+    band within ``cfg.max_steps`` raises RuntimeError.
+    """
+    low, high = cfg.band
+    in_band: tuple[int, float, dict[str, torch.Tensor]] | None = None
+    step, acc = 0, float("nan")
+    for step, loss in sft_steps(model, num_examples, batch_loss, seed, cfg):
         if step % cfg.eval_every:
             continue
-        acc = greedy_accuracy(model, tokenizer, val)
+        acc = accuracy()
         done = acc >= cfg.target
         if done or step % 50 == 0:
             progress(f"[assets] SFT step {step}: loss {loss.item():.3f}, greedy val acc {acc:.1%}")
@@ -426,8 +557,17 @@ def _warm_start(
 def _sft_loss(
     model: Qwen2ForCausalLM, batch: Sequence[tuple[list[int], list[int]]], eos: int, pad: int
 ) -> torch.Tensor:
-    """Mean next-token cross-entropy over completion tokens (answer + eos) of a
-    right-padded batch of shape [len(batch), longest prompt+completion]."""
+    """Mean next-token cross-entropy over completion tokens (answer + eos) of a batch."""
+    input_ids, attention_mask, labels = sft_batch(batch, eos, pad)
+    return model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+
+
+def sft_batch(
+    batch: Sequence[tuple[list[int], list[int]]], eos: int, pad: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask, labels)``, each of shape [len(batch), longest prompt +
+    completion + 1], of right-padded ``prompt + completion + [eos]`` sequences whose labels
+    are -100 (no loss) except on the completion and eos."""
     seqs = [(p, c + [eos]) for p, c in batch]
     width = max(len(p) + len(c) for p, c in seqs)
     input_ids = torch.full((len(seqs), width), pad)
@@ -438,10 +578,19 @@ def _sft_loss(
         input_ids[i, :n] = torch.tensor(p + c)
         labels[i, len(p) : n] = torch.tensor(c)
         attention_mask[i, :n] = 1
-    return model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+    return input_ids, attention_mask, labels
 
 
-def _write_manifest(report: TinyAssetsReport, warm_start: WarmStart, task: str) -> None:
+def write_manifest(
+    report: TinyAssetsReport,
+    warm_start: WarmStart,
+    task: dict[str, Any],
+    sizes: dict[str, int],
+    versions: dict[str, str] | None = None,
+) -> None:
+    """Write ``report.manifest_path`` (JSON): the report (paths relative to the output
+    directory), the task's description, split sizes, warm-start schedule and the library
+    versions (``versions`` adds more)."""
     out = report.out_dir
     manifest = {
         key: (str(value.relative_to(out)) if isinstance(value, Path) else value)
@@ -449,14 +598,15 @@ def _write_manifest(report: TinyAssetsReport, warm_start: WarmStart, task: str) 
         if key not in ("out_dir", "manifest_path")
     }
     manifest.update(
-        task={"name": task, **asdict(TASK)},
-        sizes={"train": N_TRAIN, "val": N_VAL},
+        task=task,
+        sizes=sizes,
         warm_start=asdict(warm_start),
         versions={
             "python": platform.python_version(),
             "torch": torch.__version__,
             "transformers": transformers.__version__,
             "tokenizers": tokenizers.__version__,
+            **(versions or {}),
         },
     )
     report.manifest_path.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
