@@ -101,7 +101,8 @@ def run_name(config: Path) -> str:
 
 def queue_state(run_dir: Path, config: Path) -> dict[str, Any]:
     """Restart the run's redis on its AOF and read the ledger: ``stats`` plus the prompt ids
-    of the groups still in the stream (``queued``) and of the returned prompts (``returned``)."""
+    of the groups still in the stream (``queued``) and of the returned prompts (``returned``),
+    and how many images the queue stores (``images``)."""
     from async_rl.queue import EmbeddedRedis, ReplayQueue
     from async_rl.records import decode
 
@@ -109,4 +110,5 @@ def queue_state(run_dir: Path, config: Path) -> dict[str, Any]:
         client = q._client
         queued = [decode(fields[b"group"]).prompt_id for _, fields in client.xrange(q.keys.rollouts)]
         returned = [int(i) for i in client.lrange(q.keys.returned, 0, -1)]
-        return {"stats": q.stats(), "queued": queued, "returned": returned}
+        images = len(list(client.scan_iter(q.keys.image("*"))))
+        return {"stats": q.stats(), "queued": queued, "returned": returned, "images": images}

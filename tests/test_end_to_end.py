@@ -72,6 +72,27 @@ def test_the_multiturn_quickstart_trains_on_episodes(tiny_assets, tmp_path):
     assert wait_gone(run_dir) == []
 
 
+def test_the_vlm_quickstart_trains_on_images_with_vppo(tiny_vlm_assets, tmp_path):
+    """configs/vlm_quickstart.yaml for 3 steps: prompts with images go through the servers, the
+    queue (each image stored once) and the learner, which trains with VPPO's token selection."""
+    config = write_config(tiny_vlm_assets, tmp_path, steps=3, base="vlm_quickstart.yaml")
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "async_rl.cli", "train", str(config)], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    (tmp_path / "train.log").write_text(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "perf/tokens_per_s" in r]
+    assert [r["version"] for r in steps] == [1, 2, 3]
+    assert all(0.4 <= r["vppo/selected_fraction"] < 1.0 and r["time/perception"] > 0 for r in steps)
+    assert all(r["vppo/scale_min"] >= 0.9 - 1e-6 for r in steps)  # advantage_scaling_min of the config
+    assert [r["version"] for r in records if "val/greedy_accuracy" in r] == [0, 2, 3]
+    assert not any(k.startswith("counters/dropped/") and k != "counters/dropped/image_token" for r in steps for k in r)
+    assert wait_gone(run_dir) == []
+    state = queue_state(run_dir, config)
+    started = state["stats"]["groups_started"]
+    assert state["stats"]["pending"] == 0 and 0 < state["images"] <= started  # one key per image content
+
+
 def _export_serves_in_vllm(checkpoint: Path, out: Path) -> None:
     """`async-rl export` of the trained checkpoint loads in vLLM with the log-probs transformers gives it."""
     import torch
