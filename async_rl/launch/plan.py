@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from async_rl.config import Config
-from async_rl.learner import attention, kernels
+from async_rl.learner import attention, kernels, vision
 from async_rl.learner.memory import (
     Beside,
     MemoryEstimate,
@@ -100,6 +100,7 @@ def make_plan(cfg: Config) -> Plan:
     )
     _check_files(cfg, plan)
     _check_kernels(cfg, plan)
+    _check_vision(cfg, plan)
     _check_memory(cfg, plan)
     if cfg.ray.address is not None and cfg.queue.redis_url is None:
         plan.warnings.append("the embedded redis-server listens on 127.0.0.1 only: on a multi-node cluster set queue.redis_url "
@@ -168,6 +169,26 @@ def _check_kernels(cfg: Config, plan: Plan) -> None:
                 kernels.liger_problem(cfg.learner.kernels, device_type, installed=True)):
         if why is not None:
             plan.errors.append(why)
+
+
+def _check_vision(cfg: Config, plan: Plan) -> None:
+    """A vision-language model the learner cannot train, and VPPO without one."""
+    try:
+        model_config = read_model_config(cfg.learner.model_path)
+    except ValueError:
+        return  # reported by the memory check
+    if model_config is None:
+        return
+    vlm = vision.is_vision_language(model_config)
+    try:
+        vision.check_supported(model_config)
+    except vision.UnsupportedVisionModel as exc:
+        plan.errors.append(f"learner.model_path={cfg.learner.model_path!r}: {exc}")
+    if vlm and cfg.algorithm.needs_critic:
+        plan.errors.append("algorithm.advantage.name='gae' trains a critic, which a vision-language policy does not support yet; use grpo, rloo, ...")
+    if cfg.algorithm.use_vppo_on_perception and not vlm:
+        plan.errors.append(f"algorithm.use_vppo_on_perception=true needs a vision-language model; learner.model_path={cfg.learner.model_path!r} "
+                           "has no vision_config")
 
 
 def _check_memory(cfg: Config, plan: Plan) -> None:

@@ -193,3 +193,21 @@ def test_hub_model_without_local_config_gets_no_memory_estimate(data: Path):
 def test_a_gpu_kernel_on_a_cpu_learner_is_a_plan_error(data: Path, override: str, message: str) -> None:
     plan = make_plan(load_config(None, [f"data.train_files={data}", override]))
     assert any(message in e for e in plan.errors), plan.errors
+
+
+def test_dry_run_checks_vision_language_settings(tiny_vlm_assets, tiny_assets, tmp_path: Path):
+    """VPPO on a text model, a critic of a VLM and a VLM family the learner has no input layout
+    for are plan errors, before anything starts; the VLM quickstart itself plans."""
+    data = tiny_vlm_assets.train_path
+    vlm = str(ROOT / "configs" / "vlm_quickstart.yaml")
+    ok = _dry_run(vlm, f"learner.model_path={tiny_vlm_assets.model_dir}", f"data.train_files={data}", f"data.val_files={data}")
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    text = _dry_run(vlm, f"learner.model_path={tiny_assets.model_dir}", f"data.train_files={data}", f"data.val_files={data}")
+    assert text.returncode == 2 and "algorithm.use_vppo_on_perception=true needs a vision-language model" in text.stdout
+    critic = _dry_run(vlm, f"learner.model_path={tiny_vlm_assets.model_dir}", f"data.train_files={data}", "algorithm.advantage.name=gae")
+    assert critic.returncode == 2 and "trains a critic, which a vision-language policy does not support yet" in critic.stdout
+    qwen_vl = tmp_path / "qwen_vl"
+    qwen_vl.mkdir()
+    (qwen_vl / "config.json").write_text('{"model_type": "qwen2_5_vl", "vision_config": {"hidden_size": 1280}, "text_config": {}}')
+    other = _dry_run(vlm, f"learner.model_path={qwen_vl}", f"data.train_files={data}")
+    assert other.returncode == 2 and "model_type 'qwen2_5_vl' is not supported by the learner yet; supported: idefics3, smolvlm" in other.stdout
