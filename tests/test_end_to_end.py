@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from run_helpers import ROOT, queue_state, wait_gone, write_config
+from run_helpers import ROOT, queue_state, train_cli, wait_gone, write_config
 
 pytestmark = pytest.mark.integration
 
@@ -77,8 +77,7 @@ def test_the_vlm_quickstart_trains_on_images_with_vppo(tiny_vlm_assets, tmp_path
     queue (each image stored once) and the learner, which trains with VPPO's token selection."""
     config = write_config(tiny_vlm_assets, tmp_path, steps=3, base="vlm_quickstart.yaml")
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "async_rl.cli", "train", str(config)], cwd=ROOT, capture_output=True, text=True, timeout=900)
-    (tmp_path / "train.log").write_text(proc.stdout + proc.stderr)
+    proc = train_cli(config)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "perf/tokens_per_s" in r]
