@@ -110,12 +110,12 @@ def test_only_selected_tokens_carry_the_policy_gradient(loss: str):
     mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]], dtype=torch.float32)
     adv = torch.tensor([1.0, -0.5, 2.0])[:, None] * mask
     selected = vppo.select_perception_tokens(torch.rand(3, 5), mask, 0.4)
+    selected[2] = 0  # a response with no selected token: none of its tokens may move
     total, _ = losses.compute(loss, logp=logp, old_logp=old, behav_logp=old, advantages=adv, mask=mask, token_weight=selected)
     total.backward()
     grad = logp.grad.abs()
-    if loss == "gspo":  # the sequence-level ratio ties every token of a sequence with a selected token
-        assert (grad[selected.sum(1) == 0] == 0).all()
-    else:
+    assert (grad[2] == 0).all() and (grad[:2] > 0).any()
+    if loss != "gspo":  # gspo's sequence-level ratio ties every token of a response that has a selected one
         assert (grad[selected == 0] == 0).all()
         assert (grad[selected == 1] > 0).all()
     # the denominator still counts every trained token: the selected tokens' terms are not re-weighted
