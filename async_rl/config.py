@@ -494,7 +494,7 @@ class WandbConfig:
 
 @dataclass
 class LoggingConfig:
-    """Console, JSONL and W&B output."""
+    """Console, JSONL, W&B, Prometheus and plots."""
 
     console: bool = True
     """Show the live console view."""
@@ -504,6 +504,12 @@ class LoggingConfig:
     """Log metrics every this many learner steps."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
     """Weights & Biases settings."""
+    prometheus_port: Optional[int] = None
+    """Serve the run's metrics for Prometheus at ``http://HOST:PORT/metrics`` from the driver; null: off, 0: a free port (the URL is printed and written to ``servers.json``)."""
+    prometheus_host: str = "0.0.0.0"
+    """Address the Prometheus endpoint binds (``0.0.0.0``: every interface, so a scraper on another node reaches it)."""
+    plots: bool = True
+    """Write PNG plots (validation accuracy, staleness, tokens/s) into the run directory when the run ends."""
 
 
 @dataclass
@@ -768,6 +774,8 @@ def validate(cfg: Config) -> None:
     need(cfg.data.max_pixels >= cfg.data.min_pixels,
          f"data.max_pixels={cfg.data.max_pixels} must be >= data.min_pixels={cfg.data.min_pixels}")
     need(cfg.trainer.stall_timeout_s > 0, f"trainer.stall_timeout_s={cfg.trainer.stall_timeout_s} must be > 0")
+    port = cfg.logging.prometheus_port
+    need(port is None or 0 <= port <= 65535, f"logging.prometheus_port={port} must be null (off), 0 (a free port) or in [1, 65535]")
 
     # Cross-field rules: name both keys.
     need(

@@ -20,6 +20,7 @@ import logging
 import os
 import signal
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,7 @@ from async_rl.data.prompts import PromptFormatter, read_prompt_rows, write_rejec
 from async_rl.envs import load_environment
 from async_rl.envs.conversation import ChatEncoder
 from async_rl.launch.plan import make_plan
+from async_rl.launch.prometheus import server_states
 from async_rl.launch.ray_cluster import init_ray
 from async_rl.launch.reaper import reap_on_exit
 from async_rl.launch.tracking import Tracker
@@ -55,6 +57,8 @@ WORKER_GRACE_S = 10.0
 """How long stopping workers may finish their groups in flight before they are cancelled, seconds."""
 HEALTH_PERIOD_S = 10.0
 """Period of the server health check and of the stall check, seconds."""
+RATE_WINDOW_S = 10.0
+"""Generation tokens/s is measured over about this many seconds (groups land in bursts), seconds."""
 
 
 class StartupError(RuntimeError):
@@ -210,8 +214,16 @@ class _Run:
                                env_per_server=[{"VLLM_CPU_OMP_THREADS_BIND": cores} for cores in layout[0]] if layout else None,
                                workers=WorkerHostSpec.from_config(cfg, redis_url), rows=ray.put(self.rows), on_lost=self.queue.release_owner)
         stack.push_async_callback(self.pool.shutdown)
-        self.tracker = Tracker(cfg, self.run_dir, cfg.trainer.total_steps)
+        try:
+            self.tracker = Tracker(cfg, self.run_dir, cfg.trainer.total_steps, resumed=self.version > 0)
+        except OSError as exc:  # the Prometheus port is taken
+            raise StartupError(str(exc)) from None
         stack.callback(self.tracker.close)
+        if self.tracker.prometheus is not None:
+            log.info("Prometheus metrics at %s", self.tracker.prometheus.url)
+            if cfg.logging.console:
+                self.tracker.console.print(f"Prometheus metrics: {self.tracker.prometheus.url}", highlight=False)
+        self._write_servers()
 
     def _scorer(self) -> RewardScorer:
         return RewardScorer(self.rewards, self.cfg.rollout.reward, self.cfg.rollout.max_response_length)
@@ -236,9 +248,13 @@ class _Run:
         self._write_servers()
 
     def _write_servers(self) -> None:
-        """(Re)write ``servers.json``: id, pid and OpenAI API URL of every started server."""
-        servers = [{"server_id": h.server_id, "pid": h.pid, "openai_url": h.openai_url} for h in self.pool.started if h is not None]
-        (self.run_dir / "servers.json").write_text(json.dumps(servers, indent=1) + "\n")
+        """(Re)write ``servers.json``: the driver's Prometheus URL, and the id, pid, OpenAI API
+        URL and vLLM metrics URL of every started server."""
+        servers = [{"server_id": h.server_id, "pid": h.pid, "openai_url": h.openai_url, "metrics_url": vllm_metrics_url(h.openai_url)}
+                   for h in self.pool.started if h is not None]
+        prometheus = self.tracker.prometheus
+        doc = {"prometheus_url": prometheus.url if prometheus is not None else None, "servers": servers}
+        (self.run_dir / "servers.json").write_text(json.dumps(doc, indent=1) + "\n")
 
     async def _await_current_weights(self, index: int, handle: Any) -> None:
         """A (re)started server serves only once it holds the learner's current version (the
@@ -292,16 +308,14 @@ class _Run:
 
     async def _drive_learner(self) -> None:
         total = self.cfg.trainer.total_steps
-        last_tokens, last_time = self.queue.rollout_stats().get("tokens_generated", 0.0), time.monotonic()
+        generated = RateMeter(RATE_WINDOW_S)
         try:
             while self.version < total and not self.stop.is_set():
                 results = await asyncio.gather(*(a.run.remote(1, LEARNER_WAIT_S) for a in self.learners))
                 self.version = results[0]["version"]
                 for metrics in results[0]["steps"]:
                     rollout = self.queue.rollout_stats()
-                    tokens, now = rollout.get("tokens_generated", 0.0), time.monotonic()
-                    metrics.update(self._rollout_metrics(rollout, (tokens - last_tokens) / max(now - last_time, 1e-9)))
-                    last_tokens, last_time = tokens, now
+                    metrics.update(self._rollout_metrics(rollout, generated.rate(rollout.get("tokens_generated", 0.0), time.monotonic())))
                     self.tracker.log(metrics)
                     self._maybe_validate()
         except ray.exceptions.RayTaskError as exc:
@@ -336,7 +350,9 @@ class _Run:
                 self._fail(f"no progress for {time.monotonic() - last_progress:.0f} s (trainer.stall_timeout_s="
                            f"{cfg.trainer.stall_timeout_s:g}): {await self._diagnose()}")
                 return
-            for line in await self.pool.heal(self.version, cfg.sync.max_lag_s):
+            healths = await self.pool.health()
+            self.tracker.servers = server_states(healths)
+            for line in await self.pool.heal(self.version, cfg.sync.max_lag_s, healths):
                 log.warning("%s", line)
 
     async def _diagnose(self) -> str:
@@ -368,7 +384,7 @@ class _Run:
             "queue/returned_prompts": float(stats["returned_prompts"]),
             "rollout/server_restarts": float(self.pool.restarts),
         }
-        out.update({f"rollout/{name}": rollout.get(name, 0.0) for name in COUNTERS if name != "tokens_generated"})
+        out.update({f"rollout/{name}": rollout.get(name, 0.0) for name in COUNTERS})
         if episodes := rollout.get("env_episodes", 0.0):
             out["env/turns_mean"] = rollout.get("env_turns", 0.0) / episodes
             out["env/errors"] = rollout.get("env_errors", 0.0)
@@ -409,6 +425,27 @@ class _Run:
             "val/pass_at_n": result.pass_at_n, "val/seconds": result.seconds, "val/final": float(final),
         })
 
+
+
+class RateMeter:
+    """Rate of a cumulative counter over a trailing window of at least ``window_s`` seconds."""
+
+    def __init__(self, window_s: float):
+        self.window_s = window_s
+        self._samples: deque[tuple[float, float]] = deque()
+
+    def rate(self, value: float, now: float) -> float:
+        """Per second, from the oldest sample still in the window to (``now``, ``value``); 0 at first."""
+        self._samples.append((now, value))
+        while len(self._samples) > 2 and now - self._samples[1][0] >= self.window_s:
+            self._samples.popleft()
+        t0, v0 = self._samples[0]
+        return (value - v0) / (now - t0) if now > t0 else 0.0
+
+
+def vllm_metrics_url(openai_url: str | None) -> str | None:
+    """vLLM's own Prometheus endpoint on a server's OpenAI API port (``.../v1`` -> ``.../metrics``)."""
+    return None if openai_url is None else openai_url.removesuffix("/v1") + "/metrics"
 
 
 def cpu_layout(cfg: Config) -> tuple[list[str], list[list[int]]] | None:

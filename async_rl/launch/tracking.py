@@ -1,16 +1,24 @@
-"""Where metrics go: ``metrics.jsonl`` in the run directory, Weights & Biases, and the console.
+"""Where metrics go: ``metrics.jsonl`` in the run directory, Weights & Biases, Prometheus,
+the console, and PNG plots at the end.
 
 The console shows a live panel on a terminal and one line per logged step otherwise (CI
 logs, ``nohup``), then a summary table at the end.
+
+W&B: every record is logged at its own W&B step, one more than the last (counted from the
+records already in ``metrics.jsonl``, so a resumed run continues after them), and charts use
+``version`` as their x axis (``define_metric``). Validation results arrive after the steps
+that ran meanwhile; with ``step=version`` W&B dropped them as out of order.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +27,14 @@ from rich.live import Live
 from rich.table import Table
 
 from async_rl.config import Config, to_dict
+from async_rl.launch.eta import EtaModel
+from async_rl.launch.plots import read_records, write_plots
+from async_rl.launch.prometheus import PrometheusServer, ServerState, Snapshot
+
+WANDB_ID_FILE = "wandb_run_id"
+"""File in the run directory holding the W&B run id, so a resumed run continues the same W&B run."""
+
+log = logging.getLogger(__name__)
 
 # (label, metric key, format) of the live view and the per-step line.
 VIEW: tuple[tuple[str, str, str], ...] = (
@@ -37,57 +53,90 @@ VIEW: tuple[tuple[str, str, str], ...] = (
 class Tracker:
     """Logs one dict of floats per learner step (and validation results) everywhere."""
 
-    def __init__(self, cfg: Config, run_dir: Path, total_steps: int):
+    def __init__(self, cfg: Config, run_dir: Path, total_steps: int, resumed: bool = False):
         self.cfg = cfg
         self.total_steps = total_steps
         self.run_dir = run_dir
         self.console = Console(stderr=False)
         self.latest: dict[str, float] = {}
         self.first_val: float | None = None
+        self.servers: list[ServerState] = []
+        """Inference servers as of the driver's last health check (for Prometheus)."""
+        self.staleness_groups: dict[int, float] = {}
+        """Groups trained per staleness since this driver started."""
+        self.plots: list[Path] = []
         self._start = time.monotonic()
-        self._first_step: tuple[float, float] | None = None
-        self._jsonl = open(run_dir / "metrics.jsonl", "a") if cfg.logging.jsonl else None  # noqa: SIM115
-        self._wandb = self._init_wandb() if cfg.logging.wandb.enable else None
+        self.eta = EtaModel(total_steps, cfg.trainer.save_every, cfg.trainer.val_every)
+        metrics_path = run_dir / "metrics.jsonl"
+        self._wandb_step = sum(1 for _ in metrics_path.open()) if resumed and metrics_path.exists() else 0
+        self._jsonl = open(metrics_path, "a") if cfg.logging.jsonl else None  # noqa: SIM115
+        self._wandb = self._init_wandb(resumed) if cfg.logging.wandb.enable else None
+        port = cfg.logging.prometheus_port
+        self.prometheus = PrometheusServer(self.snapshot, cfg.logging.prometheus_host, port) if port is not None else None
         self._live = Live(self._table(), console=self.console, refresh_per_second=2, transient=False) if cfg.logging.console and sys.stdout.isatty() else None
         if self._live is not None:
             self._live.start()
 
-    def _init_wandb(self) -> Any:
+    def _init_wandb(self, resumed: bool) -> Any:
         import wandb
 
         w = self.cfg.logging.wandb
         # WANDB_MODE in the environment wins over the config (as W&B users expect).
         mode = os.environ.get("WANDB_MODE", w.mode)
-        return wandb.init(project=w.project, entity=w.entity, name=self.cfg.trainer.run_name, dir=str(self.run_dir),
-                          mode=mode, config=to_dict(self.cfg), reinit="finish_previous")
+        id_file = self.run_dir / WANDB_ID_FILE
+        if resumed and id_file.exists():  # the learner resumed: continue its W&B run
+            run_id = id_file.read_text().strip()
+        else:
+            run_id = uuid.uuid4().hex[:12]
+            id_file.write_text(run_id + "\n")
+        run = wandb.init(project=w.project, entity=w.entity, name=self.cfg.trainer.run_name, dir=str(self.run_dir), id=run_id,
+                         resume="allow", mode=mode, config=to_dict(self.cfg), reinit="finish_previous")
+        self._wandb_step = max(self._wandb_step, run.step)
+        run.define_metric("version")
+        run.define_metric("*", step_metric="version")
+        return run
 
     def log(self, metrics: dict[str, float]) -> None:
-        """Record one step's metrics (they must include ``version``)."""
+        """Record one step's metrics, or a validation's (they must include ``version``)."""
         metrics = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
-        metrics["time/elapsed_s"] = time.monotonic() - self._start
-        if "val/greedy_accuracy" in metrics and self.first_val is None:
-            self.first_val = metrics["val/greedy_accuracy"]
+        now = time.monotonic()
+        metrics["time/elapsed_s"] = now - self._start
+        metrics["time/wall_s"] = time.time()
+        if "val/greedy_accuracy" in metrics:
+            if self.first_val is None:
+                self.first_val = metrics["val/greedy_accuracy"]
+            self.eta.validation(now, metrics.get("val/seconds", 0.0))
+        if "perf/tokens_per_s" in metrics:  # a learner step
+            self.eta.step(int(metrics["version"]), now, metrics.get("time/checkpoint", 0.0))
+            for key, n in metrics.items():
+                if key.startswith("staleness/hist/"):
+                    lag = int(key.rsplit("/", 1)[1])
+                    self.staleness_groups[lag] = self.staleness_groups.get(lag, 0.0) + n
+            self.latest["tokens_trained"] = self.latest.get("tokens_trained", 0.0) + metrics.get("perf/tokens", 0.0)
+        version = max(self.latest.get("version", 0.0), metrics.get("version", 0.0))  # a validation reports the (older) version it measured
         self.latest.update(metrics)
-        if self._first_step is None and "perf/tokens_per_s" in metrics:
-            self._first_step = (metrics["version"], time.monotonic())
+        self.latest["version"] = version
+        if (eta := self.eta.remaining_s(int(self.latest.get("version", 0)))) is not None:
+            self.latest["eta_s"] = eta
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(metrics) + "\n")
             self._jsonl.flush()
         if self._wandb is not None:
-            self._wandb.log(metrics, step=int(metrics.get("version", 0)))
+            self._wandb.log(metrics, step=self._wandb_step)
+            self._wandb_step += 1
         if self._live is not None:
             self._live.update(self._table())
         elif self.cfg.logging.console and int(metrics.get("version", 0)) % self.cfg.logging.log_every == 0:
             self.console.print(self._line(metrics), highlight=False, soft_wrap=True)
 
+    def snapshot(self) -> Snapshot:
+        """What a Prometheus scrape reports (called from the HTTP server's thread: copies)."""
+        return Snapshot(dict(self.latest), dict(self.staleness_groups), list(self.servers))
+
     def _eta(self) -> str:
-        """Remaining time at the step rate since the first logged step (start-up excluded)."""
-        done = self.latest.get("version", 0.0)
-        if self._first_step is None or done <= self._first_step[0]:
-            return "?"
-        version0, t0 = self._first_step
-        remaining = (time.monotonic() - t0) / (done - version0) * (self.total_steps - done)
-        return f"{remaining / 60:.1f} min"
+        """Remaining time (:class:`EtaModel`), or ``?`` before two steps."""
+        eta = self.latest.get("eta_s")
+        return "?" if eta is None else f"{eta / 60:.1f} min"
 
     def _line(self, metrics: dict[str, float]) -> str:
         parts = [f"{label} {fmt.format(metrics[key])}" for label, key, fmt in VIEW if key in metrics]
@@ -115,21 +164,37 @@ class Tracker:
             ("groups dropped as stale", f"{self.latest.get('queue/dropped_stale', 0):.0f}"),
             ("reward errors", f"{self.latest.get('rollout/reward_errors', 0):.0f}"),
             ("run directory", str(self.run_dir)),
+            ("plots", ", ".join(p.name for p in self.plots) or "-"),
         ]
         for name, value in rows:
             table.add_row(name, value)
         return table
 
     def close(self) -> None:
-        """Flush and close every sink; print the summary."""
+        """Flush and close every sink, write the plots; print the summary."""
         if self._live is not None:
             self._live.stop()
+        if self.prometheus is not None:
+            self.prometheus.close()
         if self._jsonl is not None:
             self._jsonl.close()
         if self._wandb is not None:
             self._wandb.finish()
+        if self.cfg.logging.plots:
+            self.plots = self._write_plots()
         if self.cfg.logging.console:
             self.console.print(self.summary())
+
+    def _write_plots(self) -> list[Path]:
+        path = self.run_dir / "metrics.jsonl"
+        if not path.exists():
+            log.warning("no plots: they are drawn from metrics.jsonl (logging.jsonl=false)")
+            return []
+        try:
+            return write_plots(read_records(path), self.run_dir, self.cfg.trainer.run_name)
+        except Exception as exc:  # noqa: BLE001 - a plot never fails a finished run
+            log.warning("plots not written: %s: %s", type(exc).__name__, exc)
+            return []
 
 
 def _pct(value: float | None) -> str:

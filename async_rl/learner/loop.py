@@ -242,7 +242,10 @@ class LearnerLoop:
         # run retrains the version; the last line counts) instead of losing the step's record.
         self._log(metrics, entries)
         if self.version % self.cfg.trainer.save_every == 0:
+            started = time.perf_counter()
             self._save()
+            # For the driver (its ETA); the line of learner_steps.jsonl is already written.
+            metrics["time/checkpoint"] = time.perf_counter() - started
         return metrics
 
     def _next_batch(self, deadline: float | None = None) -> list[tuple[str, RolloutGroup]] | None:

@@ -184,14 +184,14 @@ class ServerPool:
 
         return list(await asyncio.gather(*(one(i, h) for i, h in enumerate(self._handles))))
 
-    async def heal(self, version: int, max_lag_s: float) -> list[str]:
+    async def heal(self, version: int, max_lag_s: float, healths: list[ServerHealth | str] | None = None) -> list[str]:
         """Replace every server that is dead, broken (its health check raises, e.g. after a
         failed weight load) or has not held ``version`` for ``max_lag_s`` seconds; a
-        replacement serves only once caught up (``on_start``). Returns what was done, a line
-        per server."""
+        replacement serves only once caught up (``on_start``). ``healths``: a :meth:`health`
+        result just taken (else one is taken). Returns what was done, a line per server."""
         now = time.monotonic()
         actions = []
-        for i, (handle, health) in enumerate(zip(list(self._handles), await self.health())):
+        for i, (handle, health) in enumerate(zip(list(self._handles), healths or await self.health())):
             if handle is None:
                 continue
             if isinstance(health, str):
