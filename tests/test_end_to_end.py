@@ -12,10 +12,15 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from run_helpers import ROOT, queue_state, train_cli, wait_gone, write_config
+from wandb_records import history
+
+from async_rl.launch.plots import PLOTS
 
 pytestmark = pytest.mark.integration
 
@@ -35,10 +40,15 @@ def test_train_runs_the_whole_pipeline(tiny_assets, tmp_path):
     assert all(r["staleness/max"] <= 2 for r in steps)  # every trained group within eta
     assert vals[0]["version"] == 0 and vals[-1]["version"] == 4  # servers generated with the new weights
     assert (run_dir / "resolved_config.yaml").is_file()
-    servers = json.loads((run_dir / "servers.json").read_text())
+    servers = json.loads((run_dir / "servers.json").read_text())["servers"]
     assert [s["server_id"] for s in servers] == ["server-0"] and servers[0]["openai_url"].startswith("http://127.0.0.1:")
     assert f"OpenAI-compatible API: {servers[0]['openai_url']}" in proc.stdout
-    assert list((run_dir / "wandb").glob("offline-run-*"))
+    # W&B holds every record, the validations (which arrive after later steps) included.
+    rows = history(run_dir)
+    assert len(rows) == len(records) and "Tried to log to step" not in proc.stdout + proc.stderr
+    assert [(r["version"], r["val/greedy_accuracy"]) for _, r in rows if "val/greedy_accuracy" in r] == \
+           [(r["version"], r["val/greedy_accuracy"]) for r in vals]
+    assert sorted(p.name for p in run_dir.glob("*.png")) == sorted(PLOTS) and "validation_accuracy.png" in proc.stdout
 
     learner_lines = [json.loads(line) for line in (run_dir / "learner_steps.jsonl").read_text().splitlines()]
     trained = [e for line in learner_lines for e in line["entry_ids"]]
@@ -92,6 +102,16 @@ def test_the_vlm_quickstart_trains_on_images_with_vppo(tiny_vlm_assets, tmp_path
     assert state["stats"]["pending"] == 0 and 0 < state["images"] <= started  # one key per image content
 
 
+def _scrape_while_running(servers: dict) -> None:
+    """The driver's Prometheus endpoint and each server's vLLM one answer real scrapes."""
+    body = urllib.request.urlopen(servers["prometheus_url"], timeout=30).read().decode()
+    samples = {s.name: s.value for f in text_string_to_metric_families(body) for s in f.samples if not s.labels}
+    assert samples["async_rl_policy_version"] >= 1 and samples["async_rl_staleness_versions_count"] >= 4, body
+    assert "async_rl_queue_dead_lettered_groups_total" in samples and "async_rl_generated_tokens_total" in samples
+    vllm = urllib.request.urlopen(servers["servers"][0]["metrics_url"], timeout=30).read().decode()
+    assert any(f.name.startswith("vllm:") for f in text_string_to_metric_families(vllm))
+
+
 def _export_serves_in_vllm(checkpoint: Path, out: Path) -> None:
     """`async-rl export` of the trained checkpoint loads in vLLM with the log-probs transformers gives it."""
     import torch
@@ -120,7 +140,8 @@ def test_sigterm_checkpoints_and_leaves_nothing_running(tiny_assets, tmp_path):
     reward = tmp_path / "reward.py"
     reward.write_text("import time\n\ndef compute_score(items):\n"
                       "    return [{'overall': time.sleep(3600) if i['response'].strip().endswith('3') else 0.0} for i in items]\n")
-    config = write_config(tiny_assets, tmp_path, steps=1000, rollout={"reward": {"function": f"{reward}:compute_score", "timeout_s": 5.0}})
+    config = write_config(tiny_assets, tmp_path, steps=1000, rollout={"reward": {"function": f"{reward}:compute_score", "timeout_s": 5.0}},
+                          logging={"prometheus_port": 0})
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "async_rl.cli", "train", str(config)], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -130,10 +151,12 @@ def test_sigterm_checkpoints_and_leaves_nothing_running(tiny_assets, tmp_path):
         assert proc.poll() is None, proc.stdout.read()[-3000:]
         assert time.monotonic() < deadline, "no learner step within 10 minutes"
         time.sleep(1.0)
+    _scrape_while_running(json.loads((run_dir / "servers.json").read_text()))
     proc.send_signal(signal.SIGTERM)
     output, _ = proc.communicate(timeout=300)
     assert proc.returncode == 130, output[-3000:]
     assert "interrupted at version" in output and "Traceback" not in output, output[-3000:]
+    assert sorted(p.name for p in run_dir.glob("*.png")) == sorted(PLOTS)  # the plots are drawn on SIGTERM too
     checkpoints = sorted((run_dir / "checkpoints").iterdir())
     assert checkpoints, "no final checkpoint"
     assert wait_gone(run_dir) == []

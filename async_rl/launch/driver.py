@@ -350,8 +350,9 @@ class _Run:
                 self._fail(f"no progress for {time.monotonic() - last_progress:.0f} s (trainer.stall_timeout_s="
                            f"{cfg.trainer.stall_timeout_s:g}): {await self._diagnose()}")
                 return
+            version = self.version
             healths = await self.pool.health()
-            self.tracker.servers = server_states(healths)
+            self.tracker.servers = server_states(healths, version)
             for line in await self.pool.heal(self.version, cfg.sync.max_lag_s, healths):
                 log.warning("%s", line)
 

@@ -70,6 +70,8 @@ class ServerState:
     up: bool
     version: int = 0
     """Policy version of the weights the server holds."""
+    learner_version: int = 0
+    """The learner's version when the server reported ``version`` (its lag is the difference)."""
     running_requests: int = 0
 
 
@@ -107,14 +109,14 @@ class RunCollector(Collector):
         yield _staleness_histogram(snap.staleness_groups)
         up = GaugeMetricFamily(PREFIX + "server_up", "1 if the inference server answered its last health check.", labels=["server"])
         held = GaugeMetricFamily(PREFIX + "server_weight_version", "Policy version of the weights each server holds.", labels=["server"])
-        lag = GaugeMetricFamily(PREFIX + "server_weight_lag_versions", "Learner version minus the version the server holds.", labels=["server"])
+        lag = GaugeMetricFamily(PREFIX + "server_weight_lag_versions", "Learner version minus the version the server held, at the last health check.",
+                                labels=["server"])
         running = GaugeMetricFamily(PREFIX + "server_running_requests", "Requests the server is generating.", labels=["server"])
-        version = latest.get("version", 0.0)
         for s in snap.servers:
             up.add_metric([s.server_id], float(s.up))
             if s.up:
                 held.add_metric([s.server_id], s.version)
-                lag.add_metric([s.server_id], max(version - s.version, 0.0))
+                lag.add_metric([s.server_id], max(s.learner_version - s.version, 0))
                 running.add_metric([s.server_id], s.running_requests)
         yield from (up, held, lag, running)
 
@@ -155,10 +157,11 @@ class PrometheusServer:
         self._thread.join(timeout=5)
 
 
-def server_states(healths: list[Any]) -> list[ServerState]:
-    """:class:`ServerState` of each entry of ``ServerPool.health()`` (a ``ServerHealth`` or an error text)."""
+def server_states(healths: list[Any], learner_version: int) -> list[ServerState]:
+    """:class:`ServerState` of each entry of ``ServerPool.health()`` (a ``ServerHealth`` or an
+    error text), taken while the learner was at ``learner_version``."""
     return [
-        ServerState(f"server-{i}", False) if isinstance(h, str) else ServerState(h.server_id, True, h.version, h.running_requests)
+        ServerState(f"server-{i}", False) if isinstance(h, str) else ServerState(h.server_id, True, h.version, learner_version, h.running_requests)
         for i, h in enumerate(healths)
     ]
 

@@ -4,20 +4,17 @@ Prometheus over HTTP, and the plots written when a run ends."""
 from __future__ import annotations
 
 import json
-import sys
 import urllib.request
 from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from wandb_records import history
 
 from async_rl.config import load_config
 from async_rl.launch.plots import PLOTS
 from async_rl.launch.prometheus import ServerState
 from async_rl.launch.tracking import WANDB_ID_FILE, Tracker
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from wandb_records import history  # noqa: E402
 
 
 def _config(run_dir: Path, *overrides: str):
@@ -79,7 +76,7 @@ def test_a_new_run_in_the_same_directory_starts_a_new_wandb_run(tmp_path, monkey
 def test_prometheus_serves_the_runs_metrics_over_http(tmp_path):
     tracker = Tracker(_config(tmp_path, "logging.wandb.enable=false", "logging.prometheus_port=0", "logging.prometheus_host=127.0.0.1"), tmp_path, 6)
     try:
-        tracker.servers = [ServerState("server-0", True, version=1, running_requests=3), ServerState("server-1", False)]
+        tracker.servers = [ServerState("server-0", True, version=1, learner_version=3, running_requests=3), ServerState("server-1", False)]
         for record in (_step(1, lag=0), _step(2, lag=1), _step(3, lag=1), _val(2, 0.5)):
             tracker.log(record)
         tracker.log({"version": 3, "rollout/tokens_generated": 1234.0, "queue/dead_lettered": 2.0, "queue/depth": 5.0,
