@@ -39,6 +39,7 @@ def test_train_runs_the_whole_pipeline(tiny_assets, tmp_path):
     assert [r["version"] for r in steps] == [1, 2, 3, 4]  # versions advanced
     assert all(r["staleness/max"] <= 2 for r in steps)  # every trained group within eta
     assert vals[0]["version"] == 0 and vals[-1]["version"] == 4  # servers generated with the new weights
+    assert vals[0]["val/max_version"] == 0  # the baseline ran before the first update: the starting weights alone
     assert (run_dir / "resolved_config.yaml").is_file()
     servers = json.loads((run_dir / "servers.json").read_text())["servers"]
     assert [s["server_id"] for s in servers] == ["server-0"] and servers[0]["openai_url"].startswith("http://127.0.0.1:")

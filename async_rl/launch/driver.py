@@ -271,17 +271,24 @@ class _Run:
         learner = asyncio.create_task(self._drive_learner())
         watcher: asyncio.Task | None = None
         try:
-            try:  # each server's rollout workers start once it holds the current weights
-                await self.pool.start()
+            try:
+                await self.pool.start(workers=False)
             except (ray.exceptions.RayError, asyncio.TimeoutError) as exc:  # e.g. a server's node cannot reach queue.redis_url
                 self._fail(f"the inference servers did not start: {_cause(exc)}")
                 return
-            started = time.monotonic()
             if self.cfg.logging.console and any(self.pool.openai_urls()):
                 self.tracker.console.print(f"OpenAI-compatible API: {' '.join(u or '-' for u in self.pool.openai_urls())} "
                                            f"(servers listed in {self.run_dir / 'servers.json'})", highlight=False)
             watcher = asyncio.create_task(self._watch())
+            # The first validation measures the starting weights alone: the rollout workers
+            # (and so the learner's first updates) start after it (verl's val_before_train).
             self._maybe_validate(force=True)
+            if self._validating is not None:
+                await _until(self._validating, self.stop)
+            if self.stop.is_set():
+                return
+            await self.pool.start_workers()
+            started = time.monotonic()
             await learner
             self.train_wall_s = time.monotonic() - started
         finally:
@@ -343,16 +350,18 @@ class _Run:
         while not self.stop.is_set():
             await asyncio.sleep(period_s)
             rollout = self.queue.rollout_stats()
-            progress = (self.version, rollout.get("groups_put", 0.0), rollout.get("tokens_generated", 0.0))
+            version = self.version
+            healths = await self.pool.health()
+            self.tracker.servers = server_states(healths, version)
+            # Tokens a server generated for anything (a validation too) are progress.
+            served = sum(h.generated_tokens for h in healths if not isinstance(h, str))
+            progress = (version, rollout.get("groups_put", 0.0), rollout.get("tokens_generated", 0.0), served)
             if progress != marker:
                 marker, last_progress = progress, time.monotonic()
             elif time.monotonic() - last_progress > cfg.trainer.stall_timeout_s:
                 self._fail(f"no progress for {time.monotonic() - last_progress:.0f} s (trainer.stall_timeout_s="
                            f"{cfg.trainer.stall_timeout_s:g}): {await self._diagnose()}")
                 return
-            version = self.version
-            healths = await self.pool.health()
-            self.tracker.servers = server_states(healths, version)
             for line in await self.pool.heal(self.version, cfg.sync.max_lag_s, healths):
                 log.warning("%s", line)
 
@@ -424,8 +433,18 @@ class _Run:
         self.tracker.log({
             "version": float(result.version), "val/greedy_accuracy": result.greedy_accuracy, "val/mean_at_n": result.mean_at_n,
             "val/pass_at_n": result.pass_at_n, "val/seconds": result.seconds, "val/final": float(final),
+            "val/max_version": float(result.max_version),
         })
 
+
+
+async def _until(task: asyncio.Task, stop: asyncio.Event) -> None:
+    """Wait for ``task`` or for ``stop``, whichever comes first (the task keeps running)."""
+    stopped = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
 
 
 class RateMeter:

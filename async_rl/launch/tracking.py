@@ -68,7 +68,11 @@ class Tracker:
         self._start = time.monotonic()
         self.eta = EtaModel(total_steps, cfg.trainer.save_every, cfg.trainer.val_every)
         metrics_path = run_dir / "metrics.jsonl"
-        self._wandb_step = sum(1 for _ in metrics_path.open()) if resumed and metrics_path.exists() else 0
+        self._wandb_step = 0
+        """W&B step of the next record: its line in metrics.jsonl (a resumed run continues after the lines there)."""
+        if resumed and metrics_path.exists():
+            with metrics_path.open() as lines:
+                self._wandb_step = sum(1 for _ in lines)
         self._jsonl = open(metrics_path, "a") if cfg.logging.jsonl else None  # noqa: SIM115
         self._wandb = self._init_wandb(resumed) if cfg.logging.wandb.enable else None
         port = cfg.logging.prometheus_port

@@ -85,15 +85,21 @@ class ServerPool:
         self._behind_since: list[float | None] = [None] * num_servers
         """Per server, ``time.monotonic()`` since when it lags the learner's version (see :meth:`heal`)."""
 
-    async def start(self) -> list[ServerHealth]:
-        """Start every server (concurrently); returns their health."""
-        return list(await asyncio.gather(*(self._launch(i) for i in range(self.num_servers))))
+    async def start(self, workers: bool = True) -> list[ServerHealth]:
+        """Start every server (concurrently); returns their health. With ``workers=False``
+        the rollout workers wait for :meth:`start_workers` (e.g. for a validation of the
+        starting weights that no update interrupts); a server restarted meanwhile starts its own."""
+        return list(await asyncio.gather(*(self._launch(i, workers) for i in range(self.num_servers))))
+
+    async def start_workers(self) -> None:
+        """Start the rollout workers of every server that runs none."""
+        await asyncio.gather(*(self._start_workers(i, h) for i, h in enumerate(self._handles) if h is not None and self._owners[i] is None))
 
     def handle(self, i: int) -> Any:
         """Ray actor handle of server ``i``."""
         return self._handles[i]
 
-    async def _launch(self, i: int) -> ServerHealth:
+    async def _launch(self, i: int, workers: bool = True) -> ServerHealth:
         actor_cls = ray.remote(self.spec.server_cls).options(
             num_cpus=self.spec.num_cpus,
             num_gpus=self.spec.num_gpus,
@@ -108,13 +114,17 @@ class ServerPool:
             log.info("server-%d (pid %d) serves the OpenAI API at %s", i, health.pid, health.openai_url)
         if self.on_start is not None:
             await self.on_start(i, handle)
+        if workers:
+            await self._start_workers(i, handle)
+        self._handles[i] = handle
+        return health
+
+    async def _start_workers(self, i: int, handle: Any) -> None:
         if self.workers is not None:
             owner = f"server-{i}#{self._starts[i]}"
             self._starts[i] += 1
             await handle.start_workers.remote(self.workers, self.rows, owner)
             self._owners[i] = owner
-        self._handles[i] = handle
-        return health
 
     async def _release(self, i: int) -> None:
         """End the open tickets of server ``i``'s workers, whose process is gone."""

@@ -37,6 +37,8 @@ class ValidationResult:
 
     version: int
     """Lowest policy version among the validation tokens (the servers' weights)."""
+    max_version: int
+    """Highest one: weight updates that arrived while validation ran (each request runs on the weights of its time)."""
     greedy_accuracy: float
     """Fraction of prompts whose greedy answer is correct."""
     mean_at_n: float
@@ -69,7 +71,7 @@ async def validate(
     greedy = Sampling(temperature=0.0, max_tokens=max_tokens)
     sampled = Sampling(temperature=temperature, max_tokens=max_tokens)
 
-    async def one(prompt: ValPrompt) -> tuple[bool, list[bool], int]:
+    async def one(prompt: ValPrompt) -> tuple[bool, list[bool], list[int]]:
         async with limit:
             extra = (prompt.images,) if prompt.images else ()
             best, samples = await asyncio.gather(generate(prompt.prompt_ids, 1, greedy, *extra), generate(prompt.prompt_ids, n, sampled, *extra))
@@ -77,8 +79,7 @@ async def validate(
         scores = await scorer.score(
             [{"response": c.text, "response_length": len(c.token_ids), "ground_truth": prompt.answer} for c in completions]
         )
-        version = min((min(c.versions) for c in completions if c.versions), default=0)
-        return _correct(scores[0]), [_correct(s) for s in scores[1:]], version
+        return _correct(scores[0]), [_correct(s) for s in scores[1:]], [v for c in completions for v in c.versions]
 
     return _summary(await asyncio.gather(*(one(p) for p in prompts)), n, t0)
 
@@ -98,21 +99,22 @@ async def validate_episodes(
     t0 = time.monotonic()
     limit = asyncio.Semaphore(concurrency)
 
-    async def one(row: PromptRow) -> tuple[bool, list[bool], int]:
+    async def one(row: PromptRow) -> tuple[bool, list[bool], list[int]]:
         async with limit:
             episodes = await asyncio.gather(greedy.episode(row, generate), *(sampled.episode(row, generate) for _ in range(n)))
         wins = [e.trajectory.error is None and e.trajectory.success for e in episodes]
-        versions = [v for e in episodes if e.tokens is not None for v, m in zip(e.tokens.versions, e.tokens.mask) if m]
-        return wins[0], wins[1:], min(versions, default=0)
+        return wins[0], wins[1:], [v for e in episodes if e.tokens is not None for v, m in zip(e.tokens.versions, e.tokens.mask) if m]
 
     return _summary(await asyncio.gather(*(one(r) for r in rows)), n, t0)
 
 
-def _summary(results: list[tuple[bool, list[bool], int]], n: int, t0: float) -> ValidationResult:
-    """Per prompt ``(greedy correct, n sampled correct, lowest version)`` -> the result."""
+def _summary(results: list[tuple[bool, list[bool], list[int]]], n: int, t0: float) -> ValidationResult:
+    """Per prompt ``(greedy correct, n sampled correct, versions of the generated tokens)`` -> the result."""
     count = max(len(results), 1)
+    versions = [v for r in results for v in r[2]]
     return ValidationResult(
-        version=min((r[2] for r in results), default=0),
+        version=min(versions, default=0),
+        max_version=max(versions, default=0),
         greedy_accuracy=sum(r[0] for r in results) / count,
         mean_at_n=sum(sum(r[1]) / n for r in results) / count,
         pass_at_n=sum(any(r[1]) for r in results) / count,

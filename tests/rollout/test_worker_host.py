@@ -76,3 +76,28 @@ def test_a_killed_host_loses_no_prompt_and_its_replacement_goes_on(ray_local, tm
         assert sum(t["groups_put"] for t in totals) > 0
         assert sum(t["groups_put"] for t in totals) <= rollout["groups_put"] <= len(queued)
         assert rollout["tokens_generated"] > 0 and rollout.get("reward_errors", 0.0) == 0
+
+
+def test_workers_held_at_start_begin_only_when_asked(ray_local, tmp_path):
+    """``start(workers=False)``: the servers serve (a validation of the starting weights) and
+    no group is generated until ``start_workers()``."""
+    rows = [PromptRow(i + 1, f"question {i}", str(i % 10)) for i in range(1000)]
+    with EmbeddedRedis(tmp_path / "redis") as url, ReplayQueue(url, RUN, max_depth=100_000) as queue:
+        pool = ServerPool(ServerSpec({"tokens_per_s": 2000.0}, num_cpus=0, server_cls=FakeServer), 1,
+                          workers=_spec(url), rows=ray.put(rows), on_lost=queue.release_owner)
+
+        async def go() -> None:
+            await pool.start(workers=False)
+            completions = await pool.generate(0, [1, 2, 3], 2, Sampling(max_tokens=4))
+            assert len(completions) == 2
+            await asyncio.sleep(1.0)
+            assert queue.stats()["groups_started"] == 0  # no worker admitted a group
+            await pool.start_workers()
+            while queue.stats()["depth"] < 5:
+                await asyncio.sleep(0.1)
+            await pool.start_workers()  # a second call starts nothing more
+            await pool.stop_workers(grace_s=5.0)
+            await pool.shutdown()
+
+        asyncio.run(go())
+        assert queue.stats()["inflight"] == 0
