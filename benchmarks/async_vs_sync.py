@@ -29,7 +29,6 @@ import contextlib
 import json
 import os
 import time
-from collections import Counter
 from pathlib import Path
 
 from _report import report
@@ -118,17 +117,13 @@ def main() -> None:
 def run_mode(cfg) -> dict:
     """Train one mode; read its metrics back."""
     from async_rl.launch.driver import train
+    from async_rl.launch.plots import staleness_counts
 
     result = train(cfg)
     records = [json.loads(line) for line in (Path(cfg.trainer.output_dir) / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "perf/tokens_per_s" in r]
     vals = [r for r in records if "val/greedy_accuracy" in r]
     first = min(r["time/elapsed_s"] - r["time/step"] for r in steps)
-    hist: Counter[int] = Counter()
-    for r in steps:
-        for key, count in r.items():
-            if key.startswith("staleness/hist/"):
-                hist[int(key.rsplit("/", 1)[1])] += int(count)
     busy = sum(r["time/step"] - r["time/wait"] for r in steps)
     return {
         "wall_s": result.train_wall_s,
@@ -136,7 +131,7 @@ def run_mode(cfg) -> dict:
         "base_val_acc": vals[0]["val/greedy_accuracy"],
         "learner_busy": busy / result.train_wall_s,
         "generation_busy": sum(result.server_busy_s) / len(result.server_busy_s) / result.train_wall_s,
-        "staleness_hist": dict(sorted(hist.items())),
+        "staleness_hist": {lag: int(n) for lag, n in sorted(staleness_counts(steps).items())},
         "curve": [(max(0.0, r["time/elapsed_s"] - first), r["val/greedy_accuracy"]) for r in vals],
     }
 

@@ -39,6 +39,17 @@ def read_records(path: Path) -> list[dict[str, float]]:
     return records
 
 
+def staleness_counts(records: list[dict[str, float]]) -> dict[int, float]:
+    """Groups per staleness (versions) summed over the ``staleness/hist/{k}`` keys of ``records``."""
+    groups: dict[int, float] = {}
+    for r in records:
+        for key, n in r.items():
+            if key.startswith("staleness/hist/"):
+                lag = int(key.rsplit("/", 1)[1])
+                groups[lag] = groups.get(lag, 0.0) + n
+    return groups
+
+
 def write_plots(records: list[dict[str, float]], out_dir: Path, title: str) -> list[Path]:
     """Write the plots of ``records`` (``metrics.jsonl`` rows) into ``out_dir``; returns the
     paths written (a plot with no data to show is not written)."""
@@ -63,12 +74,7 @@ def write_plots(records: list[dict[str, float]], out_dir: Path, title: str) -> l
         ax.set_ylim(0, 1)
         written.append(_save(fig, ax, out_dir / PLOTS[0]))
 
-    groups: dict[int, float] = {}
-    for r in records:
-        for key, n in r.items():
-            if key.startswith("staleness/hist/"):
-                lag = int(key.rsplit("/", 1)[1])
-                groups[lag] = groups.get(lag, 0.0) + n
+    groups = staleness_counts(records)
     if groups:
         fig, ax = _figure(f"{title}: staleness of trained groups", "staleness (versions)", "groups")
         lags = sorted(groups)

@@ -28,7 +28,7 @@ from rich.table import Table
 
 from async_rl.config import Config, to_dict
 from async_rl.launch.eta import EtaModel
-from async_rl.launch.plots import read_records, write_plots
+from async_rl.launch.plots import read_records, staleness_counts, write_plots
 from async_rl.launch.prometheus import PrometheusServer, ServerState, Snapshot
 
 WANDB_ID_FILE = "wandb_run_id"
@@ -112,10 +112,8 @@ class Tracker:
             self.eta.validation(now, metrics.get("val/seconds", 0.0))
         if "perf/tokens_per_s" in metrics:  # a learner step
             self.eta.step(int(metrics["version"]), now, metrics.get("time/checkpoint", 0.0))
-            for key, n in metrics.items():
-                if key.startswith("staleness/hist/"):
-                    lag = int(key.rsplit("/", 1)[1])
-                    self.staleness_groups[lag] = self.staleness_groups.get(lag, 0.0) + n
+            for lag, n in staleness_counts([metrics]).items():
+                self.staleness_groups[lag] = self.staleness_groups.get(lag, 0.0) + n
             self.latest["tokens_trained"] = self.latest.get("tokens_trained", 0.0) + metrics.get("perf/tokens", 0.0)
         version = max(self.latest.get("version", 0.0), metrics.get("version", 0.0))  # a validation reports the (older) version it measured
         self.latest.update(metrics)
