@@ -6,10 +6,10 @@ with validation for the engine); the last validation runs alone after the last s
 checkpoints stop the learner at ``trainer.save_every`` and once more at the end. The model
 measures each of these from what the driver logs and adds them up:
 
-    remaining = steps left x step time (outside validations and checkpoints)
+    remaining = steps left x mean step time (outside validations and checkpoints)
               + periodic validations left x their measured slowdown of training
               + checkpoints left x measured checkpoint time
-              + the final validation's measured duration
+              + the final validation's duration (measured on the first, which also runs alone)
 
 Pure logic, fed with times (seconds, any monotonic clock) by :class:`~async_rl.launch.tracking.Tracker`.
 """
@@ -38,7 +38,9 @@ class EtaModel:
     """(end time, seconds without checkpoint) of recent step intervals."""
     _checkpoints: deque[float] = field(default_factory=lambda: deque(maxlen=16))
     _validations: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=16))
-    """(start, end) times of recent validations."""
+    """(start, end) times of recent validations that ran while the learner trained."""
+    _alone_s: float | None = None
+    """Duration of the validation before the first step: as long as the last one, which also runs alone."""
 
     def step(self, version: int, now: float, checkpoint_s: float = 0.0) -> None:
         """The learner reached ``version`` at ``now``; ``checkpoint_s`` of that step saved a checkpoint.
@@ -53,14 +55,18 @@ class EtaModel:
 
     def validation(self, end: float, seconds: float) -> None:
         """A validation of ``seconds`` ended at ``end``."""
-        self._validations.append((end - seconds, end))
+        if self._last_step is None:  # before the first step: the servers did nothing else
+            self._alone_s = seconds
+        else:
+            self._validations.append((end - seconds, end))
 
     def step_s(self) -> float | None:
-        """Seconds per step outside validations (median: robust to a stray slow step), or None before two steps."""
+        """Mean seconds per step outside validations, or None before two steps (the mean, not
+        the median: the occasional slow step is part of what the remaining steps will take)."""
         if not self._steps:
             return None
         outside = [s for t, s in self._steps if not self._during_validation(t)]
-        return statistics.median(outside or [s for _, s in self._steps])
+        return statistics.mean(outside or [s for _, s in self._steps])
 
     def validation_overhead_s(self, step_s: float) -> float:
         """Seconds a periodic validation adds to training: what the steps that ended while it
@@ -81,10 +87,10 @@ class EtaModel:
         left = max(total - done, 0)
         saves = _multiples(done, total, self.save_every) + (1 if total % self.save_every else 0)
         seconds = left * step_s + saves * (statistics.mean(self._checkpoints) if self._checkpoints else 0.0)
-        if self.val_every and self._validations:
+        if self.val_every and (self._validations or self._alone_s is not None):
             periodic = _multiples(done, total - 1, self.val_every)  # the last one runs alone: below
             seconds += periodic * self.validation_overhead_s(step_s)
-            seconds += statistics.mean(end - start for start, end in self._validations)
+            seconds += self._alone_s if self._alone_s is not None else statistics.mean(end - start for start, end in self._validations)
         return seconds
 
     def _during_validation(self, t: float) -> bool:

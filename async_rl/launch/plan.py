@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,8 @@ class Plan:
     """Per-rank memory estimate of the learner; None when the model's config.json is not here."""
     checkpointing_auto: bool = False
     """Whether ``memory.checkpointing`` was chosen by ``learner.fsdp.gradient_checkpointing: auto``."""
+    monitoring: str = ""
+    """Where the run's metrics go."""
 
 
 def is_hub_id(path: str) -> bool:
@@ -98,6 +101,7 @@ def make_plan(cfg: Config) -> Plan:
         cpus_here=cfg.ray.num_cpus or os.cpu_count() or 1,
         gpus_here=torch.cuda.device_count() if gpu else 0,
     )
+    plan.monitoring = _monitoring(cfg, plan)
     _check_files(cfg, plan)
     _check_kernels(cfg, plan)
     _check_vision(cfg, plan)
@@ -278,6 +282,25 @@ def _has_gpu() -> bool:
     return torch.cuda.is_available()
 
 
+def _monitoring(cfg: Config, plan: Plan) -> str:
+    """Where metrics go; a fixed ``logging.prometheus_port`` that is taken now is an error."""
+    log = cfg.logging
+    sinks = ["console"] if log.console else []
+    sinks += ["metrics.jsonl"] if log.jsonl else []
+    sinks += [f"W&B ({os.environ.get('WANDB_MODE', log.wandb.mode)})"] if log.wandb.enable else []
+    if log.prometheus_port is not None:
+        sinks.append(f"Prometheus on {log.prometheus_host}:{log.prometheus_port or 'a free port'} (URL in servers.json)")
+        if log.prometheus_port:
+            with socket.socket(socket.AF_INET6 if ":" in log.prometheus_host else socket.AF_INET) as sock:
+                try:
+                    sock.bind((log.prometheus_host, log.prometheus_port))
+                except OSError as exc:
+                    plan.errors.append(f"logging.prometheus_port={log.prometheus_port}: cannot serve on {log.prometheus_host} ({exc}); "
+                                       "choose another port, or 0 for a free one")
+    sinks += ["PNG plots at the end"] if log.plots and log.jsonl else []
+    return ", ".join(sinks) or "nothing (logging.* all off)"
+
+
 def _redact(url: str) -> str:
     scheme, sep, rest = url.partition("://")
     creds, at, host = rest.rpartition("@")
@@ -290,6 +313,7 @@ def render(plan: Plan) -> str:
         f"device: {plan.device}   sync backend: {plan.sync_backend}   output: {plan.output_dir}",
         f"ray: {plan.ray}",
         f"redis: {plan.redis}",
+        f"monitoring: {plan.monitoring}",
         f"resources: {plan.cpus_needed:g} CPUs, {plan.gpus_needed:g} GPUs for actors (this machine: {plan.cpus_here} CPUs, {plan.gpus_here} GPUs)",
         *([plan.memory.summary(auto=plan.checkpointing_auto)] if plan.memory is not None else []),
         "processes:",

@@ -71,6 +71,22 @@ def test_plan_warns_about_cluster_redis_and_hub_models(data: Path):
     assert is_hub_id("Qwen/Qwen2.5-0.5B-Instruct") and not is_hub_id("./models/x") and not is_hub_id("/abs/model")
 
 
+def test_plan_names_the_metric_sinks_and_refuses_a_taken_prometheus_port(data: Path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cfg = load_config(ROOT / "configs" / "quickstart.yaml", [f"data.train_files={data}", f"data.val_files={data}",
+                                                                 f"logging.prometheus_port={port}", "logging.prometheus_host=127.0.0.1"])
+        plan = make_plan(cfg)
+    assert f"Prometheus on 127.0.0.1:{port}" in render(plan) and "W&B (" in plan.monitoring and "PNG plots" in plan.monitoring
+    assert [e for e in plan.errors if e.startswith(f"logging.prometheus_port={port}: cannot serve on 127.0.0.1")], plan.errors
+    free = make_plan(load_config(ROOT / "configs" / "quickstart.yaml", [f"data.train_files={data}", "logging.prometheus_port=0"]))
+    assert not [e for e in free.errors if "prometheus" in e] and "Prometheus on 0.0.0.0:a free port" in free.monitoring
+
+
 def test_cpu_layout_gives_disjoint_cores():
     import os
 
