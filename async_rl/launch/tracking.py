@@ -67,6 +67,8 @@ class Tracker:
         self.plots: list[Path] = []
         self._start = time.monotonic()
         self.eta = EtaModel(total_steps, cfg.trainer.save_every, cfg.trainer.val_every)
+        port = cfg.logging.prometheus_port  # first: a taken port fails before any file or W&B run is opened
+        self.prometheus = PrometheusServer(self.snapshot, cfg.logging.prometheus_host, port) if port is not None else None
         metrics_path = run_dir / "metrics.jsonl"
         self._wandb_step = 0
         """W&B step of the next record: its line in metrics.jsonl (a resumed run continues after the lines there)."""
@@ -75,8 +77,6 @@ class Tracker:
                 self._wandb_step = sum(1 for _ in lines)
         self._jsonl = open(metrics_path, "a") if cfg.logging.jsonl else None  # noqa: SIM115
         self._wandb = self._init_wandb(resumed) if cfg.logging.wandb.enable else None
-        port = cfg.logging.prometheus_port
-        self.prometheus = PrometheusServer(self.snapshot, cfg.logging.prometheus_host, port) if port is not None else None
         self._live = Live(self._table(), console=self.console, refresh_per_second=2, transient=False) if cfg.logging.console and sys.stdout.isatty() else None
         if self._live is not None:
             self._live.start()
