@@ -437,7 +437,6 @@ class _Run:
         })
 
 
-
 async def _until(task: asyncio.Task, stop: asyncio.Event) -> None:
     """Wait for ``task`` or for ``stop``, whichever comes first (the task keeps running)."""
     stopped = asyncio.create_task(stop.wait())
