@@ -313,11 +313,11 @@ def render(plan: Plan) -> str:
         f"device: {plan.device}   sync backend: {plan.sync_backend}   output: {plan.output_dir}",
         f"ray: {plan.ray}",
         f"redis: {plan.redis}",
-        f"monitoring: {plan.monitoring}",
         f"resources: {plan.cpus_needed:g} CPUs, {plan.gpus_needed:g} GPUs for actors (this machine: {plan.cpus_here} CPUs, {plan.gpus_here} GPUs)",
         *([plan.memory.summary(auto=plan.checkpointing_auto)] if plan.memory is not None else []),
         "processes:",
         *(f"  {p.role:<22} cpus={p.cpus:g} gpus={p.gpus:g}  {p.detail}" for p in plan.processes),
+        f"monitoring: {plan.monitoring}",
         "ports: chosen free at start (redis, weight-sync control, process-group store, vLLM workers, OpenAI API unless "
         "rollout.openai_port is set); the servers' API URLs are written to servers.json in the output directory",
     ]
