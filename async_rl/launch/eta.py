@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 WINDOW = 256
@@ -65,7 +66,7 @@ class EtaModel:
         the median: the occasional slow step is part of what the remaining steps will take)."""
         if not self._steps:
             return None
-        outside = [s for t, s in self._steps if not self._during_validation(t)]
+        outside = [s for t, s in self._steps if not _within(t, self._validations)]
         return statistics.mean(outside or [s for _, s in self._steps])
 
     def validation_overhead_s(self, step_s: float) -> float:
@@ -75,7 +76,7 @@ class EtaModel:
         measured = [(start, end) for start, end in self._validations if start >= oldest]
         if not measured:
             return 0.0
-        extra = sum(s - step_s for t, s in self._steps if any(start <= t <= end for start, end in measured))
+        extra = sum(s - step_s for t, s in self._steps if _within(t, measured))
         return max(extra, 0.0) / len(measured)
 
     def remaining_s(self, version: int) -> float | None:
@@ -93,8 +94,10 @@ class EtaModel:
             seconds += self._alone_s if self._alone_s is not None else statistics.mean(end - start for start, end in self._validations)
         return seconds
 
-    def _during_validation(self, t: float) -> bool:
-        return any(start <= t <= end for start, end in self._validations)
+
+def _within(t: float, windows: Iterable[tuple[float, float]]) -> bool:
+    """Whether time ``t`` falls in one of the (start, end) ``windows``."""
+    return any(start <= t <= end for start, end in windows)
 
 
 def _multiples(done: int, last: int, every: int) -> int:

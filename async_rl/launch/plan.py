@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from async_rl.config import Config
+from async_rl.launch.prometheus import port_error
 from async_rl.learner import attention, kernels, vision
 from async_rl.learner.memory import (
     Beside,
@@ -295,8 +296,7 @@ def _monitoring(cfg: Config, plan: Plan) -> str:
                 try:
                     sock.bind((log.prometheus_host, log.prometheus_port))
                 except OSError as exc:
-                    plan.errors.append(f"logging.prometheus_port={log.prometheus_port}: cannot serve on {log.prometheus_host} ({exc}); "
-                                       "choose another port, or 0 for a free one")
+                    plan.errors.append(port_error(log.prometheus_host, log.prometheus_port, exc))
     sinks += ["PNG plots at the end"] if log.plots and log.jsonl else []
     return ", ".join(sinks) or "nothing (logging.* all off)"
 

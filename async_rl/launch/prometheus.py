@@ -89,8 +89,9 @@ class Snapshot:
 class RunCollector(Collector):
     """Builds the metric families of a :class:`Snapshot` returned by ``source`` at each scrape."""
 
-    def __init__(self, source: Callable[[], Snapshot]):
+    def __init__(self, source: Callable[[], Snapshot], max_staleness: int):
         self._source = source
+        self._max_staleness = max_staleness
 
     def collect(self) -> Iterator[Metric]:
         snap = self._source()
@@ -106,7 +107,7 @@ class RunCollector(Collector):
             if f"time/{phase}" in latest:
                 phases.add_metric([phase], latest[f"time/{phase}"])
         yield phases
-        yield _staleness_histogram(snap.staleness_groups)
+        yield _staleness_histogram(snap.staleness_groups, self._max_staleness)
         up = GaugeMetricFamily(PREFIX + "server_up", "1 if the inference server answered its last health check.", labels=["server"])
         held = GaugeMetricFamily(PREFIX + "server_weight_version", "Policy version of the weights each server holds.", labels=["server"])
         lag = GaugeMetricFamily(PREFIX + "server_weight_lag_versions", "Learner version minus the version the server held, at the last health check.",
@@ -121,10 +122,10 @@ class RunCollector(Collector):
         yield from (up, held, lag, running)
 
 
-def _staleness_histogram(groups: dict[int, float]) -> HistogramMetricFamily:
-    """Cumulative buckets ``le="0", "1", ...`` of the groups trained per staleness."""
+def _staleness_histogram(groups: dict[int, float], max_staleness: int) -> HistogramMetricFamily:
+    """Cumulative buckets ``le="0", "1", ... "max_staleness"`` (the same every scrape) of the groups trained per staleness."""
     buckets, total = [], 0.0
-    for lag in range(max(groups, default=0) + 1):
+    for lag in range(max(max_staleness, *groups, 0) + 1):
         total += groups.get(lag, 0.0)
         buckets.append((str(float(lag)), total))
     buckets.append(("+Inf", total))
@@ -133,15 +134,16 @@ def _staleness_histogram(groups: dict[int, float]) -> HistogramMetricFamily:
 
 
 class PrometheusServer:
-    """Serves ``/metrics`` for ``source`` on ``host:port`` (0: a free port) until :meth:`close`."""
+    """Serves ``/metrics`` for ``source`` on ``host:port`` (0: a free port) until :meth:`close`;
+    ``max_staleness`` (``algorithm.max_staleness``) fixes the staleness histogram's buckets."""
 
-    def __init__(self, source: Callable[[], Snapshot], host: str, port: int):
+    def __init__(self, source: Callable[[], Snapshot], host: str, port: int, max_staleness: int):
         registry = CollectorRegistry(auto_describe=False)
-        registry.register(RunCollector(source))
+        registry.register(RunCollector(source, max_staleness))
         try:
             self._server, self._thread = start_http_server(port, addr=host, registry=registry)
         except OSError as exc:
-            raise OSError(f"logging.prometheus_port={port}: cannot serve on {host}:{port} ({exc}); choose another port or 0 for a free one") from None
+            raise OSError(port_error(host, port, exc)) from None
         self.port: int = self._server.server_port
         import ray
 
@@ -155,6 +157,11 @@ class PrometheusServer:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=5)
+
+
+def port_error(host: str, port: int, exc: OSError) -> str:
+    """Why ``logging.prometheus_port`` cannot be served, and what to do."""
+    return f"logging.prometheus_port={port}: cannot serve on {host}:{port} ({exc}); choose another port, or 0 for a free one"
 
 
 def server_states(healths: list[Any], learner_version: int) -> list[ServerState]:

@@ -68,7 +68,8 @@ class Tracker:
         self._start = time.monotonic()
         self.eta = EtaModel(total_steps, cfg.trainer.save_every, cfg.trainer.val_every)
         port = cfg.logging.prometheus_port  # first: a taken port fails before any file or W&B run is opened
-        self.prometheus = PrometheusServer(self.snapshot, cfg.logging.prometheus_host, port) if port is not None else None
+        self.prometheus = (PrometheusServer(self.snapshot, cfg.logging.prometheus_host, port, cfg.algorithm.max_staleness)
+                           if port is not None else None)
         metrics_path = run_dir / "metrics.jsonl"
         self._wandb_step = 0
         """W&B step of the next record: its line in metrics.jsonl (a resumed run continues after the lines there)."""

@@ -74,7 +74,8 @@ def test_a_new_run_in_the_same_directory_starts_a_new_wandb_run(tmp_path, monkey
 
 
 def test_prometheus_serves_the_runs_metrics_over_http(tmp_path):
-    tracker = Tracker(_config(tmp_path, "logging.wandb.enable=false", "logging.prometheus_port=0", "logging.prometheus_host=127.0.0.1"), tmp_path, 6)
+    tracker = Tracker(_config(tmp_path, "logging.wandb.enable=false", "logging.prometheus_port=0", "logging.prometheus_host=127.0.0.1",
+                              "algorithm.max_staleness=2"), tmp_path, 6)
     try:
         tracker.servers = [ServerState("server-0", True, version=1, learner_version=3, running_requests=3), ServerState("server-1", False)]
         for record in (_step(1, lag=0), _step(2, lag=1), _step(3, lag=1), _val(2, 0.5)):
@@ -104,7 +105,7 @@ def test_prometheus_serves_the_runs_metrics_over_http(tmp_path):
     assert value("async_rl_server_up", server="server-1") == 0
     assert value("async_rl_eta_seconds") > 0
     staleness = {s.labels["le"]: s.value for s in families["async_rl_staleness_versions"].samples if s.name.endswith("_bucket")}
-    assert staleness == {"0.0": 4, "1.0": 12, "+Inf": 12}  # groups: 4 at lag 0, 8 at lag 1
+    assert staleness == {"0.0": 4, "1.0": 12, "2.0": 12, "+Inf": 12}  # groups: 4 at lag 0, 8 at lag 1; buckets up to max_staleness
     assert value("async_rl_staleness_versions_sum") == 8
 
 
