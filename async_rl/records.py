@@ -190,8 +190,11 @@ class Sample(msgspec.Struct, frozen=True):
         return [s.version for s in self.version_spans for _ in range(s.count)]
 
     @property
-    def min_version(self) -> int | None:
-        """Oldest policy version among the tokens; ``None`` for an empty response."""
+    def behaviour_version(self) -> int | None:
+        """The sample's behaviour version: the oldest policy version among its tokens (a
+        generation can span a weight update); ``None`` for an empty response. A multi-turn
+        episode's template and environment tokens carry the version of the model's turn
+        before them, so this is also the oldest version among the model's own tokens."""
         return min((s.version for s in self.version_spans), default=None)
 
 
@@ -267,8 +270,10 @@ class RolloutGroup(msgspec.Struct, frozen=True, tag="rollout_group.v1", tag_fiel
 
     @property
     def behaviour_version(self) -> int:
-        """Minimum policy version over all response tokens of the group."""
-        return min(v for s in self.samples if (v := s.min_version) is not None)
+        """The group's behaviour version (ARCHITECTURE.md): the oldest of its samples'
+        (:attr:`Sample.behaviour_version`). The one definition: admission's staleness
+        screen at the queue and the learner's staleness metrics both read it."""
+        return min(v for s in self.samples if (v := s.behaviour_version) is not None)
 
 
 class RecordDecodeError(ValueError):

@@ -5,7 +5,7 @@
 
 Batch: 16 prompts x 8 samples, prompts 128-384 tokens, responses 128-1024 (about 106k tokens;
 ``tiny``: 4 prompts, about 26k tokens), micro-batches of ``--micro-tokens`` (16384). The
-learner (``prepare`` -> ``Trainer.step`` on an FSDP2 model, one rank, packed rows, chunked
+learner (``screen`` -> ``prepare`` -> ``Trainer.step`` on an FSDP2 model, one rank, packed rows, chunked
 log-probs, the shipped defaults) and the plain loop of ``_plain_packed.py`` train the same
 tokens on the same device, alternating step by step; each is rated by its median step.
 ``tiny`` is 2 layers of hidden size 64 with the real 151,936-token vocabulary: one
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import random
 import statistics
@@ -43,6 +42,7 @@ from _report import report  # noqa: E402
 from async_rl.config import load_config  # noqa: E402
 from async_rl.learner.batching import plan_micro_batches, prepare  # noqa: E402
 from async_rl.learner.model import DistInfo, compute_dtype, free_port, init_distributed, load_sharded  # noqa: E402
+from async_rl.learner.screening import Limits, screen  # noqa: E402
 from async_rl.learner.train_step import StepTimes, Trainer  # noqa: E402
 from async_rl.records import RolloutGroup, Sample  # noqa: E402
 
@@ -127,7 +127,7 @@ proximal log-probs), with and without the reference model."""
 
 def run_matrix(model_dir: Path, base: list[str], info: DistInfo, args: argparse.Namespace) -> None:
     """One step per :data:`MATRIX` entry; writes ``{"ok": n, "failed": {combination: error}}``."""
-    batch = prepare(make_groups(4, 8, seed=1), args.micro_tokens, VOCAB).batch
+    batch = prepare([screen(g, Limits(args.micro_tokens, VOCAB)) for g in make_groups(4, 8, seed=1)]).batch
     failed: dict[str, str] = {}
     for overrides in MATRIX:
         name = " ".join(overrides)
@@ -177,7 +177,7 @@ def main() -> None:
         checkpointing = bool(policy.is_gradient_checkpointing)
         params = sum(p.numel() for p in policy.parameters())
         trainer = Trainer(policy, None, lrn, cfg.algorithm, info, args.steps + 2, 1)
-        batch = prepare(make_groups(PROMPTS[args.shape], 8, seed=0), args.micro_tokens, VOCAB).batch
+        batch = prepare([screen(g, Limits(args.micro_tokens, VOCAB)) for g in make_groups(PROMPTS[args.shape], 8, seed=0)]).batch
         tokens = int(batch.lengths.sum())
         plan = plan_micro_batches(batch.lengths.tolist(), range(batch.size), 1, args.micro_tokens)[0]
 

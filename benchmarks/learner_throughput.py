@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/learner_throughput.py --json benchmarks/results/learner_throughput.json
 
-1. Training: the learner (groups decoded from queue records -> ``batching.prepare`` ->
+1. Training: the learner (groups decoded from queue records -> ``screening.screen`` -> ``batching.prepare`` ->
    ``Trainer.step`` on an FSDP2 model) against the plain packed loop of ``_plain_packed.py``
    (HF model, packed rows, chunked log-softmax, AdamW) on the same model, micro-batches and tokens
    (``ratio_vs_plain``; target >= 0.9). One rank, float32, on this machine's CPU. The same
@@ -45,6 +45,7 @@ from _plain_packed import plain_packed_step  # noqa: E402
 
 from async_rl.config import load_config  # noqa: E402
 from async_rl.learner.batching import plan_micro_batches, prepare  # noqa: E402
+from async_rl.learner.screening import Limits, screen  # noqa: E402
 from async_rl.learner.model import DistInfo, iter_full_parameters, load_sharded  # noqa: E402
 from async_rl.learner.train_step import Trainer  # noqa: E402
 from async_rl.records import RolloutGroup, Sample, decode, encode  # noqa: E402
@@ -83,7 +84,7 @@ def make_records(groups: int, samples: int, seed: int) -> list[bytes]:
 
 
 def learner_step(model_dir: Path, records: list[bytes], total_steps: int, *overrides: str) -> tuple[Callable[[], int], list[list[int]], int]:
-    """One learner step (records decoded -> ``prepare`` -> ``Trainer.step``) as a callable
+    """One learner step (records decoded -> ``screen`` -> ``prepare`` -> ``Trainer.step``) as a callable
     returning its tokens; also the micro-batch plan and token count of a step. ``overrides``
     (e.g. ``algorithm.advantage.name=gae``: a critic beside the policy) change the config."""
     cfg = load_config(None, [f"learner.model_path={model_dir}", "learner.batch_size=8", "rollout.n=4",
@@ -96,10 +97,10 @@ def learner_step(model_dir: Path, records: list[bytes], total_steps: int, *overr
     steps = iter(range(total_steps))
 
     def step() -> int:
-        batch = prepare([decode(r) for r in records], MAX_TOKENS, VOCAB).batch
+        batch = prepare([screen(decode(r), Limits(MAX_TOKENS, VOCAB)) for r in records]).batch
         return trainer.step(batch, next(steps)).tokens
 
-    batch = prepare([decode(r) for r in records], MAX_TOKENS, VOCAB).batch
+    batch = prepare([screen(decode(r), Limits(MAX_TOKENS, VOCAB)) for r in records]).batch
     plan = plan_micro_batches(batch.lengths.tolist(), range(batch.size), 1, MAX_TOKENS)[0]
     return step, plan, int(batch.lengths.sum())
 
@@ -110,7 +111,7 @@ def plain_step(model_dir: Path, records: list[bytes], plan: list[list[int]]) -> 
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
-    batch = prepare([decode(r) for r in records], MAX_TOKENS, VOCAB).batch
+    batch = prepare([screen(decode(r), Limits(MAX_TOKENS, VOCAB)) for r in records]).batch
     return plain_packed_step(model, batch, plan, torch.device("cpu"), 4096, torch.float32)
 
 

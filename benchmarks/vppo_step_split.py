@@ -43,6 +43,7 @@ from async_rl.data.prompts import PromptFormatter, read_prompt_rows  # noqa: E40
 from async_rl.data.tiny_assets import build_tiny_assets  # noqa: E402
 from async_rl.learner.batching import Batch, prepare  # noqa: E402
 from async_rl.learner.model import DistInfo, load_sharded  # noqa: E402
+from async_rl.learner.screening import Limits, screen  # noqa: E402
 from async_rl.learner.train_step import Trainer  # noqa: E402
 from async_rl.learner.vision import VisionInputs, load_image_processor  # noqa: E402
 from async_rl.records import ImageRef, RolloutGroup, Sample  # noqa: E402
@@ -71,7 +72,7 @@ def make_batch(model_dir: Path, train: Path, groups: int, samples: int, response
         refs = [ImageRef((b := image_blob(im)).sha256, b.width, b.height) for im in pil]
         out.append(RolloutGroup.from_lists("bench", f"bench:{i}", i, list(prompt), group_samples, "s", 0.0, images=refs))
         images.append(pil)
-    prepared = prepare(out, 1 << 16, None)
+    prepared = prepare([screen(g, Limits(1 << 16)) for g in out])
     vision = VisionInputs.build("idefics3", [images[i] for i in prepared.kept], load_image_processor(str(model_dir)))
     return dataclasses.replace(prepared.batch, vision=vision)  # type: ignore[arg-type]
 

@@ -84,7 +84,7 @@ def test_behaviour_version_is_min_token_version() -> None:
 
 def test_empty_response_sample_has_no_version_and_is_skipped() -> None:
     empty = Sample.from_lists([], [], versions=0, reward=0.0, finish_reason="abort")
-    assert empty.min_version is None and empty.version_spans == []
+    assert empty.behaviour_version is None and empty.version_spans == []
     group = RolloutGroup.from_lists("r", "g", 0, [1], [empty, _group().samples[0]], "s", 0.1)
     assert group.behaviour_version == 4
 
@@ -93,7 +93,7 @@ def test_version_spans_are_run_length() -> None:
     sample = Sample.from_lists([0] * 6, [0.0] * 6, versions=[1, 1, 2, 2, 2, 1], reward=0.0)
     assert sample.version_spans == [VersionSpan(1, 2), VersionSpan(2, 3), VersionSpan(1, 1)]
     assert sample.token_versions() == [1, 1, 2, 2, 2, 1]
-    assert sample.min_version == 1
+    assert sample.behaviour_version == 1
 
 
 def test_arrays_are_packed_little_endian() -> None:

@@ -35,7 +35,7 @@ GAUGES: tuple[tuple[str, str, str], ...] = (
     ("rollout/tokens_per_s", "generation_tokens_per_second", "Tokens generated per second by all servers (recent window)."),
     ("perf/tokens_per_s", "training_tokens_per_second", "Tokens trained per second of the last step's compute (wait excluded)."),
     ("perf/idle_fraction", "learner_idle_ratio", "Fraction of the last step the learner waited for data."),
-    ("reward/mean", "reward_mean", "Mean reward of the last batch."),
+    ("batch/reward_mean", "reward_mean", "Mean reward of the last batch."),
     ("sync/update_s", "weight_update_seconds", "Duration of the last weight update (announcement to every server's acknowledgement)."),
     ("sync/pause_s", "server_pause_seconds", "Longest generation pause a server took to load the last weight update."),
     ("time/step", "step_seconds", "Duration of the last learner step (wait for data included)."),

@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 # (label, metric key, format) of the live view and the per-step line.
 VIEW: tuple[tuple[str, str, str], ...] = (
     ("step", "version", "{:.0f}"),
-    ("reward", "reward/mean", "{:.3f}"),
+    ("reward", "batch/reward_mean", "{:.3f}"),
     ("val greedy", "val/greedy_accuracy", "{:.1%}"),
     ("stale mean", "staleness/mean", "{:.2f}"),
     ("stale max", "staleness/max", "{:.0f}"),

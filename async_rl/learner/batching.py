@@ -1,4 +1,4 @@
-"""Rollout groups -> padded tensors -> token-budgeted micro-batches, balanced across ranks.
+"""Screened rollout groups -> padded tensors -> token-budgeted micro-batches, balanced across ranks.
 
 Pure functions, no distributed code: every learner rank receives the whole step's groups and
 computes the same plan, so ranks agree on micro-batch counts without communicating (FSDP needs
@@ -11,20 +11,15 @@ whole step, so ``seq-mean-token-sum-norm`` divides by one constant).
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
+from async_rl.learner.screening import ScreenedGroup, ScreenedSample
 from async_rl.learner.vision import VisionInputs
-from async_rl.records import RolloutGroup
-
-#: Reasons a sample or a group is dropped before training (the keys of ``DropCounts``).
-DROP_REASONS = ("empty_response", "nonfinite_reward", "reward_error", "nonfinite_logprob", "bad_token", "too_long", "image_token")
 
 
 @dataclass(frozen=True)
@@ -38,8 +33,7 @@ class Batch:
     tokens inside a multi-turn response). ``behav_logp`` ``[N, T]`` float32 is the sampler's log-probability
     (natural log) and ``token_versions`` ``[N, T]`` int64 the policy version of each token
     (-1 on padding). ``rewards`` ``[N]`` float32, ``group_index`` ``[N]`` int64 (position of the
-    sample's group in the step's list), ``behaviour_version`` ``[N]`` int64 (min token version),
-    ``lengths`` ``[N]`` int64 (prompt + response tokens). ``vision`` holds the processed
+    sample's group in the step's list), ``lengths`` ``[N]`` int64 (prompt + response tokens). ``vision`` holds the processed
     images of a vision-language batch's groups (indexed by ``group_index``), None for text.
     """
 
@@ -51,7 +45,6 @@ class Batch:
     token_versions: Tensor
     rewards: Tensor
     group_index: Tensor
-    behaviour_version: Tensor
     lengths: Tensor
     vision: VisionInputs | None = None
 
@@ -80,142 +73,54 @@ class Prepared:
 
     batch: Batch | None
     dropped: Counter[str]
-    groups_used: int
-    """Groups with at least one trainable sample."""
+    """Samples not trained, by reason (:data:`~async_rl.learner.screening.DROP_REASONS`)."""
     kept: tuple[int, ...] = ()
-    """Positions in the input list of those groups, in ``Batch.group_index`` order."""
+    """Positions in the input list of the groups with a trainable sample, in ``Batch.group_index`` order."""
 
 
-def prepare(groups: Sequence[RolloutGroup], max_tokens: int, vocab_size: int | None = None, image_token: int | None = None) -> Prepared:
-    """Validate and pad ``groups`` into a :class:`Batch`.
+def prepare(groups: Sequence[ScreenedGroup]) -> Prepared:
+    """Pad the trainable samples of screened ``groups`` into a :class:`Batch`.
 
-    A sample is dropped (counted under its reason) when its response is empty, a response
-    token id is outside ``[0, vocab_size)`` (``bad_token``), or prompt + response exceed
-    ``max_tokens`` (``too_long``: it fits no micro-batch), or the response holds a
-    vision-language model's ``image_token`` (``image_token``: the model would look for an
-    image there that does not exist; a sampler may draw it). A whole group is dropped when any
-    sample has a non-finite reward, a failed reward (``reward_error``) or a non-finite
-    behaviour log-probability: group baselines computed from such a group would be wrong, and
-    one NaN reaches every parameter. Counts are in samples.
+    A group with a verdict counts all its samples under the verdict's reason; a sample with
+    a problem counts under that problem (:func:`~async_rl.learner.screening.screen`).
     """
     dropped: Counter[str] = Counter()
-    rows: list[_Row] = []
-    kept_groups: list[int] = []
-    for position, group in enumerate(groups):
-        prompt = list(group.prompt_array())
-        reason = "bad_token" if _out_of_vocab(prompt, vocab_size) is not None else _group_problem(group)
-        if reason is not None:
-            dropped[reason] += len(group.samples)
+    rows: list[tuple[list[int], ScreenedSample, int]] = []
+    kept: list[int] = []
+    for position, screened in enumerate(groups):
+        if screened.verdict is not None:
+            dropped[screened.verdict.reason] += len(screened.group.samples)
             continue
-        kept = 0
-        for sample in group.samples:
-            tokens = list(sample.token_array())
-            problem = _sample_problem(len(prompt), tokens, max_tokens, vocab_size, any(sample.token_mask()), image_token)
-            if problem is not None:
-                dropped[problem] += 1
-                continue
-            rows.append(_Row(prompt, tokens, list(sample.logprob_array()), sample.token_versions(), sample.token_mask(), sample.reward,
-                             len(kept_groups)))
-            kept += 1
-        if kept:
-            kept_groups.append(position)
+        for sample in screened.samples:
+            if sample.problem is not None:
+                dropped[sample.problem] += 1
+            else:
+                rows.append((screened.prompt, sample, len(kept)))
+        kept.append(position)  # a group without a verdict has a trainable sample
     if not rows:
-        return Prepared(None, dropped, 0)
-    return Prepared(_pad(rows), dropped, len(kept_groups), tuple(kept_groups))
+        return Prepared(None, dropped)
+    return Prepared(_pad(rows), dropped, tuple(kept))
 
 
-def screen_group(group: RolloutGroup, max_tokens: int, vocab_size: int, image_token: int | None = None) -> tuple[str, str, bool] | None:
-    """Why the learner must not train ``group`` at all, or None: ``(reason, detail, malformed)``.
-
-    Malformed (to be dead-lettered): a prompt or response token id outside ``[0, vocab_size)``
-    (it would crash the embedding). Dropped: the group problems of :func:`prepare` (a failed
-    or non-finite reward, a non-finite log-probability), or no sample :func:`prepare` would
-    keep. A group that passes yields at least one trainable sample.
-    """
-    prompt = list(group.prompt_array())
-    bad = _out_of_vocab(prompt, vocab_size)
-    if bad is not None:
-        return "bad_token", f"prompt token id {prompt[bad]} at position {bad} is outside the vocabulary [0, {vocab_size})", True
-    for k, sample in enumerate(group.samples):
-        tokens = list(sample.token_array())
-        bad = _out_of_vocab(tokens, vocab_size)
-        if bad is not None:
-            return "bad_token", f"sample {k}: response token id {tokens[bad]} at position {bad} is outside the vocabulary [0, {vocab_size})", True
-    reason = _group_problem(group)
-    if reason is not None:
-        error = next((s.error for s in group.samples if s.error is not None), None)
-        return reason, error or f"a sample has a {reason.replace('_', ' ')}", False
-    problems = [_sample_problem(len(prompt), list(s.token_array()), max_tokens, vocab_size, any(s.token_mask()), image_token)
-                for s in group.samples]
-    if all(problems):
-        return str(problems[0]), "no sample is trainable", False
-    return None
-
-
-def _out_of_vocab(tokens: list[int], vocab_size: int | None) -> int | None:
-    """Position of the first token id outside ``[0, vocab_size)``, or None."""
-    if vocab_size is None:
-        return None
-    return next((i for i, t in enumerate(tokens) if not 0 <= t < vocab_size), None)
-
-
-def _group_problem(group: RolloutGroup) -> str | None:
-    for sample in group.samples:
-        if sample.error is not None:
-            return "reward_error"
-        if not math.isfinite(sample.reward):
-            return "nonfinite_reward"
-        if not all(math.isfinite(x) for x in sample.logprob_array()):
-            return "nonfinite_logprob"
-    return None
-
-
-def _sample_problem(prompt_len: int, tokens: list[int], max_tokens: int, vocab_size: int | None, trained: bool = True,
-                    image_token: int | None = None) -> str | None:
-    """Why a sample cannot be trained, or None; ``trained``: it has a token to train (a
-    multi-turn episode whose environment failed before the model's first turn has none)."""
-    if not tokens or not trained:
-        return "empty_response"
-    if _out_of_vocab(tokens, vocab_size) is not None:
-        return "bad_token"
-    if prompt_len + len(tokens) > max_tokens:
-        return "too_long"
-    if image_token is not None and image_token in tokens:
-        return "image_token"
-    return None
-
-
-class _Row(NamedTuple):
-    """One kept sample, as :func:`_pad` lays it out."""
-
-    prompt: list[int]
-    tokens: list[int]
-    logprobs: list[float]
-    versions: list[int]
-    mask: list[int]
-    """1: a trained token; 0: a multi-turn episode's template or environment token."""
-    reward: float
-    group: int
-
-
-def _pad(rows: list[_Row]) -> Batch:
+def _pad(rows: list[tuple[list[int], ScreenedSample, int]]) -> Batch:
+    """``(prompt, sample, group position)`` rows as right-padded tensors."""
     n = len(rows)
-    width = max(len(row.prompt) + len(row.tokens) for row in rows)
-    resp = max(len(row.tokens) for row in rows)
+    width = max(len(prompt) + len(sample.tokens) for prompt, sample, _ in rows)
+    resp = max(len(sample.tokens) for _, sample, _ in rows)
     input_ids = torch.zeros(n, width, dtype=torch.long)
     attention_mask = torch.zeros(n, width, dtype=torch.long)
     positions = torch.zeros(n, resp, dtype=torch.long)
     response_mask = torch.zeros(n, resp)
     behav_logp = torch.zeros(n, resp)
     versions = torch.full((n, resp), -1, dtype=torch.long)
-    for i, row in enumerate(rows):
-        p, r = len(row.prompt), len(row.tokens)
-        input_ids[i, : p + r] = torch.tensor(row.prompt + row.tokens, dtype=torch.long)
+    for i, (prompt, sample, _) in enumerate(rows):
+        p, r = len(prompt), len(sample.tokens)
+        input_ids[i, : p + r] = torch.tensor(prompt + sample.tokens, dtype=torch.long)
         attention_mask[i, : p + r] = 1
         positions[i, :r] = torch.arange(p, p + r)
-        response_mask[i, :r] = torch.tensor(row.mask, dtype=response_mask.dtype)
-        behav_logp[i, :r] = torch.tensor(row.logprobs)
-        versions[i, :r] = torch.tensor(row.versions)
+        response_mask[i, :r] = torch.tensor(sample.mask, dtype=response_mask.dtype)
+        behav_logp[i, :r] = torch.tensor(sample.logprobs)
+        versions[i, :r] = torch.tensor(sample.versions)
     return Batch(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -223,11 +128,8 @@ def _pad(rows: list[_Row]) -> Batch:
         response_mask=response_mask,
         behav_logp=behav_logp,
         token_versions=versions,
-        rewards=torch.tensor([row.reward for row in rows], dtype=torch.float32),
-        group_index=torch.tensor([row.group for row in rows], dtype=torch.long),
-        # the oldest policy among the model's own tokens (template and environment tokens
-        # carry the version of the turn before them, never an older one)
-        behaviour_version=torch.tensor([min(v for v, m in zip(row.versions, row.mask) if m) for row in rows], dtype=torch.long),
+        rewards=torch.tensor([sample.reward for _, sample, _ in rows], dtype=torch.float32),
+        group_index=torch.tensor([group for _, _, group in rows], dtype=torch.long),
         lengths=attention_mask.sum(-1),
     )
 

@@ -87,3 +87,16 @@ def broadcast(tensor: Tensor, device: torch.device, src: int, what: str) -> Tens
 def barrier() -> None:
     """Wait for every rank (NCCL barriers run on the device :func:`init_distributed` set)."""
     dist.barrier()
+
+
+def broadcast_bytes(payload: bytes, device: torch.device, rank: int) -> bytes:
+    """Rank 0's ``payload`` on every rank (``payload`` is ignored elsewhere): its length, then
+    the bytes as a uint8 tensor (skipped when empty), both on ``device``."""
+    length = broadcast(torch.tensor([len(payload) if rank == 0 else 0], dtype=torch.long, device=device), device, 0, "payload length")
+    size = int(length)
+    if size == 0:
+        return b""
+    if rank == 0:
+        broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device), device, 0, "payload")
+        return payload
+    return broadcast(torch.empty(size, dtype=torch.uint8, device=device), device, 0, "payload").cpu().numpy().tobytes()

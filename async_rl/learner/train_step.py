@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -428,16 +428,3 @@ def _all_reduce_sum(values: dict[str, float], device: torch.device) -> dict[str,
     keys = sorted(values)
     tensor = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=device)
     return dict(zip(keys, collectives.all_reduce(tensor, device, "metrics").tolist()))
-
-
-def staleness_metrics(batch: Batch, version: int) -> dict[str, float]:
-    """Staleness (learner version minus behaviour version, in versions) of the batch's groups:
-    mean, max and a histogram ``staleness/hist/{k}`` (groups)."""
-    per_group: dict[int, int] = {}
-    for g, v in zip(batch.group_index.tolist(), batch.behaviour_version.tolist()):
-        per_group[g] = min(v, per_group.get(g, v))
-    lags = [version - v for v in per_group.values()]
-    hist = Counter(lags)
-    out = {"staleness/mean": sum(lags) / len(lags), "staleness/max": float(max(lags))}
-    out.update({f"staleness/hist/{k}": float(n) for k, n in sorted(hist.items())})
-    return out

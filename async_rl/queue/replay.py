@@ -93,8 +93,9 @@ class Drop:
     """Malformed data (e.g. token ids outside the vocabulary): keep it in the dead-letter stream."""
 
 
-Check = Callable[[RolloutGroup], "Drop | None"]
-"""A consumer's per-group validation: None keeps the group."""
+Check = Callable[[RolloutGroup, bytes], "Drop | None"]
+"""A consumer's per-group validation of a decoded group and its record as read (the
+msgspec bytes, for a consumer that passes the record on): None keeps the group."""
 
 
 @dataclass
@@ -397,7 +398,7 @@ class ReplayQueue:
                 if behind > staleness.max_staleness:
                     drop = Drop("stale", f"{behind} versions behind {staleness.version} > max_staleness={staleness.max_staleness}")
             if drop is None and check is not None:
-                drop = check(group)
+                drop = check(group, raw)
             if drop is None:
                 keep.append((entry_id.decode(), group))
                 report.note(None)

@@ -23,7 +23,7 @@ def _config(run_dir: Path, *overrides: str):
 
 
 def _step(version: int, lag: int = 1) -> dict[str, float]:
-    return {"version": version, "perf/tokens_per_s": 100.0, "perf/tokens": 50.0, "reward/mean": 0.5, f"staleness/hist/{lag}": 4.0,
+    return {"version": version, "perf/tokens_per_s": 100.0, "perf/tokens": 50.0, "batch/reward_mean": 0.5, f"staleness/hist/{lag}": 4.0,
             "staleness/mean": float(lag), "time/step": 0.2, "time/wait": 0.01, "time/fwd_bwd": 0.15}
 
 

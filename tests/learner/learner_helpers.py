@@ -11,6 +11,8 @@ from pathlib import Path
 import torch.multiprocessing as mp
 
 from async_rl.config import Config, load_config
+from async_rl.learner.batching import Prepared, prepare
+from async_rl.learner.screening import Limits, screen
 from async_rl.records import RolloutGroup, Sample
 
 SPAWN = mp.get_context("spawn")
@@ -30,6 +32,12 @@ def make_groups(count: int, seed: int, samples: int = 4, vocab: int = 512, versi
             members.append(Sample.from_lists(tokens, logp, version, rng.random()))
         groups.append(RolloutGroup.from_lists(run, f"g{seed}-{g}", g, prompt, members, "srv", 0.0, created_at=0.0))
     return groups
+
+
+def prepare_groups(groups: list[RolloutGroup], max_tokens: int, vocab_size: int | None = None, image_token: int | None = None) -> Prepared:
+    """:func:`prepare` of ``groups`` screened as a learner rank screens the groups it receives."""
+    limits = Limits(max_tokens, vocab_size, image_token)
+    return prepare([screen(group, limits) for group in groups])
 
 
 def learner_config(model_path: str | Path, output_dir: str | Path, run: str, *overrides: str) -> Config:
@@ -97,7 +105,7 @@ def bounded_wait_main(port: int, cfg: Config, redis_url: str, out: str) -> None:
         start = time.monotonic()
         report["empty"] = loop.run(max_steps=1, wait_s=1.0).steps
         report["waited_s"] = time.monotonic() - start
-        report["held"] = len(loop.backlog)
+        report["held"] = len(loop.feed.reader.backlog)
         for g in groups[1:]:
             q.put(g)
         report["version"] = loop.run(max_steps=1, wait_s=30.0).version
@@ -110,7 +118,8 @@ def bounded_wait_main(port: int, cfg: Config, redis_url: str, out: str) -> None:
 def drop_streak_main(rank: int, world_size: int, port: int, cfg: Config, redis_url: str, out: str) -> None:
     """One rank of a run whose queue holds a malformed group, failed-reward groups and one
     good batch: train what is trainable, then stop on the run of drops; report the error."""
-    from async_rl.learner.loop import LearnerLoop, NoTrainableDataError
+    from async_rl.learner.feed import NoTrainableDataError
+    from async_rl.learner.loop import LearnerLoop
 
     loop = LearnerLoop(cfg, rank, world_size, "127.0.0.1", port, redis_url)
     report: dict = {}

@@ -6,9 +6,9 @@ import random
 
 import pytest
 import torch
-from learner_helpers import make_groups
+from learner_helpers import make_groups, prepare_groups
 
-from async_rl.learner.batching import pack, plan_micro_batches, prepare, split_groups, unpack
+from async_rl.learner.batching import pack, plan_micro_batches, split_groups, unpack
 from async_rl.records import RolloutGroup, Sample
 
 
@@ -17,14 +17,13 @@ def test_prepare_pads_and_aligns_response_tensors() -> None:
     b = Sample.from_lists([5], [-0.5], 2, 0.0)
     group = RolloutGroup.from_lists("r", "g", 0, [1, 2], [a, b], "s", 0.0)
     other = RolloutGroup.from_lists("r", "h", 1, [3], [Sample.from_lists([6, 6], [-1.0, -2.0], 4, 0.5)], "s", 0.0)
-    batch = prepare([group, other], max_tokens=16).batch
+    batch = prepare_groups([group, other], max_tokens=16).batch
     assert batch.input_ids.tolist() == [[1, 2, 7, 8, 9], [1, 2, 5, 0, 0], [3, 6, 6, 0, 0]]
     assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 1, 1, 0, 0]]
     assert batch.response_positions.tolist() == [[2, 3, 4], [2, 0, 0], [1, 2, 0]]
     assert batch.response_mask.tolist() == [[1, 1, 1], [1, 0, 0], [1, 1, 0]]
     assert torch.allclose(batch.behav_logp[0], torch.tensor([-0.1, -0.2, -0.3]))
     assert batch.token_versions.tolist() == [[3, 4, 4], [2, -1, -1], [4, 4, -1]]
-    assert batch.behaviour_version.tolist() == [3, 2, 4]
     assert batch.group_index.tolist() == [0, 0, 1]
     assert batch.rewards.tolist() == [1.0, 0.0, 0.5]
     assert batch.lengths.tolist() == [5, 3, 3]
@@ -38,9 +37,9 @@ def test_a_multi_turn_response_trains_only_the_models_tokens() -> None:
                                 mask=[1, 1, 0, 0, 0, 1])
     no_model_tokens = Sample.from_lists([40, 41], [0.0, 0.0], 3, 0.0, mask=[0, 0])
     group = RolloutGroup.from_lists("r", "g", 0, [1, 2], [episode, no_model_tokens], "s", 0.0)
-    prepared = prepare([group], max_tokens=16)
+    prepared = prepare_groups([group], max_tokens=16)
     assert prepared.batch.response_mask.tolist() == [[1, 1, 0, 0, 0, 1]]
-    assert prepared.batch.behaviour_version.tolist() == [3]
+    assert group.behaviour_version == 3  # the model's tokens' oldest version: template tokens are never older
     assert prepared.dropped == {"empty_response": 1}
 
 
@@ -74,32 +73,13 @@ def test_split_groups_in_near_equal_chunks() -> None:
 
 
 def test_prepare_counts_and_returns_none_when_nothing_is_trainable() -> None:
-    prepared = prepare(make_groups(2, seed=0), max_tokens=3)  # every prompt alone has >= 3 tokens
-    assert prepared.batch is None and prepared.groups_used == 0
+    prepared = prepare_groups(make_groups(2, seed=0), max_tokens=3)  # every prompt alone has >= 3 tokens
+    assert prepared.batch is None and prepared.kept == ()
     assert prepared.dropped == {"too_long": 8}
 
 
-def test_screen_group_dead_letters_bad_tokens_and_drops_untrainable_groups() -> None:
-    from async_rl.learner.batching import screen_group
-    from async_rl.records import RolloutGroup, Sample
-
-    ok = Sample.from_lists([5, 6], [-1.0, -1.0], 0, 1.0)
-
-    def group(prompt: list[int], *samples: Sample) -> RolloutGroup:
-        return RolloutGroup.from_lists("t", "g", 0, prompt, list(samples), "s", 0.0)
-
-    assert screen_group(group([3, 4], ok), 64, 512) is None
-    assert screen_group(group([3, 512, 4], ok), 64, 512) == (
-        "bad_token", "prompt token id 512 at position 1 is outside the vocabulary [0, 512)", True)
-    reason, detail, malformed = screen_group(group([3], ok, Sample.from_lists([7, -1], [-1.0, -1.0], 0, 1.0)), 64, 512)
-    assert (reason, malformed) == ("bad_token", True) and detail.startswith("sample 1: response token id -1 at position 1")
-    assert screen_group(group([3], ok, Sample.from_lists([7], [-1.0], 0, 0.0, error="ValueError: boom")), 64, 512) == (
-        "reward_error", "ValueError: boom", False)
-    assert screen_group(group([3] * 60, Sample.from_lists([5] * 10, [-1.0] * 10, 0, 1.0)), 64, 512) == ("too_long", "no sample is trainable", False)
-
-
 def test_pack_concatenates_samples_with_restarting_positions() -> None:
-    batch = prepare(make_groups(1, seed=4, samples=3), 64, 512).batch
+    batch = prepare_groups(make_groups(1, seed=4, samples=3), 64, 512).batch
     row = pack(batch)
     lengths = batch.lengths.tolist()
     assert row.bounds == (0, lengths[0], lengths[0] + lengths[1], sum(lengths))
@@ -112,21 +92,3 @@ def test_pack_concatenates_samples_with_restarting_positions() -> None:
     mask = batch.response_mask.bool()
     assert grid[mask].tolist() == batch.input_ids.gather(1, batch.response_positions)[mask].float().tolist()
     assert (grid[~mask] == 0).all()
-
-
-def test_a_response_holding_the_image_token_is_not_trained() -> None:
-    """A sampler may draw a vision-language model's image token; the model would then look for
-    an image that is not there (a crash in its input merger), so the sample is dropped."""
-    from async_rl.learner.batching import prepare, screen_group
-    from async_rl.records import RolloutGroup, Sample
-
-    image_token = 9
-    prompt = [3, image_token, image_token, 4]  # the prompt's image tokens are the images' places
-    good, bad = Sample.from_lists([5, 6], [-1.0, -1.0], 0, 1.0), Sample.from_lists([5, image_token], [-1.0, -1.0], 0, 0.0)
-    group = RolloutGroup.from_lists("t", "g", 0, prompt, [good, bad], "s", 0.0)
-    prepared = prepare([group], 64, 512, image_token)
-    assert prepared.batch is not None and prepared.batch.size == 1 and prepared.dropped == {"image_token": 1}
-    assert screen_group(group, 64, 512, image_token) is None
-    only_bad = RolloutGroup.from_lists("t", "g", 0, prompt, [bad], "s", 0.0)
-    assert screen_group(only_bad, 64, 512, image_token) == ("image_token", "no sample is trainable", False)
-    assert prepare([only_bad], 64, 512).batch is not None  # a text model has no image token

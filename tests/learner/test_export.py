@@ -5,14 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from learner_helpers import learner_config, make_groups
+from learner_helpers import learner_config, make_groups, prepare_groups
 from reference_logprobs import padded_logprobs
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
 from async_rl.cli import app
 from async_rl.learner import checkpoint
-from async_rl.learner.batching import prepare
 from async_rl.learner.model import DistInfo, load_sharded
 from async_rl.learner.train_step import Trainer
 
@@ -21,7 +20,7 @@ def test_exported_checkpoint_loads_in_transformers_with_the_learners_logprobs(ti
     cfg = learner_config(tiny_model, tmp_path, "export")
     policy = load_sharded(str(tiny_model), cfg.learner, one_rank.device, trainable=True)
     trainer = Trainer(policy, None, cfg.learner, cfg.algorithm, one_rank, 4, 1)
-    batch = prepare(make_groups(4, seed=5), 64, 512).batch
+    batch = prepare_groups(make_groups(4, seed=5), 64, 512).batch
     trainer.step(batch, 0)  # the export must carry trained weights, not the base model's
     path = checkpoint.checkpoint_dir(tmp_path, 1)
     state = checkpoint.TrainingState(1, trainer.scheduler.state_dict())

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from learner_helpers import learner_config, make_groups
+from learner_helpers import learner_config, make_groups, prepare_groups
 from reference_logprobs import padded_logprobs
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from async_rl.config import KernelsConfig
 from async_rl.learner import attention
-from async_rl.learner.batching import pack, prepare, unpack
+from async_rl.learner.batching import pack, unpack
 from async_rl.learner.logprobs import ChunkedLogProbs, LogProbHead, install_logprob_head, token_logprobs
 from async_rl.learner.model import DistInfo, load_sharded
 from async_rl.learner.train_step import Trainer
@@ -67,7 +67,7 @@ def test_logprob_gradient_alone_and_no_entropy() -> None:
 def test_packed_rows_equal_separate_padded_sequences_with_gradients(tiny_model: Path) -> None:
     """Three samples in one row (positions restart, per-sample causal attention, chunked head)
     against a padded batch through the unmodified model: log-probs, entropies, gradients."""
-    batch = prepare(make_groups(2, seed=7), 64, 512).batch
+    batch = prepare_groups(make_groups(2, seed=7), 64, 512).batch
     micro = batch.select([0, 3, 5])
     reference = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     packed = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32,
@@ -142,7 +142,7 @@ def test_a_learner_step_with_the_real_vocabulary_builds_no_tokens_by_vocab_or_ro
         samples = [Sample.from_lists(toks := [rng.randrange(VOCAB) for _ in range(rng.randint(300, 500))], [-11.0] * len(toks), 0, rng.random())
                    for _ in range(4)]
         groups.append(RolloutGroup.from_lists("vocab", f"g{g}", g, prompt, samples, "s", 0.0, created_at=0.0))
-    batch = prepare(groups, 4096, VOCAB).batch
+    batch = prepare_groups(groups, 4096, VOCAB).batch
     policy = load_sharded(str(tmp_path / "model"), cfg.learner, one_rank.device, trainable=True)
     trainer = Trainer(policy, None, cfg.learner, cfg.algorithm, one_rank, 2, 0)
     with _LargestTensors() as seen:

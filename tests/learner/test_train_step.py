@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from learner_helpers import learner_config, make_groups
+from learner_helpers import learner_config, make_groups, prepare_groups
 
-from async_rl.learner.batching import Batch, prepare
+from async_rl.learner.batching import Batch
 from async_rl.learner.model import DistInfo, load_sharded
 from async_rl.learner.train_step import Trainer, lr_factor
 from async_rl.records import RolloutGroup, Sample
@@ -46,7 +46,7 @@ def test_loss_decreases_on_a_fixed_batch(tiny_model: Path, one_rank: DistInfo, t
     # pi_prox := mu (fixed), so the clipped surrogate is comparable across steps.
     trainer = _trainer(tiny_model, one_rank, tmp_path, "algorithm.recompute_proximal=false", "algorithm.loss.name=ppo",
                        "algorithm.loss.clip_high=10.0", "learner.ppo_mini_batches=2")
-    batch = prepare(make_groups(4, seed=1), 64, 512).batch
+    batch = prepare_groups(make_groups(4, seed=1), 64, 512).batch
     losses = [trainer.step(batch, step).metrics["actor/pg_loss"] for step in range(4)]
     assert all(b < a for a, b in zip(losses, losses[1:])), losses
 
@@ -56,8 +56,8 @@ def test_decoupled_ppo_equals_ppo_on_policy(tiny_model: Path, one_rank: DistInfo
     for loss in ("ppo", "decoupled_ppo"):
         trainer = _trainer(tiny_model, one_rank, tmp_path, f"algorithm.loss.name={loss}", "learner.ppo_mini_batches=2", "learner.ppo_epochs=2")
         groups = make_groups(4, seed=2)
-        groups = _on_policy(groups, trainer, prepare(groups, 64, 512).batch)
-        metrics = trainer.step(prepare(groups, 64, 512).batch, 0).metrics
+        groups = _on_policy(groups, trainer, prepare_groups(groups, 64, 512).batch)
+        metrics = trainer.step(prepare_groups(groups, 64, 512).batch, 0).metrics
         results.append((_params(trainer), metrics))
     (ppo, m_ppo), (dec, m_dec) = results
     assert m_dec["actor/is_weight_mean"] == 1.0
@@ -79,10 +79,11 @@ def test_bad_groups_are_dropped_with_reasons(tiny_model: Path, one_rank: DistInf
         group(Sample.from_lists([9999], [-1.0], 0, 1.0)),
         group(Sample.from_lists(list(range(2, 80)), [-1.0] * 78, 0, 1.0)),
     ]
-    prepared = prepare(good + bad, 64, 512)
+    prepared = prepare_groups(good + bad, 64, 512)
+    # a token outside the vocabulary condemns its whole group (malformed: dead-lettered when read)
     assert dict(prepared.dropped) == {"nonfinite_reward": 2, "nonfinite_logprob": 2, "reward_error": 2,
-                                      "empty_response": 1, "bad_token": 1, "too_long": 1}
-    assert prepared.groups_used == 5 and prepared.batch.size == 8 + 3
+                                      "empty_response": 1, "bad_token": 2, "too_long": 1}
+    assert len(prepared.kept) == 4 and prepared.batch.size == 8 + 2
     trainer = _trainer(tiny_model, one_rank, tmp_path)
     before = _params(trainer)
     metrics = trainer.step(prepared.batch, 0).metrics
@@ -90,7 +91,7 @@ def test_bad_groups_are_dropped_with_reasons(tiny_model: Path, one_rank: DistInf
     assert all(torch.isfinite(v).all() for v in after.values())
     assert any(not torch.equal(before[k], after[k]) for k in before)
     assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
-    assert prepare(bad[:3], 64, 512).batch is None
+    assert prepare_groups(bad[:3], 64, 512).batch is None
 
 
 def test_lr_schedule_warmup_then_cosine(tmp_path: Path) -> None:
@@ -107,7 +108,7 @@ def test_kl_in_reward_penalises_the_rewards_and_adapts_its_coefficient(tiny_mode
                    "algorithm.kl_ctrl.target_kl=0.001", "algorithm.kl_ctrl.horizon=100", "learner.ppo_mini_batches=2")
     trainer = _trainer(tiny_model, one_rank, tmp_path, "algorithm.loss.name=ppo", *kl_settings)
     plain = _trainer(tiny_model, one_rank, tmp_path, "algorithm.loss.name=ppo", "learner.ppo_mini_batches=2")
-    batch = prepare(make_groups(4, seed=8), 64, 512).batch
+    batch = prepare_groups(make_groups(4, seed=8), 64, 512).batch
     # step 0: pi_prox (recomputed) is the reference itself, so the KL is 0 and the step is the plain one
     first = trainer.step(batch, 0).metrics
     assert first["reward/kl"] == pytest.approx(0.0, abs=1e-6) and first["reward/kl_coef"] == 0.5
@@ -133,7 +134,7 @@ def test_the_critic_learns_the_returns_and_holds_the_policy_during_its_warm_up(t
     trainer = _trainer(tiny_model, one_rank, tmp_path, "algorithm.advantage.name=gae", "algorithm.advantage.lam=0.95",
                        "learner.critic.optim.lr=1e-3", "learner.critic.warmup_steps=3", "learner.critic.ppo_mini_batches=2",
                        "learner.critic.ppo_epochs=2")
-    batch = prepare(make_groups(4, seed=10), 64, 512).batch
+    batch = prepare_groups(make_groups(4, seed=10), 64, 512).batch
     before = _params(trainer)
     steps = [trainer.step(batch, step).metrics for step in range(4)]
     for m in steps[:3]:  # warm-up: 4 critic updates a step, the policy untouched

@@ -6,11 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from learner_helpers import learner_config, make_groups
+from learner_helpers import learner_config, make_groups, prepare_groups
 from transformers import AutoConfig, AutoModelForTokenClassification
 
 from async_rl.learner import attention
-from async_rl.learner.batching import pack, prepare, unpack
+from async_rl.learner.batching import pack, unpack
 from async_rl.learner.model import DistInfo, load_sharded
 from async_rl.learner.values import token_values
 
@@ -20,7 +20,7 @@ def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def test_packed_values_equal_a_padded_forward_with_gradients(tiny_model: Path, one_rank: DistInfo, tmp_path: Path) -> None:
-    batch = prepare(make_groups(2, seed=9), 64, 512).batch
+    batch = prepare_groups(make_groups(2, seed=9), 64, 512).batch
     micro = batch.select([0, 2, 5])
     cfg = learner_config(tiny_model, tmp_path, "critic")
     torch.manual_seed(1)  # the score head is new: the same seed gives both models the same head

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from learner_helpers import learner_config
+from learner_helpers import learner_config, prepare_groups
 
 from async_rl.data.images import PixelBounds, image_blob, load_image
 from async_rl.data.prompts import PromptFormatter, read_prompt_rows
-from async_rl.learner.batching import Batch, prepare
+from async_rl.learner.batching import Batch
 from async_rl.learner.model import DistInfo, load_sharded
 from async_rl.learner.train_step import Trainer
 from async_rl.learner.vision import VisionInputs, load_image_processor
@@ -49,7 +49,7 @@ def _groups(model_dir: Path, data: Path, count: int, samples: int = 4) -> tuple[
 
 def _batch(model_dir: Path, data: Path, count: int) -> Batch:
     groups, images = _groups(model_dir, data, count)
-    prepared = prepare(groups, 256, None)
+    prepared = prepare_groups(groups, 256, None)
     vision = VisionInputs.build("idefics3", [images[i] for i in prepared.kept], load_image_processor(str(model_dir)))
     return dataclasses.replace(prepared.batch, vision=vision)
 
@@ -180,7 +180,7 @@ def _qwen_batch(model_dir: Path) -> Batch:
         samples = [Sample.from_lists([7 + k, 8 + i, 2], [-1.0] * 3, 0, float(k % 2)) for k in range(3)]
         refs = [ImageRef((b := image_blob(im)).sha256, b.width, b.height) for im in pil]
         groups.append(RolloutGroup.from_lists("t", f"t:{i}", i, tokens, samples, "s", 0.0, images=refs))
-    prepared = prepare(groups, 256, None)
+    prepared = prepare_groups(groups, 256, None)
     return dataclasses.replace(prepared.batch, vision=VisionInputs.build("qwen2_5_vl", images, process))
 
 

@@ -11,7 +11,7 @@ import redis
 from queue_workers import make_group
 
 from async_rl.queue import Drop, EmbeddedRedis, QueueUnavailableError, ReplayQueue, Staleness, Ticket, TicketEndedError
-from async_rl.records import RolloutGroup, encode
+from async_rl.records import RolloutGroup, decode, encode
 
 
 def test_put_get_commit_round_trip(queue: ReplayQueue, run: str) -> None:
@@ -144,7 +144,8 @@ def test_check_drops_or_dead_letters_and_reports_the_run_of_drops(queue: ReplayQ
     for i in range(5):
         queue.put(make_group(i, run=run))
 
-    def check(group: RolloutGroup) -> Drop | None:
+    def check(group: RolloutGroup, payload: bytes) -> Drop | None:
+        assert decode(payload) == group  # the record as read, for a consumer that passes it on
         return {"g1": Drop("reward_error", "boom"), "g3": Drop("bad_token", "id 999", dead_letter=True),
                 "g4": Drop("reward_error", "boom")}.get(group.group_id)
 

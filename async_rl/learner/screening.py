@@ -1,0 +1,122 @@
+"""One screening pass per rollout group: its arrays unpacked once, a verdict for it and for each sample.
+
+Rank 0 screens a group when it reads it from the queue (a group with nothing trainable is
+dropped there, a malformed one dead-lettered), every other rank when it receives the
+step's groups; :func:`async_rl.learner.batching.prepare` pads what the screen kept and never
+looks at a record again.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from async_rl.records import RolloutGroup
+
+#: Reasons a sample or a group is dropped before training (the keys of ``Prepared.dropped``).
+DROP_REASONS = ("empty_response", "nonfinite_reward", "reward_error", "nonfinite_logprob", "bad_token", "too_long", "image_token")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the learner's model and memory accept."""
+
+    max_tokens: int
+    """Prompt + response tokens of one sample at most (``learner.max_tokens_per_microbatch``)."""
+    vocab_size: int | None = None
+    """Token ids must lie in ``[0, vocab_size)`` (None: not checked)."""
+    image_token: int | None = None
+    """A vision-language model's image token: a response holding it is not trained (the
+    model would look for an image that is not there); None for a text model."""
+
+
+class Verdict(NamedTuple):
+    """Why a whole group is not trained."""
+
+    reason: str
+    """One of :data:`DROP_REASONS`."""
+    detail: str
+    malformed: bool
+    """Malformed data (a token id outside the vocabulary would crash the embedding): dead-letter it."""
+
+
+@dataclass(frozen=True)
+class ScreenedSample:
+    """One response, unpacked: ``tokens``, ``logprobs`` (behaviour, natural log), ``versions``
+    (policy version per token) and ``mask`` (1: trained) are per response token."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    mask: list[int]
+    reward: float
+    problem: str | None
+    """Why this sample is not trained (one of :data:`DROP_REASONS`), or None."""
+
+
+@dataclass(frozen=True)
+class ScreenedGroup:
+    """A group with its prompt and samples unpacked and judged (:func:`screen`)."""
+
+    group: RolloutGroup
+    prompt: list[int]
+    samples: tuple[ScreenedSample, ...]
+    """Empty when the prompt alone condemns the group."""
+    verdict: Verdict | None
+    """None: the group yields at least one trainable sample."""
+
+
+def screen(group: RolloutGroup, limits: Limits) -> ScreenedGroup:
+    """Judge ``group`` once.
+
+    The whole group goes when a token id lies outside ``[0, vocab_size)`` (malformed), when a
+    sample's reward failed or is not finite or a behaviour log-probability is not finite
+    (group baselines computed from such a group would be wrong, and one NaN reaches every
+    parameter), or when no sample is trainable. A sample is not trained when it has no
+    token to train (an empty response, or a multi-turn episode whose environment failed
+    before the model's first turn), when prompt + response exceed ``max_tokens`` (it fits
+    no micro-batch) or when it holds ``image_token``.
+    """
+    prompt = list(group.prompt_array())
+    bad = _out_of_vocab(prompt, limits.vocab_size)
+    if bad is not None:
+        return ScreenedGroup(group, prompt, (), Verdict(
+            "bad_token", f"prompt token id {prompt[bad]} at position {bad} is outside the vocabulary [0, {limits.vocab_size})", True))
+    samples: list[ScreenedSample] = []
+    verdict: Verdict | None = None
+    for k, record in enumerate(group.samples):
+        tokens, logprobs = list(record.token_array()), list(record.logprob_array())
+        mask, versions = record.token_mask(), record.token_versions()
+        bad = _out_of_vocab(tokens, limits.vocab_size)
+        if bad is not None and (verdict is None or not verdict.malformed):
+            verdict = Verdict("bad_token", f"sample {k}: response token id {tokens[bad]} at position {bad} is outside the vocabulary "
+                                           f"[0, {limits.vocab_size})", True)
+        elif verdict is None:
+            reason = ("reward_error" if record.error is not None else "nonfinite_reward" if not math.isfinite(record.reward)
+                      else "nonfinite_logprob" if not all(math.isfinite(x) for x in logprobs) else None)
+            if reason is not None:
+                verdict = Verdict(reason, record.error or f"a sample has a {reason.replace('_', ' ')}", False)
+        samples.append(ScreenedSample(tokens, logprobs, versions, mask, record.reward, _sample_problem(len(prompt), tokens, mask, limits)))
+    if verdict is None and all(s.problem for s in samples):
+        verdict = Verdict(str(samples[0].problem), "no sample is trainable", False)
+    return ScreenedGroup(group, prompt, tuple(samples), verdict)
+
+
+def _out_of_vocab(tokens: list[int], vocab_size: int | None) -> int | None:
+    """Position of the first token id outside ``[0, vocab_size)``, or None."""
+    if vocab_size is None:
+        return None
+    return next((i for i, t in enumerate(tokens) if not 0 <= t < vocab_size), None)
+
+
+def _sample_problem(prompt_len: int, tokens: list[int], mask: list[int], limits: Limits) -> str | None:
+    if not tokens or not any(mask):
+        return "empty_response"
+    if _out_of_vocab(tokens, limits.vocab_size) is not None:
+        return "bad_token"
+    if prompt_len + len(tokens) > limits.max_tokens:
+        return "too_long"
+    if limits.image_token is not None and limits.image_token in tokens:
+        return "image_token"
+    return None
