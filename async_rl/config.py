@@ -14,7 +14,8 @@ Usage::
     cfg = load_config("configs/quickstart.yaml", ["learner.optim.lr=1e-6"])
     print(to_yaml(cfg))
 
-This module depends on nothing else in async_rl (ARCHITECTURE.md: dependencies point one way).
+Of async_rl, this module depends only on :mod:`async_rl.algos.options` (the algorithms' names,
+needs and loss options; ARCHITECTURE.md: dependencies point one way).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from async_rl.algos.options import ESTIMATORS, LOSSES, AdvantageName, KLName, LossName, LossOptions
 from async_rl.data.images import PixelBounds
 from async_rl.data.prompts import ImageFields
 
@@ -322,7 +324,7 @@ class LearnerConfig:
 class AdvantageConfig:
     """Advantage estimator (see docs/algorithms.md)."""
 
-    name: Literal["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "grpo_passk", "opo", "gae"] = "grpo"
+    name: AdvantageName = "grpo"
     """Estimator (``gae`` trains a critic beside the policy: ``learner.critic``)."""
     norm_by_std: bool = True
     """GRPO: divide by the group's standard deviation (false gives Dr. GRPO)."""
@@ -334,39 +336,18 @@ class AdvantageConfig:
     """GAE lambda."""
 
 
-@dataclass
-class LossConfig:
+@dataclass(frozen=True)
+class LossConfig(LossOptions):
     """Policy loss and off-policy correction (see docs/algorithms.md).
 
-    ``async_rl.algos.losses.compute(config=...)`` reads these fields by name.
-    """
+    The options of :class:`~async_rl.algos.options.LossOptions` (``algos.losses.compute``
+    reads them by name) and the loss's ``name``: one definition of each field."""
 
-    name: Literal["ppo", "decoupled_ppo", "tis", "gspo", "cispo"] = "decoupled_ppo"
+    name: LossName = "decoupled_ppo"
     """Policy loss."""
-    clip_low: float = 0.2
-    """Lower clip range: the ratio is clipped at 1 - clip_low."""
-    clip_high: float = 0.2
-    """Upper clip range: the ratio is clipped at 1 + clip_high (DAPO's clip-higher uses 0.28)."""
-    clip_c: Optional[float] = None
-    """Dual-clip constant (> 1) bounding the loss of negative-advantage tokens; null disables it."""
-    is_level: Literal["none", "token", "sequence"] = "none"
-    """Behaviour importance weight pi_prox / mu for every loss: per ``token``, per ``sequence`` (product), or ``none``. decoupled_ppo always carries it (``none`` means ``token`` there)."""
-    is_cap: Optional[float] = 2.0
-    """Truncate importance weights at this value (TIS); null for no truncation."""
-    mask_level: Literal["none", "token", "sequence", "geometric"] = "none"
-    """Masked importance sampling: reject tokens or sequences whose ratio leaves [mask_lower, mask_upper]."""
-    mask_lower: float = 0.5
-    """Lower bound of the accepted ratio for masked importance sampling."""
-    mask_upper: float = 2.0
-    """Upper bound of the accepted ratio for masked importance sampling."""
-    agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
-    """How token losses are reduced to a scalar."""
-    kl_coef: float = 0.0
-    """Weight of the KL penalty to the frozen reference policy in the loss; 0 loads no reference model (unless ``algorithm.kl_in_reward``)."""
-    kl_kind: Literal["k1", "k2", "k3"] = "k3"
-    """KL estimator (Schulman's k1/k2/k3; k3 with verl's clamps)."""
-    entropy_coef: float = 0.0
-    """Weight of the entropy bonus."""
+
+    def __post_init__(self) -> None:
+        """Nothing: :func:`validate` checks the options, naming their keys with every other problem."""
 
 
 @dataclass
@@ -382,7 +363,7 @@ class KLControlConfig:
     """adaptive: the KL per token to hold, nats."""
     horizon: int = 10000
     """adaptive: samples over which a 20% KL error moves the coefficient by 20%."""
-    kind: Literal["k1", "k2", "k3"] = "k1"
+    kind: KLName = "k1"
     """Per-token KL estimator put in the reward (verl's default ``kl`` is k1)."""
 
 
@@ -417,8 +398,8 @@ class AlgorithmConfig:
 
     @property
     def needs_critic(self) -> bool:
-        """Whether the learner trains a value model (``learner.critic``): the ``gae`` estimator."""
-        return self.advantage.name == "gae"
+        """Whether the learner trains a value model (``learner.critic``): an estimator that takes values (``gae``)."""
+        return ESTIMATORS[self.advantage.name].critic
 
     @property
     def needs_reference(self) -> bool:
@@ -539,9 +520,6 @@ class Config:
 #: String fields whose documented words YAML reads as booleans (``resume: off``).
 _BOOL_WORDS = {"trainer.resume": {False: "off", True: "auto"}, "learner.fsdp.gradient_checkpointing": {False: "off", True: "on"},
                "learner.kernels.liger": {False: "off", True: "on"}}
-
-#: Estimators whose baseline comes from the other samples of the same prompt.
-GROUP_ESTIMATORS = ("grpo", "rloo", "grpo_passk", "reinforce_pp_baseline", "opo")
 
 
 # --------------------------------------------------------------------------- loading
@@ -748,11 +726,7 @@ def validate(cfg: Config) -> None:
          f"learner.critic.ppo_mini_batches={critic.ppo_mini_batches} must be >= 1 and divide learner.batch_size={lrn.batch_size}")
     need(lrn.gpu_memory_gb is None or lrn.gpu_memory_gb > 0, f"learner.gpu_memory_gb={lrn.gpu_memory_gb} must be > 0 (or null: the GPU's own memory)")
     need(cfg.trainer.val_every >= 0, f"trainer.val_every={cfg.trainer.val_every} must be >= 0 (0 disables validation)")
-    need(0 < loss.clip_low < 1, f"algorithm.loss.clip_low={loss.clip_low} must be in (0, 1)")
-    need(loss.clip_high > 0, f"algorithm.loss.clip_high={loss.clip_high} must be > 0")
-    need(loss.clip_c is None or loss.clip_c > 1, f"algorithm.loss.clip_c={loss.clip_c} must be > 1 (or null to disable dual-clip)")
-    need(loss.is_cap is None or loss.is_cap >= 1, f"algorithm.loss.is_cap={loss.is_cap} must be >= 1 (or null for no truncation)")
-    need(loss.kl_coef >= 0, f"algorithm.loss.kl_coef={loss.kl_coef} must be >= 0")
+    problems.extend(loss.problems("algorithm.loss."))
     kc = alg.kl_ctrl
     need(math.isfinite(kc.kl_coef) and kc.kl_coef >= 0, f"algorithm.kl_ctrl.kl_coef={kc.kl_coef} must be >= 0")
     need(kc.type != "adaptive" or kc.kl_coef > 0, f"algorithm.kl_ctrl.kl_coef={kc.kl_coef} must be > 0 with algorithm.kl_ctrl.type='adaptive' (it only scales)")
@@ -779,12 +753,7 @@ def validate(cfg: Config) -> None:
 
     # Cross-field rules: name both keys.
     need(
-        loss.mask_level == "none" or 0 <= loss.mask_lower <= 1 <= loss.mask_upper,
-        f"algorithm.loss.mask_lower={loss.mask_lower} and algorithm.loss.mask_upper={loss.mask_upper} must satisfy 0 <= lower <= 1 <= upper "
-        f"when algorithm.loss.mask_level={loss.mask_level!r}",
-    )
-    need(
-        alg.advantage.name not in GROUP_ESTIMATORS or r.n > 1,
+        not ESTIMATORS[alg.advantage.name].group or r.n > 1,
         f"algorithm.advantage.name={alg.advantage.name!r} compares samples of the same prompt and needs rollout.n > 1 (got rollout.n={r.n})",
     )
     need(
@@ -806,9 +775,10 @@ def validate(cfg: Config) -> None:
             f"rollout.vllm.max_model_len={r.vllm.max_model_len} must be >= data.max_prompt_length + rollout.max_response_length "
             f"= {cfg.data.max_prompt_length + r.max_response_length}",
         )
+    bypass = ", ".join(repr(name) for name, info in LOSSES.items() if info.bypass)
     need(
-        alg.recompute_proximal or loss.name != "decoupled_ppo",
-        "algorithm.loss.name='decoupled_ppo' needs algorithm.recompute_proximal=true (with false, pi_prox = mu and the loss is 'tis')",
+        alg.recompute_proximal or not LOSSES[loss.name].behaviour_weight,
+        f"algorithm.loss.name={loss.name!r} needs algorithm.recompute_proximal=true (with false, pi_prox = mu and the loss is {bypass})",
     )
     if problems:
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
@@ -864,14 +834,18 @@ def save_resolved(cfg: Config, out_dir: str | Path) -> Path:
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """The docstring of each field of dataclass ``cls`` (the string literal after the field)."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body  # type: ignore[attr-defined]
+    """The docstring of each field of dataclass ``cls`` (the string literal after the field),
+    inherited fields included (``LossConfig`` adds ``name`` to the options of ``algos.options``)."""
     docs: dict[str, str] = {}
-    for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
-                docs[node.target.id] = nxt.value.value
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        body = tree.body[0].body  # type: ignore[attr-defined]
+        for node, nxt in zip(body, body[1:]):
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
+                    docs[node.target.id] = nxt.value.value
     return docs
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from async_rl.config import Config, ConfigError, GROUP_ESTIMATORS, LossConfig, load_config, reference_markdown, to_yaml
+from async_rl.config import Config, ConfigError, LossConfig, load_config, reference_markdown, to_yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
@@ -153,22 +153,40 @@ def test_docs_config_md_is_current():
     assert (ROOT / "docs" / "config.md").read_text() == reference_markdown() + "\n", "run: async-rl config docs --out docs/config.md"
 
 
-def test_group_estimators_are_registered():
-    from async_rl.algos import advantages
-
-    assert set(GROUP_ESTIMATORS) <= set(advantages.names())
-
-
-def test_loss_section_matches_algos_options():
-    """config.LossConfig mirrors algos.losses.LossOptions field for field (names and defaults)."""
+def test_loss_section_is_the_algos_options_plus_a_name():
+    """config.LossConfig adds only ``name`` to algos.options.LossOptions (no mirrored fields)."""
     import dataclasses
 
-    from async_rl.algos.losses import LossOptions
+    from async_rl.algos.options import LossOptions
 
-    ours = {f.name: f.default for f in dataclasses.fields(LossConfig) if f.name != "name"}
-    theirs = {f.name: f.default for f in dataclasses.fields(LossOptions)}
-    assert ours == theirs
+    assert issubclass(LossConfig, LossOptions)
+    assert [f.name for f in dataclasses.fields(LossConfig)] == [f.name for f in dataclasses.fields(LossOptions)] + ["name"]
     assert LossOptions.from_any(LossConfig()) == LossOptions()
+
+
+def test_loss_option_ranges_name_the_keys_with_every_other_problem():
+    msg = _error(["algorithm.loss.clip_low=1.0", "algorithm.loss.is_cap=0.5", "algorithm.loss.kl_coef=-0.1", "rollout.top_p=0"])
+    assert "algorithm.loss.clip_low=1.0 must be in [0, 1)" in msg
+    assert "algorithm.loss.is_cap=0.5 must be >= 1 (or null for no truncation)" in msg
+    assert "algorithm.loss.kl_coef=-0.1 must be finite and >= 0" in msg and "rollout.top_p=0.0" in msg
+    assert "algorithm.loss.mask_upper=0.9 must be >= 1" in _error(["algorithm.loss.mask_upper=0.9"])
+
+
+def test_loss_options_of_a_loaded_config_are_checked_by_the_loss():
+    from async_rl.algos.options import LossOptions
+
+    cfg = load_config(None, ["algorithm.loss.clip_high=0.28", "algorithm.loss.name=gspo"])
+    assert LossOptions.from_any(cfg.algorithm.loss) == LossOptions(clip_high=0.28)
+
+
+def test_bypass_needs_no_recompute_but_the_behaviour_weight_does():
+    assert "algorithm.loss.name='decoupled_ppo' needs algorithm.recompute_proximal=true" in _error(["algorithm.recompute_proximal=false"])
+    assert load_config(None, ["algorithm.recompute_proximal=false", "algorithm.loss.name=tis"]).algorithm.loss.name == "tis"
+
+
+def test_needs_critic_is_the_estimators_metadata():
+    assert load_config(None, ["algorithm.advantage.name=gae"]).algorithm.needs_critic
+    assert not load_config().algorithm.needs_critic
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -197,11 +215,13 @@ def test_yaml_boolean_words_in_string_fields():
 def test_algorithm_name_choices_are_exactly_the_registered_ones():
     import typing
 
-    from async_rl.algos import advantages, losses
-    from async_rl.config import AdvantageConfig
+    from async_rl.algos import advantages, kl, losses
+    from async_rl.config import AdvantageConfig, KLControlConfig
 
     assert set(typing.get_args(typing.get_type_hints(AdvantageConfig)["name"])) == set(advantages.names())
     assert set(typing.get_args(typing.get_type_hints(LossConfig)["name"])) == set(losses.names())
+    assert set(typing.get_args(typing.get_type_hints(LossConfig)["kl_kind"])) == set(kl.names())
+    assert set(typing.get_args(typing.get_type_hints(KLControlConfig)["kind"])) == set(kl.names())
 
 
 def test_reward_kwargs_are_a_free_mapping():

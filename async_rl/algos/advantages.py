@@ -20,8 +20,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from async_rl.plugins import Registry
+
 from ._masked import masked_whiten
-from ._registry import Registry
 
 Estimator = Callable[..., tuple[Tensor, Tensor]]
 

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from async_rl.plugins import Registry
+
 from ._masked import masked_mean
-from ._registry import Registry
 
 Estimator = Callable[[Tensor, Tensor], Tensor]
 

@@ -25,106 +25,22 @@ their inputs are given.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from async_rl.plugins import Registry
+
 from . import kl
 from ._masked import masked_mean
-from ._registry import Registry
-
-IsLevel = Literal["none", "token", "sequence"]
-MaskLevel = Literal["none", "token", "sequence", "geometric"]
-AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
-
-IS_LEVELS: tuple[str, ...] = ("none", "token", "sequence")
-MASK_LEVELS: tuple[str, ...] = ("none", "token", "sequence", "geometric")
-AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+from .options import AGG_MODES, LOSSES, LossOptions
 
 # verl's SAFETY_BOUND: log-ratios are clamped to +-20 before exp so weights stay finite in float32.
 _LOG_RATIO_BOUND = 20.0
-
-
-@dataclass(frozen=True)
-class LossOptions:
-    """Every option of the policy loss, with its default. Read from a config by :meth:`from_any`."""
-
-    clip_low: float = 0.2
-    """PPO lower clip: the ratio is clipped below at ``1 - clip_low`` (dimensionless, in [0, 1))."""
-    clip_high: float = 0.2
-    """PPO upper clip: the ratio is clipped above at ``1 + clip_high``; above ``clip_low`` it is
-    DAPO's clip-higher (dimensionless, >= 0)."""
-    clip_c: float | None = None
-    """Dual-clip constant (Ye et al., arXiv:1912.09729): for negative advantages the per-token loss
-    is capped at ``-clip_c * A``. None disables dual-clip; otherwise > 1 (e.g. 3.0)."""
-    is_level: IsLevel = "none"
-    """Importance weight ``pi_train / mu``: "token" (per token), "sequence" (product over the
-    sequence) or "none" (weight 1). ``decoupled_ppo`` always carries the weight: "none" means
-    "token" for it."""
-    is_cap: float | None = 2.0
-    """Truncation of the importance weight, ``w = min(w, is_cap)`` (TIS); None = no truncation.
-    At least 1, so that on-policy tokens (weight 1) are never scaled down."""
-    mask_level: MaskLevel = "none"
-    """Rejection (masked IS): "token" drops tokens whose ratio is outside
-    ``[mask_lower, mask_upper]``; "sequence" drops sequences whose ratio product is; "geometric"
-    drops sequences whose geometric-mean ratio is; "none" keeps everything."""
-    mask_lower: float = 0.5
-    """Lower bound of the accepted ratio for rejection (dimensionless, in [0, 1])."""
-    mask_upper: float = 2.0
-    """Upper bound of the accepted ratio for rejection (dimensionless, >= 1)."""
-    agg_mode: AggMode = "token-mean"
-    """Aggregation of the per-token loss: "token-mean" (over all trained tokens of the batch),
-    "seq-mean-token-sum", "seq-mean-token-mean" (token mean per sequence, then mean over
-    sequences) or "seq-mean-token-sum-norm" (token sum per sequence divided by ``T``, then mean
-    over sequences; Dr. GRPO). Sequences without trained tokens do not count."""
-    kl_coef: float = 0.0
-    """Weight of the KL-to-reference term added to the loss (needs ``ref_logp``); 0 = off."""
-    kl_kind: str = "k3"
-    """KL estimator for the reference term: one of ``kl.names()`` ("k1", "k2", "k3")."""
-    entropy_coef: float = 0.0
-    """Weight of the entropy bonus subtracted from the loss (needs ``entropy``); 0 = off."""
-
-    def __post_init__(self) -> None:
-        _check(0 <= self.clip_low < 1, "clip_low must be in [0, 1)", self.clip_low)
-        _check(self.clip_high >= 0, "clip_high must be >= 0", self.clip_high)
-        _check(self.clip_c is None or self.clip_c > 1, "clip_c must be None or > 1", self.clip_c)
-        _check(self.is_level in IS_LEVELS, f"is_level must be one of {IS_LEVELS}", self.is_level)
-        _check(self.is_cap is None or self.is_cap >= 1, "is_cap must be None or >= 1", self.is_cap)
-        _check(self.mask_level in MASK_LEVELS, f"mask_level must be one of {MASK_LEVELS}", self.mask_level)
-        _check(0 <= self.mask_lower <= 1, "mask_lower must be in [0, 1]", self.mask_lower)
-        _check(self.mask_upper >= 1, "mask_upper must be >= 1", self.mask_upper)
-        _check(self.agg_mode in AGG_MODES, f"agg_mode must be one of {AGG_MODES}", self.agg_mode)
-        _check(self.kl_kind in kl.names(), f"kl_kind must be one of {kl.names()}", self.kl_kind)
-        _check(math.isfinite(self.kl_coef), "kl_coef must be finite", self.kl_coef)
-        _check(math.isfinite(self.entropy_coef), "entropy_coef must be finite", self.entropy_coef)
-
-    @classmethod
-    def from_any(cls, config: Mapping[str, Any] | object | None) -> LossOptions:
-        """Options from a dict, or from any object with attributes of the same names (e.g. a dataclass).
-
-        Missing names take the defaults; a dict key that is not an option raises ``ValueError``.
-        """
-        if config is None:
-            return cls()
-        if isinstance(config, cls):
-            return config
-        fields = [field.name for field in dataclasses.fields(cls)]
-        if isinstance(config, Mapping):
-            unknown = sorted(set(config) - set(fields))
-            if unknown:
-                raise ValueError(f"unknown loss option(s) {unknown}; valid options: {fields}")
-            return cls(**config)
-        return cls(**{name: getattr(config, name) for name in fields if hasattr(config, name)})
-
-
-def _check(condition: bool, message: str, value: object) -> None:
-    if not condition:
-        raise ValueError(f"{message}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -141,32 +57,11 @@ class PolicyTerms:
 
 PolicyLoss = Callable[[Tensor, Tensor, Tensor, Tensor, LossOptions], PolicyTerms]
 
-
-@dataclass(frozen=True)
-class _LossSpec:
-    fn: PolicyLoss
-    bypass: bool
-    """``pi_prox := mu``: the ratio's anchor is ``behav_logp`` and ``old_logp`` is not needed."""
-    behaviour_weight: bool
-    """The loss's definition includes the importance weight, so ``is_level="none"`` means "token"."""
-
-
-_REGISTRY: Registry[_LossSpec] = Registry("policy loss")
+_REGISTRY: Registry[PolicyLoss] = Registry("policy loss")
+register = _REGISTRY.register
+"""Register a policy loss ``fn(logp, prox_logp, advantages, mask, options) -> PolicyTerms``;
+how it anchors and weights is its :data:`~async_rl.algos.options.LOSSES` entry."""
 names = _REGISTRY.names
-
-
-def register(name: str, *, bypass: bool = False, behaviour_weight: bool = False) -> Callable[[PolicyLoss], PolicyLoss]:
-    """Register a policy loss ``fn(logp, prox_logp, advantages, mask, options) -> PolicyTerms``.
-
-    ``bypass``: the loss anchors its ratio on ``mu`` (no recomputed ``pi_prox``).
-    ``behaviour_weight``: the loss always multiplies by the importance weight.
-    """
-
-    def decorator(fn: PolicyLoss) -> PolicyLoss:
-        _REGISTRY.add(name, _LossSpec(fn, bypass, behaviour_weight))
-        return fn
-
-    return decorator
 
 
 def compute(
@@ -206,20 +101,21 @@ def compute(
         ``behav_kl``, plus ``kl_loss`` / ``entropy`` when those inputs are given.
     """
     options = LossOptions.from_any(config)
-    spec = _REGISTRY.get(name)
+    fn = _REGISTRY.get(name)
+    info = LOSSES[name]
     mask = mask.to(logp.dtype)
-    if spec.bypass:
+    if info.bypass:
         prox_logp, train_logp = behav_logp, logp.detach()
     elif old_logp is None:
         raise ValueError(f"policy loss {name!r} needs old_logp (the proximal policy)")
     else:
         prox_logp = train_logp = old_logp
     behav_log_ratio = (train_logp - behav_logp).detach()
-    level = "token" if spec.behaviour_weight and options.is_level == "none" else options.is_level
+    level = "token" if info.behaviour_weight and options.is_level == "none" else options.is_level
     weight = importance_weight(behav_log_ratio, mask, level, options.is_cap)
     keep = mask * rejection_mask(behav_log_ratio, mask, options.mask_level, options.mask_lower, options.mask_upper)
 
-    terms = spec.fn(logp, prox_logp, advantages, keep, options)
+    terms = fn(logp, prox_logp, advantages, keep, options)
     pg_loss = aggregate(terms.loss * weight * (1.0 if token_weight is None else token_weight), keep, options.agg_mode)
     metrics = {
         "pg_loss": pg_loss,
@@ -374,7 +270,7 @@ def ppo(logp: Tensor, prox_logp: Tensor, advantages: Tensor, mask: Tensor, optio
     return _clipped_surrogate(logp - prox_logp, advantages, options)
 
 
-@register("decoupled_ppo", behaviour_weight=True)
+@register("decoupled_ppo")
 def decoupled_ppo(
     logp: Tensor, prox_logp: Tensor, advantages: Tensor, mask: Tensor, options: LossOptions
 ) -> PolicyTerms:
@@ -389,7 +285,7 @@ def decoupled_ppo(
     return ppo(logp, prox_logp, advantages, mask, options)
 
 
-@register("tis", bypass=True)
+@register("tis")
 def tis(logp: Tensor, prox_logp: Tensor, advantages: Tensor, mask: Tensor, options: LossOptions) -> PolicyTerms:
     """Bypass mode: ``pi_prox := mu``, PPO clip on ``pi_theta / mu`` (no recompute of ``pi_prox``).
 
@@ -443,7 +339,8 @@ def value_loss(
     """
     if agg_mode not in AGG_MODES:
         raise ValueError(f"unknown agg_mode {agg_mode!r}; valid modes: {AGG_MODES}")
-    _check(cliprange is None or cliprange > 0, "cliprange must be > 0 or None", cliprange)
+    if cliprange is not None and not cliprange > 0:
+        raise ValueError(f"cliprange must be > 0 or None, got {cliprange!r}")
     mask = mask.to(values.dtype)
     unclipped = (values - returns).square()
     if cliprange is None:

@@ -3,13 +3,14 @@
 (``rollout.env.name``) and the episode runner with its failure isolation."""
 
 from async_rl.envs.base import BaseEnvironment, EnvironmentConfig, Trajectory
-from async_rl.envs.registry import builtin_names, load_environment, make_environment, register
+from async_rl.envs.registry import ENVIRONMENTS, builtin_names, load_environment, make_environment
 from async_rl.envs.runner import EnvError, EnvTimeout, call_env, run_episode
 
 from async_rl.envs import builtin as _builtin  # noqa: E402,F401 - registers the built-in environments
 
 __all__ = [
     "BaseEnvironment",
+    "ENVIRONMENTS",
     "EnvError",
     "EnvTimeout",
     "EnvironmentConfig",
@@ -18,6 +19,5 @@ __all__ = [
     "call_env",
     "load_environment",
     "make_environment",
-    "register",
     "run_episode",
 ]

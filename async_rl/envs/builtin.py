@@ -15,10 +15,10 @@ from typing import Any
 
 from async_rl.data.tiny_task import CORRECT, extract_answer, feedback
 from async_rl.envs.base import BaseEnvironment, EnvironmentConfig
-from async_rl.envs.registry import register
+from async_rl.envs.registry import ENVIRONMENTS
 
 
-@register("addition_feedback")
+@ENVIRONMENTS.register("addition_feedback")
 class AdditionFeedback(BaseEnvironment):
     """Solve ``problem`` (``answer`` is an integer) with higher/lower feedback.
 

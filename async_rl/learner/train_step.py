@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from async_rl.algos import advantages, kl, losses, vppo
+from async_rl.algos.options import ESTIMATORS, LOSSES
 from async_rl.config import AlgorithmConfig, LearnerConfig, OptimConfig
 from async_rl.learner import collectives, vision
 from async_rl.learner.attention import attention_kwargs
@@ -31,10 +32,6 @@ from async_rl.learner.batching import Batch, pack, plan_micro_batches, split_gro
 from async_rl.learner.logprobs import token_logprobs
 from async_rl.learner.model import DistInfo
 from async_rl.learner.values import token_values
-
-# Options each advantage estimator accepts from AdvantageConfig (gae also takes the critic's values).
-_ADVANTAGE_OPTIONS = {"grpo": ("norm_by_std", "eps"), "grpo_passk": ("norm_by_std", "eps"), "reinforce_pp": ("gamma",),
-                      "gae": ("gamma", "lam")}
 
 
 def lr_factor(step: int, optim: OptimConfig, total_steps: int) -> float:
@@ -136,10 +133,10 @@ class Trainer:
         self.temperature = temperature
         self.optimizer, self.scheduler = build_optimizer(policy, learner.optim, total_steps)
         self.critic_optimizer, self.critic_scheduler = build_optimizer(critic, learner.critic.optim, total_steps) if critic is not None else (None, None)
-        # tis anchors on mu and ignores old_logp; with one update per step pi_prox is the
-        # current policy, so logp.detach() of the loss pass is exactly the recomputed value.
+        # a bypass loss (tis) anchors on mu and ignores old_logp; with one update per step pi_prox
+        # is the current policy, so logp.detach() of the loss pass is exactly the recomputed value.
         self.single_update = learner.ppo_mini_batches == 1 and learner.ppo_epochs == 1
-        self.recompute = algorithm.recompute_proximal and algorithm.loss.name != "tis" and not self.single_update
+        self.recompute = algorithm.recompute_proximal and not LOSSES[algorithm.loss.name].bypass and not self.single_update
         kc = algorithm.kl_ctrl
         self.kl_ctrl: kl.FixedKLController | kl.AdaptiveKLController | None = None
         """The coefficient of the KL in the reward (``algorithm.kl_in_reward``); checkpointed by the loop."""
@@ -285,7 +282,7 @@ class Trainer:
     def _advantages(self, batch: Batch, rewards: Tensor, values: Tensor | None) -> tuple[Tensor, Tensor]:
         """``(advantages, returns)`` ``[N, T]`` on the CPU; ``values`` (gae) are the critic's."""
         cfg = self.algorithm.advantage
-        options: dict[str, object] = {name: getattr(cfg, name) for name in _ADVANTAGE_OPTIONS.get(cfg.name, ())}
+        options: dict[str, object] = {name: getattr(cfg, name) for name in ESTIMATORS[cfg.name].options}
         if values is not None:
             options["values"] = values.cpu()
         return advantages.compute_with_returns(cfg.name, rewards=rewards, response_mask=batch.response_mask,

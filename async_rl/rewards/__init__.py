@@ -8,7 +8,7 @@ and returns one dict. :class:`RewardPool` runs it in worker processes,
 """
 
 from async_rl.rewards.pool import RewardCallError, RewardError, RewardPool, RewardTimeout, RewardWorkerDied
-from async_rl.rewards.registry import RewardFunction, builtin_names, load_reward_function
+from async_rl.rewards.registry import REWARDS, RewardFunction, builtin_names, load_reward_function
 from async_rl.rewards.scoring import (
     RewardCounters,
     RewardOutputError,
@@ -18,7 +18,10 @@ from async_rl.rewards.scoring import (
     check_reward_function,
 )
 
+from async_rl.rewards import builtin as _builtin  # noqa: E402,F401 - registers the built-in reward functions
+
 __all__ = [
+    "REWARDS",
     "RewardCallError",
     "RewardCounters",
     "RewardError",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from async_rl.rewards.registry import register
+from async_rl.rewards.registry import REWARDS
 
 _SPACE = re.compile(r"\s+")
 
@@ -14,7 +14,7 @@ def _normalise(text: str) -> str:
     return _SPACE.sub(" ", text).strip()
 
 
-@register("exact_match")
+@REWARDS.register("exact_match")
 def exact_match(reward_inputs: list[dict[str, Any]]) -> list[dict[str, float]]:
     """1.0 when the response, whitespace-normalised, equals the ground truth; else 0.0.
 
@@ -41,13 +41,13 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
-@register("format")
+@REWARDS.register("format")
 def boxed_format(reward_inputs: list[dict[str, Any]]) -> list[dict[str, float]]:
     """1.0 when the response states its final answer in ``\\boxed{...}``; else 0.0."""
     return [{"overall": float(last_boxed(item["response"]) is not None)} for item in reward_inputs]
 
 
-@register("math")
+@REWARDS.register("math")
 def math_equivalence(reward_inputs: list[dict[str, Any]]) -> list[dict[str, float]]:
     """Boxed-answer math reward: ``overall = 0.9 * accuracy + 0.1 * format`` (EasyR1's math reward).
 

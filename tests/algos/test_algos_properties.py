@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from async_rl.algos import advantages, losses
+from async_rl.algos.options import AGG_MODES, IS_LEVELS, MASK_LEVELS
 
 SETTINGS = settings(max_examples=40, deadline=None)
 Batch = dict[str, torch.Tensor]
@@ -21,12 +22,12 @@ options = st.fixed_dictionaries(
         "clip_low": st.floats(0.0, 0.5),
         "clip_high": st.floats(0.0, 0.5),
         "clip_c": st.none() | st.floats(1.5, 5.0),
-        "is_level": st.sampled_from(losses.IS_LEVELS),
+        "is_level": st.sampled_from(IS_LEVELS),
         "is_cap": st.none() | st.floats(1.0, 5.0),
-        "mask_level": st.sampled_from(losses.MASK_LEVELS),
+        "mask_level": st.sampled_from(MASK_LEVELS),
         "mask_lower": st.floats(0.0, 1.0),
         "mask_upper": st.floats(1.0, 5.0),
-        "agg_mode": st.sampled_from(losses.AGG_MODES),
+        "agg_mode": st.sampled_from(AGG_MODES),
     }
 )
 

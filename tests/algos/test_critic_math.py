@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from async_rl.algos import advantages, kl, losses
+from async_rl.algos.options import AGG_MODES
 
 TOL = 1e-5
 
@@ -56,7 +57,7 @@ def _ref_value_loss(v, v_old, ret, mask, clip, mode):
     return 0.5 * _ref_agg(loss, mask, mode), clipped_count / max(n, 1)
 
 
-@pytest.mark.parametrize("mode", losses.AGG_MODES)
+@pytest.mark.parametrize("mode", AGG_MODES)
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_value_loss_matches_the_reference(mode: str, seed: int) -> None:
     d = _random_batch(seed)

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
 from async_rl.algos import losses
-from async_rl.algos.losses import LossOptions
 
 L = math.log
 # Two sequences of T = 3; the last token of row 1 is padding.
@@ -293,61 +290,3 @@ def test_missing_inputs_raise() -> None:
         losses.compute("ppo", old_logp=logp, config={"kl_coef": 0.1}, **common)
     with pytest.raises(ValueError, match="needs entropy"):
         losses.compute("ppo", old_logp=logp, config={"entropy_coef": 0.1}, **common)
-
-
-def test_loss_options_defaults_are_the_contract() -> None:
-    defaults = {field.name: field.default for field in dataclasses.fields(LossOptions)}
-    assert defaults == {
-        "clip_low": 0.2,
-        "clip_high": 0.2,
-        "clip_c": None,
-        "is_level": "none",
-        "is_cap": 2.0,
-        "mask_level": "none",
-        "mask_lower": 0.5,
-        "mask_upper": 2.0,
-        "agg_mode": "token-mean",
-        "kl_coef": 0.0,
-        "kl_kind": "k3",
-        "entropy_coef": 0.0,
-    }
-
-
-@dataclasses.dataclass
-class _TypedLossSection:
-    clip_high: float = 0.28
-    is_level: str = "sequence"
-    name: str = "ppo"  # other fields of a typed section are ignored
-
-
-def test_loss_options_from_dict_object_or_none() -> None:
-    assert LossOptions.from_any(None) == LossOptions()
-    assert LossOptions.from_any({"clip_c": 3.0}) == LossOptions(clip_c=3.0)
-    assert LossOptions.from_any(SimpleNamespace(is_cap=None)) == LossOptions(is_cap=None)
-    assert LossOptions.from_any(_TypedLossSection()) == LossOptions(clip_high=0.28, is_level="sequence")
-    options = LossOptions(agg_mode="seq-mean-token-sum")
-    assert LossOptions.from_any(options) is options
-    with pytest.raises(ValueError, match=r"unknown loss option\(s\) \['cliprange'\]"):
-        LossOptions.from_any({"cliprange": 0.2})
-
-
-@pytest.mark.parametrize(
-    "config",
-    [
-        {"clip_low": 1.0},
-        {"clip_high": -0.1},
-        {"clip_c": 1.0},
-        {"is_level": "geometric"},
-        {"is_cap": 0.5},
-        {"mask_level": "all"},
-        {"mask_lower": 1.5},
-        {"mask_upper": 0.9},
-        {"agg_mode": "sum"},
-        {"kl_kind": "k4"},
-        {"kl_coef": math.inf},
-        {"entropy_coef": math.nan},
-    ],
-)
-def test_loss_options_reject_invalid_values(config: dict[str, Any]) -> None:
-    with pytest.raises(ValueError, match=next(iter(config))):
-        LossOptions.from_any(config)

@@ -196,7 +196,7 @@ def test_sequential_function_is_called_per_sample_with_kwargs(rewards):
 def test_load_failure_is_a_call_error_not_a_hang(tmp_path):
     async def go():
         with RewardPool(RewardConfig(function=f"{tmp_path / 'missing.py'}:f", num_workers=1, timeout_s=5.0)) as pool:
-            with pytest.raises(RewardCallError, match="FileNotFoundError: reward file .* not found") as info:
+            with pytest.raises(RewardCallError, match="FileNotFoundError: reward function file .* not found") as info:
                 await pool.call(_inputs(("a", "a")))
             assert "Traceback" in info.value.traceback_text
             assert pool.restarts == 0

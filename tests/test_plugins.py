@@ -1,0 +1,59 @@
+"""plugins.Registry: registering, listing, did-you-mean errors, resolving path/to/file.py:name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from async_rl.plugins import Registry, load_from_file
+
+
+def _registry() -> Registry[object]:
+    registry: Registry[object] = Registry("greeting", key="demo.greeting", accepts=callable, expected="a function")
+
+    @registry.register("hello")
+    def hello() -> str:
+        return "hello"
+
+    registry.add("hi", lambda: "hi")
+    return registry
+
+
+def test_register_names_and_get() -> None:
+    registry = _registry()
+    assert registry.names() == ["hello", "hi"]
+    assert registry.get("hello")() == "hello"  # type: ignore[operator]
+    with pytest.raises(ValueError, match="greeting 'hi' is already registered"):
+        registry.add("hi", print)
+
+
+def test_unknown_name_suggests_and_lists() -> None:
+    registry = _registry()
+    with pytest.raises(ValueError, match=r"unknown greeting 'helo' \(did you mean 'hello'\?\); valid names: hello, hi"):
+        registry.get("helo")
+    with pytest.raises(ValueError, match=r"unknown greeting 'helo' \(did you mean 'hello'\?\) \(from demo.greeting\); use a built-in \(hello, hi\)"):
+        registry.resolve("helo")
+    with pytest.raises(ValueError, match=r"valid names: none yet"):
+        Registry("thing").get("x")
+
+
+def test_resolve_a_built_in_or_a_file(tmp_path: Path) -> None:
+    registry = _registry()
+    assert registry.resolve("hi")() == "hi"  # type: ignore[operator]
+    path = tmp_path / "mine.py"
+    path.write_text("def greet():\n    return 'mine'\n\nNUMBER = 3\n")
+    assert registry.resolve(f"{path}:greet")() == "mine"  # type: ignore[operator]
+    with pytest.raises(ValueError, match=rf"demo.greeting='{path}:NUMBER' is not a function"):
+        registry.resolve(f"{path}:NUMBER")
+    with pytest.raises(ValueError, match=r"has no 'nope' \(from demo.greeting="):
+        registry.resolve(f"{path}:nope")
+    with pytest.raises(FileNotFoundError, match="greeting file .* not found"):
+        registry.resolve(f"{tmp_path / 'missing.py'}:greet")
+    assert "greet" not in registry.names()  # resolving a file registers nothing
+
+
+def test_load_from_file_needs_the_form(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="is not of the form path/to/file.py:name"):
+        load_from_file(f"{tmp_path}/x.py:", "demo.key", "thing")
+
