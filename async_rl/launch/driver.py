@@ -46,7 +46,7 @@ from async_rl.rollout.engine_args import engine_kwargs, on_gpu, openai_api_setti
 from async_rl.rollout.host import COUNTERS, WorkerHostSpec
 from async_rl.rollout.pool import ServerPool, ServerSpec
 from async_rl.rollout.episodes import EpisodeSampler
-from async_rl.rollout.server import Sampling
+from async_rl.rollout.types import Sampling
 from async_rl.rollout.validation import ValidationResult, ValPrompt, validate, validate_episodes
 
 log = logging.getLogger(__name__)

@@ -31,8 +31,8 @@ from async_rl.envs.conversation import ChatEncoder
 from async_rl.queue import ReplayQueue
 from async_rl.rewards import RewardPool, RewardScorer
 from async_rl.rollout.episodes import EpisodeCounters, EpisodeSampler
-from async_rl.rollout.server import Sampling
-from async_rl.rollout.worker import GenerateFn, RolloutWorker, WorkerCounters, WorkerSettings
+from async_rl.rollout.types import GenerateFn, Sampling
+from async_rl.rollout.worker import RolloutWorker, WorkerCounters, WorkerSettings
 
 if TYPE_CHECKING:
     from async_rl.config import Config, EnvConfig, RewardConfig

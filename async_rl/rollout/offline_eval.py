@@ -107,7 +107,8 @@ def _evaluate_episodes(cfg: Config, rows: list[PromptRow], rejected: int, progre
     from async_rl.envs import load_environment
     from async_rl.envs.conversation import ChatEncoder
     from async_rl.rollout.episodes import Episode, EpisodeSampler
-    from async_rl.rollout.server import InferenceServer, Sampling
+    from async_rl.rollout.server import InferenceServer
+    from async_rl.rollout.types import Sampling
 
     env_cls = load_environment(cfg.rollout.env.name)  # type: ignore[arg-type]
 

@@ -16,7 +16,7 @@ from async_rl.envs import BaseEnvironment, EnvironmentConfig
 from async_rl.envs.conversation import ChatEncoder
 from async_rl.envs.tools import ToolEnvironment
 from async_rl.rollout.episodes import EpisodeSampler
-from async_rl.rollout.server import Completion, Sampling
+from async_rl.rollout.types import Completion, Sampling
 
 
 class Countdown(BaseEnvironment):

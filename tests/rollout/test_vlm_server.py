@@ -12,7 +12,8 @@ import torch
 from async_rl.config import load_config
 from async_rl.data.prompts import PromptFormatter, read_prompt_rows
 from async_rl.rollout.engine_args import engine_kwargs
-from async_rl.rollout.server import InferenceServer, Sampling
+from async_rl.rollout.server import InferenceServer
+from async_rl.rollout.types import Sampling
 
 pytestmark = pytest.mark.integration
 
