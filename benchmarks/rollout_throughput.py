@@ -47,7 +47,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
 
-    from async_rl.data.tiny_assets import build_tiny_assets
+    from async_rl.tiny import build_tiny_assets
 
     if not (args.assets / "assets.json").is_file():
         build_tiny_assets(args.assets, seed=0)
