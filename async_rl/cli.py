@@ -75,7 +75,7 @@ def assets_tiny(
     task: Annotated[str, typer.Option(help="addition (single-turn), multiturn (the addition_feedback environment's warm-start) or vlm (an Idefics3 vision-language model and a coloured-square task).")] = "addition",
 ) -> None:
     """Build the tiny tokenizer, Qwen2 model, arithmetic task and warm-start (about a minute on 2 cores); --task vlm: a tiny Idefics3 and a visual task (~15 s)."""
-    from async_rl.data.tiny_assets import TASKS, build_tiny_assets
+    from async_rl.tiny import TASKS, build_tiny_assets
 
     if task not in TASKS:
         typer.echo(f"error: --task {task!r} is not one of {', '.join(TASKS)}", err=True)
@@ -117,7 +117,7 @@ def quickstart(
     """Build the tiny assets if absent, then train configs/quickstart.yaml, or with
     `multiturn` first, configs/multiturn_quickstart.yaml, or with `vlm` first,
     configs/vlm_quickstart.yaml (a vision-language model with VPPO) (CPU, about 10 minutes)."""
-    from async_rl.data.tiny_assets import build_tiny_assets
+    from async_rl.tiny import build_tiny_assets
 
     args = list(overrides or [])
     name = args.pop(0) if args and "=" not in args[0] else "addition"

@@ -37,8 +37,6 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from async_rl.algos.options import ESTIMATORS, LOSSES, AdvantageName, KLName, LossName, LossOptions
-from async_rl.data.images import PixelBounds
-from async_rl.data.prompts import ImageFields
 
 
 class ConfigError(ValueError):
@@ -80,10 +78,6 @@ class DataConfig:
     """Smaller images are upscaled to this many pixels (width x height), aspect kept (EasyR1's default)."""
     max_pixels: int = 4194304
     """Larger images are downscaled to this many pixels (width x height), aspect kept (EasyR1's default)."""
-
-    def image_fields(self) -> ImageFields:
-        """How :func:`~async_rl.data.prompts.read_prompt_rows` finds and checks this dataset's images."""
-        return ImageFields(self.image_key, self.image_dir, PixelBounds(self.min_pixels, self.max_pixels))
 
 
 @dataclass

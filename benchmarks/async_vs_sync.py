@@ -51,7 +51,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from async_rl.config import load_config
-    from async_rl.data.tiny_assets import build_tiny_assets
+    from async_rl.tiny import build_tiny_assets
 
     if not (args.assets / "assets.json").is_file():
         build_tiny_assets(args.assets, seed=0, task=args.task)
@@ -178,13 +178,14 @@ def _stages(cfg, groups: int, layout) -> tuple[float, float]:
 async def _generate_alone(cfg, url: str, groups: int, cores: str | None) -> float:
     """Seconds for the server's own rollout worker (as in a run) to put ``groups`` groups."""
     import dataclasses
+    from functools import partial
 
     import ray
 
     from async_rl.data.prompts import read_prompt_rows
     from async_rl.queue import ReplayQueue
     from async_rl.rollout.engine_args import engine_kwargs, openai_api_settings
-    from async_rl.rollout.host import WorkerHostSpec
+    from async_rl.rollout.host import WorkerHost, WorkerHostSpec
     from async_rl.rollout.pool import ServerPool, ServerSpec
 
     r = cfg.rollout
@@ -197,7 +198,7 @@ async def _generate_alone(cfg, url: str, groups: int, cores: str | None) -> floa
     spec = dataclasses.replace(spec, max_depth=groups, settings=dataclasses.replace(spec.settings, batch_size=groups, max_staleness=0))
     with ReplayQueue(url, cfg.trainer.run_name, max_depth=groups) as queue:
         start = time.monotonic()
-        await pool.handle(0).start_workers.remote(spec, ray.put(rows), "server-0#0")
+        await pool.handle(0).start_workers.remote(partial(WorkerHost, spec), ray.put(rows), "server-0#0")
         while queue.stats()["depth"] < groups:
             await asyncio.sleep(0.05)
         elapsed = time.monotonic() - start

@@ -48,7 +48,7 @@ def main() -> None:
     cli = [sys.executable, "-m", "async_rl.cli"]
 
     from async_rl.cli import QUICKSTARTS
-    from async_rl.data.tiny_assets import build_tiny_assets
+    from async_rl.tiny import build_tiny_assets
 
     config, assets, task = QUICKSTARTS[args.name]
     t0 = time.perf_counter()

@@ -56,7 +56,7 @@ from async_rl.queue.client import connect
 from async_rl.rollout.fake_engine import FakeServer
 from async_rl.rollout.host import WorkerHostSpec
 from async_rl.rollout.pool import ServerPool, ServerSpec
-from async_rl.rollout.server import Sampling
+from async_rl.rollout.types import Sampling
 from async_rl.rollout.worker import WorkerSettings
 
 sys.path.insert(0, str(Path(__file__).parent))

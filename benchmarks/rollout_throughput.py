@@ -47,7 +47,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
 
-    from async_rl.data.tiny_assets import build_tiny_assets
+    from async_rl.tiny import build_tiny_assets
 
     if not (args.assets / "assets.json").is_file():
         build_tiny_assets(args.assets, seed=0)
@@ -132,7 +132,7 @@ async def _pool(cfg, count: int, rounds: int) -> tuple[list[float], float, float
     from async_rl.rollout.engine_args import engine_kwargs, openai_api_settings
     from async_rl.rollout.host import WorkerHostSpec
     from async_rl.rollout.pool import ServerPool, ServerSpec
-    from async_rl.rollout.server import Sampling
+    from async_rl.rollout.types import Sampling
     from async_rl.rollout.worker import WorkerSettings
     from async_rl.sync.sender import WeightSender
 

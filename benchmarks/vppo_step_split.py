@@ -40,7 +40,7 @@ from _report import report  # noqa: E402
 from async_rl.config import load_config  # noqa: E402
 from async_rl.data.images import PixelBounds, image_blob, load_image  # noqa: E402
 from async_rl.data.prompts import PromptFormatter, read_prompt_rows  # noqa: E402
-from async_rl.data.tiny_assets import build_tiny_assets  # noqa: E402
+from async_rl.tiny import build_tiny_assets  # noqa: E402
 from async_rl.learner.batching import Batch, prepare  # noqa: E402
 from async_rl.learner.model import DistInfo, load_sharded  # noqa: E402
 from async_rl.learner.screening import Limits, screen  # noqa: E402

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from async_rl.data.tiny_assets import TinyAssetsReport, build_tiny_assets
+from async_rl.tiny import TinyAssetsReport, build_tiny_assets
 
 
 @pytest.fixture(scope="session")

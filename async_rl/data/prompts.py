@@ -12,11 +12,14 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jinja2
 
 from async_rl.data.images import ImageError, PixelBounds, chat_content, load_image, normalise_ref
+
+if TYPE_CHECKING:
+    from async_rl.config import DataConfig
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,12 @@ class ImageFields:
     base_dir: str | None = None
     """Folder of relative image paths; None: the dataset file's folder."""
     bounds: PixelBounds = PixelBounds(1, 2**31 - 1)
+
+    @classmethod
+    def from_config(cls, data: DataConfig) -> ImageFields:
+        """The image fields of the ``data`` config section (how :func:`read_prompt_rows` finds
+        and checks that dataset's images)."""
+        return cls(data.image_key, data.image_dir, PixelBounds(data.min_pixels, data.max_pixels))
 
 
 def read_prompt_rows(

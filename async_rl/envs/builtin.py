@@ -1,9 +1,9 @@
 """Built-in environments (``rollout.env.name`` by name).
 
-``addition_feedback``: the tiny addition task (:mod:`async_rl.data.tiny_task`) as a game of
+``addition_feedback``: the tiny addition task (``async_rl.tiny.addition``) as a game of
 several turns. The model answers a row's problem; a wrong answer gets "Higher." or "Lower."
 (or "Answer with one number." when the reply is not one integer; the messages are
-:func:`async_rl.data.tiny_task.feedback`'s) and another turn, until it
+:func:`feedback`'s) and another turn, until it
 is right or ``rollout.env.max_turns`` is spent. The reward of the winning step is
 ``1 - turn_penalty * (turns - 1)``; every other step gives 0, so ``rollout.env.reward=sum``
 (the default) rewards solving it, and solving it sooner.
@@ -11,11 +11,35 @@ is right or ``rollout.env.max_turns`` is spent. The reward of the winning step i
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
-from async_rl.data.tiny_task import CORRECT, extract_answer, feedback
 from async_rl.envs.base import BaseEnvironment, EnvironmentConfig
 from async_rl.envs.registry import ENVIRONMENTS
+
+_INT = re.compile(r"-?\d+")
+
+HIGHER, LOWER, CORRECT, NOT_A_NUMBER = "Higher.", "Lower.", "Correct.", "Answer with one number."
+FEEDBACK = (HIGHER, LOWER, CORRECT, NOT_A_NUMBER)
+"""Every message of ``addition_feedback`` (the tiny multi-turn assets teach their tokenizer these)."""
+
+
+def extract_answer(text: str) -> str | None:
+    """The integer a completion states, or None when the completion (surrounding
+    whitespace aside) is anything but one integer.
+
+    Strict on purpose: the tiny model answers with the bare number, and an RL reward
+    that accepted a number buried in other text would reward junk around it.
+    """
+    stripped = text.strip()
+    return stripped if _INT.fullmatch(stripped) else None
+
+
+def feedback(said: int | None, answer: int) -> str:
+    """``addition_feedback``'s reply to the model's answer ``said`` (None: not one integer)."""
+    if said is None:
+        return NOT_A_NUMBER
+    return CORRECT if said == answer else HIGHER if said < answer else LOWER
 
 
 @ENVIRONMENTS.register("addition_feedback")

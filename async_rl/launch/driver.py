@@ -30,7 +30,7 @@ import ray
 
 from async_rl.config import Config, save_resolved
 from async_rl.data.images import load_image
-from async_rl.data.prompts import PromptFormatter, read_prompt_rows, write_rejected
+from async_rl.data.prompts import ImageFields, PromptFormatter, read_prompt_rows, write_rejected
 from async_rl.envs import load_environment
 from async_rl.envs.conversation import ChatEncoder
 from async_rl.launch.plan import make_plan
@@ -46,7 +46,7 @@ from async_rl.rollout.engine_args import engine_kwargs, on_gpu, openai_api_setti
 from async_rl.rollout.host import COUNTERS, WorkerHostSpec
 from async_rl.rollout.pool import ServerPool, ServerSpec
 from async_rl.rollout.episodes import EpisodeSampler
-from async_rl.rollout.server import Sampling
+from async_rl.rollout.types import Sampling
 from async_rl.rollout.validation import ValidationResult, ValPrompt, validate, validate_episodes
 
 log = logging.getLogger(__name__)
@@ -157,7 +157,7 @@ class _Run:
         self.rows = self._read_rows(cfg.data.train_files)
         val_rows = self._read_rows(cfg.data.val_files) if cfg.data.val_files else []
         self.val_rows = val_rows
-        bounds = cfg.data.image_fields().bounds
+        bounds = ImageFields.from_config(cfg.data).bounds
         self.val_prompts = [
             ValPrompt(self.formatter.token_ids(r.prompt, len(r.images)), r.answer, [load_image(ref, bounds) for ref in r.images] or None)
             for r in val_rows
@@ -229,7 +229,7 @@ class _Run:
         return RewardScorer(self.rewards, self.cfg.rollout.reward, self.cfg.rollout.max_response_length)
 
     def _read_rows(self, path: str) -> list:
-        rows, rejected = read_prompt_rows(path, self.cfg.data.prompt_key, self.cfg.data.answer_key, self.cfg.data.image_fields())
+        rows, rejected = read_prompt_rows(path, self.cfg.data.prompt_key, self.cfg.data.answer_key, ImageFields.from_config(self.cfg.data))
         if rejected:
             write_rejected(rejected, self.run_dir / "rejected_rows.jsonl")
             log.warning("%s: %d malformed rows skipped (first: %s); see %s", path, len(rejected), rejected[0].reason, self.run_dir / "rejected_rows.jsonl")

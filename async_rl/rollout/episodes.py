@@ -31,11 +31,10 @@ from async_rl.envs import BaseEnvironment, Trajectory, make_environment, run_epi
 from async_rl.envs.conversation import ChatEncoder, TokenTrajectory
 from async_rl.envs.tools import ToolEnvironment
 from async_rl.records import Sample
-from async_rl.rollout.server import Sampling
+from async_rl.rollout.types import GenerateFn, Sampling
 
 if TYPE_CHECKING:
     from async_rl.config import EnvConfig
-    from async_rl.rollout.worker import GenerateFn
 
 log = logging.getLogger(__name__)
 

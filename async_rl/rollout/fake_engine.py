@@ -16,7 +16,8 @@ import random
 import time
 from typing import Any
 
-from async_rl.rollout.server import Completion, InferenceServer, Sampling, ServerHealth
+from async_rl.rollout.server import InferenceServer, ServerHealth
+from async_rl.rollout.types import Completion, Sampling
 
 FAKE_TOKENS_PER_S = 2000.0
 """Default throughput of one fake server, tokens per second."""

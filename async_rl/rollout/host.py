@@ -25,14 +25,14 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from async_rl.data.prompts import PromptFormatter, PromptRow
+from async_rl.data.prompts import ImageFields, PromptFormatter, PromptRow
 from async_rl.envs import load_environment
 from async_rl.envs.conversation import ChatEncoder
 from async_rl.queue import ReplayQueue
 from async_rl.rewards import RewardPool, RewardScorer
 from async_rl.rollout.episodes import EpisodeCounters, EpisodeSampler
-from async_rl.rollout.server import Sampling
-from async_rl.rollout.worker import GenerateFn, RolloutWorker, WorkerCounters, WorkerSettings
+from async_rl.rollout.types import GenerateFn, Sampling
+from async_rl.rollout.worker import RolloutWorker, WorkerCounters, WorkerSettings
 
 if TYPE_CHECKING:
     from async_rl.config import Config, EnvConfig, RewardConfig
@@ -86,7 +86,7 @@ class WorkerHostSpec:
             max_inflight=r.max_inflight, max_prompt_length=cfg.data.max_prompt_length,
             overlong_prompt=cfg.data.overlong_prompt, dynamic_sampling=r.reward.dynamic_sampling,
             shuffle=cfg.data.shuffle, seed=cfg.data.seed, put_timeout_s=cfg.queue.timeout_s,
-            pixel_bounds=cfg.data.image_fields().bounds, image_ttl_s=cfg.queue.image_ttl_s,
+            pixel_bounds=ImageFields.from_config(cfg.data).bounds, image_ttl_s=cfg.queue.image_ttl_s,
         )
         return cls(redis_url, cfg.trainer.run_name, cfg.queue.max_depth, cfg.queue.timeout_s, settings, r.workers_per_server,
                    r.reward, r.max_response_length, cfg.data.system_prompt, cfg.data.format_prompt,

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 from async_rl.config import Config, save_resolved
-from async_rl.data.prompts import PromptFormatter, PromptRow, read_prompt_rows, write_rejected
+from async_rl.data.prompts import ImageFields, PromptFormatter, PromptRow, read_prompt_rows, write_rejected
 from async_rl.rewards import load_reward_function
 from async_rl.rollout.engine_args import engine_kwargs
 
@@ -49,7 +49,7 @@ def evaluate(cfg: Config, out_dir: str | Path, limit: int | None = None, progres
 
     out = Path(out_dir)
     save_resolved(cfg, out)
-    rows, rejected = read_prompt_rows(cfg.data.val_files, cfg.data.prompt_key, cfg.data.answer_key, cfg.data.image_fields())
+    rows, rejected = read_prompt_rows(cfg.data.val_files, cfg.data.prompt_key, cfg.data.answer_key, ImageFields.from_config(cfg.data))
     write_rejected(rejected, out / "rejected_rows.jsonl")
     for row in rejected[:3]:
         progress(f"skipped malformed row: {row.reason}")
@@ -107,7 +107,8 @@ def _evaluate_episodes(cfg: Config, rows: list[PromptRow], rejected: int, progre
     from async_rl.envs import load_environment
     from async_rl.envs.conversation import ChatEncoder
     from async_rl.rollout.episodes import Episode, EpisodeSampler
-    from async_rl.rollout.server import InferenceServer, Sampling
+    from async_rl.rollout.server import InferenceServer
+    from async_rl.rollout.types import Sampling
 
     env_cls = load_environment(cfg.rollout.env.name)  # type: ignore[arg-type]
 

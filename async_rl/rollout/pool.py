@@ -4,7 +4,8 @@ A server that dies (its process killed, its engine crashed) is replaced by a fre
 when a request to it fails or :meth:`ServerPool.heal` finds it broken. The ``on_start``
 hook runs on every new server before it serves (the trainer waits there until a restarted
 server holds the current weights); then, given a :class:`~async_rl.rollout.host.WorkerHostSpec`,
-the pool starts the server's rollout workers in its process. Their tickets carry the
+the pool starts the server's rollout workers in its process (it sends the server
+``partial(WorkerHost, spec)``, which the server calls: the server never imports the host). Their tickets carry the
 owner name ``server-<i>#<start>``, unique per server process: when a server is replaced,
 ``on_lost(owner)`` ends the dead process's open tickets (their prompts are served again),
 so a group is neither lost nor duplicated.
@@ -16,14 +17,16 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Awaitable, Callable
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from async_rl.rollout.host import WorkerHostSpec
+from async_rl.rollout.host import WorkerHost, WorkerHostSpec
 from async_rl.rollout.openai_api import OpenAIApiSettings
-from async_rl.rollout.server import Completion, InferenceServer, Sampling, ServerHealth
+from async_rl.rollout.server import InferenceServer, ServerHealth
+from async_rl.rollout.types import Completion, GenerateFn, Sampling
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +126,7 @@ class ServerPool:
         if self.workers is not None:
             owner = f"server-{i}#{self._starts[i]}"
             self._starts[i] += 1
-            await handle.start_workers.remote(self.workers, self.rows, owner)
+            await handle.start_workers.remote(partial(WorkerHost, self.workers), self.rows, owner)
             self._owners[i] = owner
 
     async def _release(self, i: int) -> None:
@@ -166,7 +169,7 @@ class ServerPool:
             await self.restart(i, handle)
             raise
 
-    def generate_fn(self, i: int) -> Callable[[], Callable[..., Awaitable[list[Completion]]]]:
+    def generate_fn(self, i: int) -> Callable[[], GenerateFn]:
         """What a rollout worker bound to server ``i`` calls to get its ``generate``."""
         return lambda: (lambda prompt, n, sampling, images=None: self.generate(i, prompt, n, sampling, images))
 

@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from async_rl.rollout.openai_api import OpenAIApi, OpenAIApiSettings
+from async_rl.rollout.types import Completion, HostFactory, RolloutHost, Sampling
 
 if TYPE_CHECKING:
     from async_rl.data.prompts import PromptRow
-    from async_rl.rollout.host import WorkerHost, WorkerHostSpec
 
 log = logging.getLogger(__name__)
 
@@ -32,38 +32,6 @@ RECEIVER_EXTENSION = "async_rl.sync.receiver.WeightReceiverExtension"
 class EngineOutputError(RuntimeError):
     """vLLM's output broke an invariant the records rely on (no final output, or log-probs that
     do not follow the sampled tokens). The request fails; the worker retries and counts it."""
-
-
-@dataclass
-class Sampling:
-    """Sampling settings of one request (mirrors ``rollout.*`` config keys)."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_tokens: int = 256
-    """Longest response in tokens."""
-    ignore_eos: bool = False
-    """Keep generating past end-of-sequence (fixed-length responses: benchmarks, tests)."""
-
-
-@dataclass
-class Completion:
-    """One sampled response.
-
-    ``token_ids``, ``logprobs`` (natural log, behaviour policy after temperature/top-p,
-    i.e. the distribution actually sampled from) and ``versions`` (policy version of each
-    token) all have one entry per response token.
-    """
-
-    token_ids: list[int]
-    logprobs: list[float]
-    versions: list[int]
-    finish_reason: str
-    text: str = ""
-    prompt_token_ids: list[int] | None = None
-    """The prompt as the engine ran it, when images expanded it (each image's placeholder
-    token replaced by the model's image tokens); None for a text prompt (it is the request's)."""
 
 
 @dataclass
@@ -113,7 +81,7 @@ class InferenceServer:
         self._fatal: str | None = None
         self.updates: list[Any] = []
         """Outcomes of the successful weight updates (``async_rl.sync.server.UpdateOutcome``)."""
-        self._host: WorkerHost | None = None
+        self._host: RolloutHost | None = None
 
     async def start(self, sender_address: str | None = None, control_timeout_s: float = 10.0) -> ServerHealth:
         """Build the engine (about 15 s on CPU for the tiny model) and its HTTP API; idempotent.
@@ -142,17 +110,15 @@ class InferenceServer:
         """The engine's tokenizer (HF API: chat template, encode, decode)."""
         return self._engine.tokenizer
 
-    async def start_workers(self, spec: WorkerHostSpec, rows: list[PromptRow], owner: str) -> None:
-        """Run the rollout workers in this process (:class:`~async_rl.rollout.host.WorkerHost`):
-        they generate here and write their groups straight to Redis. ``owner`` names their
-        tickets (unique per server process)."""
-        from async_rl.rollout.host import WorkerHost  # the host imports this module
-
+    async def start_workers(self, host: HostFactory, rows: list[PromptRow], owner: str) -> None:
+        """Run the rollout workers in this process (``host``: their builder, e.g.
+        ``partial(WorkerHost, spec)``): they generate here and write their groups straight to
+        Redis. ``owner`` names their tickets (unique per server process)."""
         if self._host is not None:
             raise RuntimeError(f"{self.server_id}: rollout workers already started")
-        host = WorkerHost(spec, rows, self.tokenizer(), self.generate, self.server_id, owner)
-        await host.start()
-        self._host = host
+        built = host(rows, self.tokenizer(), self.generate, self.server_id, owner)
+        await built.start()
+        self._host = built
 
     async def stop_workers(self, grace_s: float) -> dict[str, float]:
         """Stop the rollout workers (groups in flight get ``grace_s`` seconds, then end their

@@ -10,15 +10,12 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 from async_rl.data.prompts import PromptRow
 from async_rl.rewards.scoring import RewardScorer, Score
 from async_rl.rollout.episodes import EpisodeSampler
-from async_rl.rollout.server import Completion, Sampling
-
-Generate = Callable[..., Awaitable[list[Completion]]]
-"""``generate(prompt_token_ids, n, sampling, images)`` (see ``rollout.worker.GenerateFn``)."""
+from async_rl.rollout.types import GenerateFn, Sampling
 
 
 @dataclass(frozen=True)
@@ -56,7 +53,7 @@ def _correct(score: Score) -> bool:
 
 
 async def validate(
-    generate: Generate,
+    generate: GenerateFn,
     prompts: list[ValPrompt],
     scorer: RewardScorer,
     *,
@@ -85,7 +82,7 @@ async def validate(
 
 
 async def validate_episodes(
-    generate: Generate,
+    generate: GenerateFn,
     rows: list[PromptRow],
     greedy: EpisodeSampler,
     sampled: EpisodeSampler,

@@ -25,31 +25,21 @@ import logging
 import random
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol
+from typing import Any, Callable
 
 from async_rl.data.images import ImageError, PixelBounds, image_blob, load_image
 from async_rl.data.prompts import PromptRow
 from async_rl.queue import ReplayQueue, Ticket
 from async_rl.records import ImageRef, RolloutGroup, Sample
 from async_rl.rewards.scoring import RewardScorer
-from async_rl.rollout.server import Completion, Sampling
-
-if TYPE_CHECKING:
-    from async_rl.rollout.episodes import EpisodeSampler
+from async_rl.rollout.episodes import EpisodeSampler
+from async_rl.rollout.types import Completion, GenerateFn, Sampling
 
 log = logging.getLogger(__name__)
 
 
 class GenerationFailed(RuntimeError):
     """Every generation attempt of a group failed."""
-
-
-class GenerateFn(Protocol):
-    """``await generate(prompt_token_ids, n, sampling, images)`` on some inference server
-    (``images``: PIL images of a vision-language prompt, in prompt order; passed only for
-    such prompts, so a text-only stand-in may take three arguments)."""
-
-    def __call__(self, prompt_token_ids: list[int], n: int, sampling: Sampling, images: list[Any] | None = None) -> Awaitable[list[Completion]]: ...
 
 
 @dataclass

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from async_rl.envs import load_environment, make_environment, run_episode
-from async_rl.data.tiny_task import NOT_A_NUMBER
+from async_rl.envs.builtin import NOT_A_NUMBER
 
 ROW = {"problem": "What is 12+30?", "answer": "42"}
 

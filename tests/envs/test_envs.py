@@ -181,8 +181,8 @@ def test_trajectory_reward_modes():
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory: pytest.TempPathFactory):
-    from async_rl.data.tiny_assets import TASK, N_TRAIN, N_VAL, _build_tokenizer
-    from async_rl.data.tiny_task import make_splits
+    from async_rl.tiny.addition import make_splits
+    from async_rl.tiny.text import TASK, N_TRAIN, N_VAL, _build_tokenizer
 
     train, _ = make_splits(TASK, 0, N_TRAIN, N_VAL)
     return _build_tokenizer(train, tmp_path_factory.mktemp("tokenizer"))

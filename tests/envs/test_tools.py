@@ -130,8 +130,8 @@ def test_a_turn_without_a_tool_call_is_the_answer_and_too_many_calls_are_refused
 @pytest.fixture(scope="module")
 def tokenizers(tmp_path_factory: pytest.TempPathFactory):
     """The tiny assets' tokenizer (its template takes no tools) and a copy with a Qwen2.5-style one."""
-    from async_rl.data.tiny_assets import N_TRAIN, N_VAL, TASK, _build_tokenizer
-    from async_rl.data.tiny_task import make_splits
+    from async_rl.tiny.addition import make_splits
+    from async_rl.tiny.text import N_TRAIN, N_VAL, TASK, _build_tokenizer
 
     train, _ = make_splits(TASK, 0, N_TRAIN, N_VAL)
     plain = _build_tokenizer(train, tmp_path_factory.mktemp("tokenizer"))

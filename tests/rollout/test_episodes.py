@@ -16,7 +16,7 @@ from async_rl.envs import BaseEnvironment, EnvironmentConfig
 from async_rl.envs.conversation import ChatEncoder
 from async_rl.envs.tools import ToolEnvironment
 from async_rl.rollout.episodes import EpisodeSampler
-from async_rl.rollout.server import Completion, Sampling
+from async_rl.rollout.types import Completion, Sampling
 
 
 class Countdown(BaseEnvironment):
@@ -43,8 +43,8 @@ class Countdown(BaseEnvironment):
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory: pytest.TempPathFactory):
-    from async_rl.data.tiny_assets import N_TRAIN, N_VAL, TASK, _build_tokenizer
-    from async_rl.data.tiny_task import make_splits
+    from async_rl.tiny.addition import make_splits
+    from async_rl.tiny.text import N_TRAIN, N_VAL, TASK, _build_tokenizer
 
     train, _ = make_splits(TASK, 0, N_TRAIN, N_VAL)
     return _build_tokenizer(train, tmp_path_factory.mktemp("tokenizer"))

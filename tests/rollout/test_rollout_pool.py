@@ -22,7 +22,7 @@ from async_rl.queue import EmbeddedRedis, ReplayQueue
 from async_rl.rewards import RewardPool, RewardScorer
 from async_rl.rollout.engine_args import engine_kwargs, openai_api_settings
 from async_rl.rollout.pool import ServerPool, ServerSpec
-from async_rl.rollout.server import Sampling
+from async_rl.rollout.types import Sampling
 from async_rl.rollout.worker import RolloutWorker, WorkerSettings
 from async_rl.sync.buckets import tensor_specs
 from async_rl.sync.sender import WeightSender

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from async_rl.config import load_config
-from async_rl.data.prompts import PromptFormatter, read_prompt_rows
+from async_rl.data.prompts import ImageFields, PromptFormatter, read_prompt_rows
 from async_rl.rollout.engine_args import engine_kwargs
-from async_rl.rollout.server import InferenceServer, Sampling
+from async_rl.rollout.server import InferenceServer
+from async_rl.rollout.types import Sampling
 
 pytestmark = pytest.mark.integration
 
@@ -24,12 +25,12 @@ def test_image_prompts_are_token_exact_and_logprobs_are_the_models(tiny_vlm_asse
                              "rollout.max_response_length=6", "data.min_pixels=1", "data.max_pixels=4096"])
     processor = AutoProcessor.from_pretrained(tiny_vlm_assets.model_dir)
     formatter = PromptFormatter(processor.tokenizer)
-    rows, rejected = read_prompt_rows(tiny_vlm_assets.val_path, images=cfg.data.image_fields())
+    rows, rejected = read_prompt_rows(tiny_vlm_assets.val_path, images=ImageFields.from_config(cfg.data))
     assert not rejected
     from async_rl.data.images import load_image
 
     rows = rows[:4]
-    images = [[load_image(ref, cfg.data.image_fields().bounds) for ref in row.images] for row in rows]
+    images = [[load_image(ref, ImageFields.from_config(cfg.data).bounds) for ref in row.images] for row in rows]
     server = InferenceServer("server-0", engine_kwargs(cfg))
 
     async def run() -> list:

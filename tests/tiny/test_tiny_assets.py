@@ -10,16 +10,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from async_rl.data.tiny_assets import (
-    N_TRAIN,
-    N_VAL,
-    WARM_START,
-    TinyAssetsReport,
-    WarmStart,
-    build_tiny_assets,
-    weights_sha256,
-)
-from async_rl.data.tiny_task import FEEDBACK, AdditionTask, extract_answer, feedback, is_correct, make_splits, read_jsonl
+from async_rl.envs.builtin import FEEDBACK, extract_answer, feedback
+from async_rl.tiny import TinyAssetsReport, build_tiny_assets
+from async_rl.tiny.addition import AdditionTask, is_correct, make_splits, read_jsonl
+from async_rl.tiny.build import WARM_START, WarmStart, weights_sha256
+from async_rl.tiny.text import N_TRAIN, N_VAL
 
 ACCURACY_SLACK = 0.02
 """|recomputed - manifest| greedy accuracy allowed: the build decodes in one padded
@@ -86,7 +81,7 @@ def test_same_seed_rebuilds_identical_assets(tiny_assets: TinyAssetsReport, tmp_
 
 
 def test_multiturn_assets_know_the_feedback_and_warm_start_on_second_turns(tiny_assets: TinyAssetsReport, tmp_path: Path) -> None:
-    from async_rl.data.tiny_assets import _examples
+    from async_rl.tiny.text import _examples
 
     short = WarmStart(warmup_steps=5, eval_every=10, band=(0.0, 1.0), target=0.0, max_steps=10)
     report = build_tiny_assets(tmp_path, seed=0, progress=lambda _: None, warm_start=short, task="multiturn")

@@ -11,8 +11,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from async_rl.data.tiny_assets import TinyAssetsReport, prompt_ids
-from async_rl.data.tiny_task import is_correct, read_jsonl
+from async_rl.tiny import TinyAssetsReport
+from async_rl.tiny.addition import is_correct, read_jsonl
+from async_rl.tiny.text import prompt_ids
 
 pytestmark = pytest.mark.integration
 
