@@ -75,7 +75,7 @@ class TicketEndedError(RuntimeError):
 
 @dataclass(frozen=True)
 class Staleness:
-    """The consumer's staleness rule (ARCHITECTURE.md): a group more than
+    """The consumer's staleness rule (docs/architecture.md): a group more than
     ``max_staleness`` versions behind the consumer's ``version`` is not trained."""
 
     version: int
