@@ -12,7 +12,6 @@ are frozen, not dropped, and continue on the new weights after ``resume_generati
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import logging
 import time
