@@ -4,7 +4,7 @@ One run, same machine, same config (the quickstart's, tiny model) except
 ``algorithm.max_staleness``; the same number of trained groups; the same split of CPU
 cores between the rollout pool and the learner in both modes (the learner rank has one
 core to itself; the vLLM server, the driver, Redis and Ray's daemons share the other:
-``launch.driver.cpu_layout``). It also measures each stage
+``launch.cores.cpu_layout``). It also measures each stage
 alone on the same groups — generation only, then learning only — for the overlap limit
 ``(T_gen + T_train) / max(T_gen, T_train)``: the best speedup overlapping can give.
 
@@ -138,7 +138,7 @@ def run_mode(cfg) -> dict:
 
 def stage_alone(cfg) -> tuple[float, float, int]:
     """(seconds to generate the groups of all steps, seconds to train on them, groups)."""
-    from async_rl.launch.driver import cpu_layout, pinned_to, support_cores
+    from async_rl.launch.cores import cpu_layout, pinned_to, support_cores
 
     groups = cfg.trainer.total_steps * cfg.learner.batch_size
     layout = cpu_layout(cfg)

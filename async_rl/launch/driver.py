@@ -21,7 +21,6 @@ import os
 import signal
 import time
 from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ from async_rl.data.images import load_image
 from async_rl.data.prompts import ImageFields, PromptFormatter, read_prompt_rows, write_rejected
 from async_rl.envs import load_environment
 from async_rl.envs.conversation import ChatEncoder
+from async_rl.launch.cores import cpu_layout, pinned_to, set_process_cores, support_cores
 from async_rl.launch.plan import make_plan
 from async_rl.launch.prometheus import server_states
 from async_rl.launch.ray_cluster import init_ray
@@ -195,7 +195,7 @@ class _Run:
             raise StartupError(str(exc)) from None
         stack.callback(ray.shutdown)
         self._install_signal_handlers()
-        self.learners = await asyncio.to_thread(start_learners, cfg, redis_url, layout[1] if layout else None)
+        self.learners = await asyncio.to_thread(start_learners, cfg, redis_url, layout.ranks if layout else None)
         stack.callback(self._kill_learners)
         starts = await asyncio.gather(*(a.run.remote(0) for a in self.learners))
         self.version = starts[0]["version"]  # > 0 after a resume
@@ -211,7 +211,7 @@ class _Run:
         spec = ServerSpec(engine_kwargs(cfg), cfg.rollout.cpus_per_server, cfg.rollout.gpus_per_server, env, sender_address=sender_address,
                           openai_api=openai_api_settings(cfg))
         self.pool = ServerPool(spec, cfg.rollout.num_servers, on_start=self._on_server_start,
-                               env_per_server=[{"VLLM_CPU_OMP_THREADS_BIND": cores} for cores in layout[0]] if layout else None,
+                               env_per_server=[{"VLLM_CPU_OMP_THREADS_BIND": cores} for cores in layout.servers] if layout else None,
                                workers=WorkerHostSpec.from_config(cfg, redis_url), rows=ray.put(self.rows), on_lost=self.queue.release_owner)
         stack.push_async_callback(self.pool.shutdown)
         try:
@@ -238,9 +238,11 @@ class _Run:
         return rows
 
     def _kill_learners(self) -> None:
-        for actor in self.learners:
-            with contextlib.suppress(Exception):
+        for rank, actor in enumerate(self.learners):
+            try:
                 ray.get(actor.close.remote(), timeout=30)
+            except ray.exceptions.RayError as exc:  # it died, its close raised or hung: it is killed below either way
+                log.warning("learner rank %d did not close cleanly (%s); killing it", rank, _cause(exc))
             ray.kill(actor, no_restart=True)
 
     async def _on_server_start(self, index: int, handle: Any) -> None:
@@ -465,54 +467,3 @@ class RateMeter:
 def vllm_metrics_url(openai_url: str | None) -> str | None:
     """vLLM's own Prometheus endpoint on a server's OpenAI API port (``.../v1`` -> ``.../metrics``)."""
     return None if openai_url is None else openai_url.removesuffix("/v1") + "/metrics"
-
-
-def cpu_layout(cfg: Config) -> tuple[list[str], list[list[int]]] | None:
-    """Disjoint CPU cores for each server's vLLM threads and each learner rank, or None.
-
-    On a local CPU run whose actors fit on this machine, servers get the first cores and
-    learner ranks the next ones (``rollout.cpus_per_server`` / ``learner.cpus_per_rank``
-    each, rounded up), so the two pools never fight over a core (vLLM's OpenMP threads spin).
-    Returns (``VLLM_CPU_OMP_THREADS_BIND`` value per server, core list per rank).
-    """
-    import math
-
-    if on_gpu() or cfg.ray.address is not None:
-        return None
-    per_server = math.ceil(cfg.rollout.cpus_per_server)
-    per_rank = math.ceil(cfg.learner.cpus_per_rank)
-    available = sorted(os.sched_getaffinity(0))
-    needed = per_server * cfg.rollout.num_servers + per_rank * cfg.learner.world_size
-    if needed > len(available) or per_server < 1 or per_rank < 1:
-        return None
-    cores = iter(available)
-    servers = [",".join(str(next(cores)) for _ in range(per_server)) for _ in range(cfg.rollout.num_servers)]
-    ranks = [[next(cores) for _ in range(per_rank)] for _ in range(cfg.learner.world_size)]
-    return servers, ranks
-
-
-def support_cores(layout: tuple[list[str], list[list[int]]]) -> set[int]:
-    """Cores for everything but the learner ranks and vLLM's compute threads: the driver,
-    Ray's daemons, the servers' engine front ends and rollout workers. They share the rollout
-    cores, so a learner rank's cores are its own (its step time is then what it is alone).
-    The embedded Redis is the exception: it may run on every core (see ``_start``)."""
-    return {int(core) for bind in layout[0] for core in bind.split(",")}
-
-
-@contextlib.contextmanager
-def pinned_to(cores: set[int]) -> Iterator[None]:
-    """Run every thread of this process on ``cores`` until the block ends (processes started
-    meanwhile keep them: Redis, Ray's daemons and workers, vLLM's engine processes)."""
-    before = os.sched_getaffinity(0)
-    set_process_cores(os.getpid(), cores)
-    try:
-        yield
-    finally:
-        set_process_cores(os.getpid(), before)
-
-
-def set_process_cores(pid: int, cores: set[int]) -> None:
-    """Move every thread of process ``pid`` (not only its main thread) to ``cores``."""
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with contextlib.suppress(ProcessLookupError):  # a thread that just ended
-            os.sched_setaffinity(int(tid), cores)

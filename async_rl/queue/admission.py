@@ -167,10 +167,6 @@ class AdmissionLedger:
             raise ValueError(f"policy version must be >= 0, got {version}")
         self._client.hset(self._keys.counters, "version", version)
 
-    def version(self) -> int:
-        """The last published policy version (0 before any publish)."""
-        return int(self._client.hget(self._keys.counters, "version") or 0)
-
     def admit(self, batch_size: int, max_staleness: int, owner: str, call_id: str) -> Ticket | None:
         """A :class:`Ticket` if AReaL's rule lets one more group start, else None.
 

@@ -22,7 +22,6 @@ class RunKeys:
     - ``inflight``: hash ``prompt index -> "<ticket number> <owner>"`` of admitted groups
       not yet enqueued (``counters.tickets`` numbers the tickets).
     - ``returned``: list of prompt indices claimed but never enqueued, served first.
-    - ``staleness``: hash ``staleness (versions) -> groups read``.
     - ``rollout_stats``: hash of the rollout workers' cumulative counters (``groups_put``,
       ``tokens_generated``, ``reward_errors``, ...), added to by every worker host.
     - ``admit_reply(call)``: ``"<index> <claim>"`` of one admission, kept a few minutes
@@ -55,10 +54,6 @@ class RunKeys:
     @property
     def returned(self) -> str:
         return f"{self.run}:returned"
-
-    @property
-    def staleness(self) -> str:
-        return f"{self.run}:staleness"
 
     @property
     def rollout_stats(self) -> str:

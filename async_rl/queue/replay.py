@@ -75,7 +75,7 @@ class TicketEndedError(RuntimeError):
 
 @dataclass(frozen=True)
 class Staleness:
-    """The consumer's staleness rule (ARCHITECTURE.md): a group more than
+    """The consumer's staleness rule (docs/architecture.md): a group more than
     ``max_staleness`` versions behind the consumer's ``version`` is not trained."""
 
     version: int
@@ -380,7 +380,6 @@ class ReplayQueue:
         keep: list[Entry] = []
         dead: list[tuple[bytes, str, bytes]] = []
         dropped: dict[str, list[bytes]] = {}
-        histogram: Counter[int] = Counter()
         for entry_id, fields in entries:
             raw = fields.get(PAYLOAD_FIELD)
             try:
@@ -394,7 +393,6 @@ class ReplayQueue:
             drop: Drop | None = None
             if staleness is not None:
                 behind = staleness.version - group.behaviour_version
-                histogram[behind] += 1
                 if behind > staleness.max_staleness:
                     drop = Drop("stale", f"{behind} versions behind {staleness.version} > max_staleness={staleness.max_staleness}")
             if drop is None and check is not None:
@@ -408,16 +406,12 @@ class ReplayQueue:
             else:
                 dropped.setdefault(drop.reason, []).append(entry_id)
                 report.note(drop.reason)
-        if histogram or dead or dropped:
-            self._call("record screening", lambda: self._record(histogram, dead, dropped))
+        if dead or dropped:
+            self._call("record screening", lambda: self._record(dead, dropped))
         return keep
 
-    def _record(
-        self, histogram: Counter[int], dead: list[tuple[bytes, str, bytes]], dropped: dict[str, list[bytes]]
-    ) -> None:
+    def _record(self, dead: list[tuple[bytes, str, bytes]], dropped: dict[str, list[bytes]]) -> None:
         pipe = self._client.pipeline()  # MULTI/EXEC: counters, acks and releases apply together
-        for behind, count in histogram.items():
-            pipe.hincrby(self.keys.staleness, str(behind), count)
         for entry_id, reason, raw in dead:
             pipe.xadd(self.keys.dead, {"id": entry_id, "reason": reason, "raw": raw},
                       maxlen=self.dead_maxlen, approximate=True)
@@ -438,26 +432,23 @@ class ReplayQueue:
 
         ``depth`` (waiting groups), ``pending`` (read, not committed), ``dead_lettered``,
         ``dropped_stale``, ``dropped`` ({reason: groups the learner dropped}),
-        ``staleness_histogram`` ({versions behind: groups read}), ``oldest_age_s`` (seconds
-        since the oldest uncommitted group was put; 0 if none), ``version``,
-        ``groups_started``, ``prompt_cursor``, ``inflight`` (admitted groups not yet
-        enqueued), ``returned_prompts`` (claimed prompts waiting to be served again).
+        ``oldest_age_s`` (seconds since the oldest uncommitted group was put; 0 if none),
+        ``version``, ``groups_started``, ``prompt_cursor``, ``inflight`` (admitted groups not
+        yet enqueued), ``returned_prompts`` (claimed prompts waiting to be served again).
         """
         def read() -> list[Any]:
             pipe = self._client.pipeline(transaction=False)
             pipe.xlen(self.keys.rollouts)
             pipe.xpending(self.keys.rollouts, CONSUMER_GROUP)
             pipe.hgetall(self.keys.counters)
-            pipe.hgetall(self.keys.staleness)
             pipe.xrange(self.keys.rollouts, count=1)
             pipe.hlen(self.keys.inflight)
             pipe.llen(self.keys.returned)
             pipe.time()  # entry ids carry the server's clock, so age is measured on it
             return list(pipe.execute())
 
-        length, pending, counters, histogram, oldest, inflight, returned, (sec, usec) = self._call("stats", read)
+        length, pending, counters, oldest, inflight, returned, (sec, usec) = self._call("stats", read)
         counts = {k.decode(): int(v) for k, v in counters.items()}
-        staleness = sorted((int(k), int(v)) for k, v in histogram.items())
         age_s = 0.0
         if oldest:
             put_ms = int(oldest[0][0].split(b"-")[0])
@@ -468,7 +459,6 @@ class ReplayQueue:
             "dead_lettered": counts.get("dead_lettered", 0),
             "dropped_stale": counts.get("dropped_stale", 0),
             "dropped": {k.removeprefix("dropped_"): v for k, v in counts.items() if k.startswith("dropped_")},
-            "staleness_histogram": dict(staleness),
             "oldest_age_s": age_s,
             "version": counts.get("version", 0),
             "groups_started": counts.get("groups_started", 0),

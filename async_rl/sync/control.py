@@ -10,7 +10,7 @@ also re-registers it with a restarted sender). Sequence of one update, per serve
                       ... buckets flow on the weight group ...
                       (a server on the sender's host instead gets, once the buckets
                       are in shared memory, Start(update_id, shm=ShmSource(...)))
-    server -> sender  Ack(update_id, version, error, timings)
+    server -> sender  Ack(update_id, version, error, timings, error_kind)
     sender -> server  Abort(update_id, reason)         (instead of/after Start on failure)
 
 Every send and receive takes a timeout (``poll``) and raises :class:`ControlTimeout`.
@@ -19,6 +19,7 @@ Every send and receive takes a timeout (``poll``) and raises :class:`ControlTime
 from __future__ import annotations
 
 import time
+from typing import Literal
 
 import msgspec
 import zmq
@@ -35,6 +36,13 @@ class ControlError(RuntimeError):
 
 class ControlTimeout(ControlError, TimeoutError):
     """No message could be sent or received within the timeout."""
+
+
+ErrorKind = Literal["ipc_unavailable"]
+"""What the sender must act on in a failed update, as a value (an error's text is for
+people): ``ipc_unavailable``: a worker could not map the sender's shared memory
+(:class:`~async_rl.sync.ipc.IpcUnavailable`, e.g. a container with its own ``/dev/shm``),
+so the server gets its weights over the broadcast group from then on."""
 
 
 class Hello(msgspec.Struct, tag=True, frozen=True):
@@ -103,6 +111,8 @@ class Ack(msgspec.Struct, tag=True, frozen=True):
     """Loading the staged buckets into the model, seconds."""
     pause_s: float = 0.0
     """Generation paused (pause -> resume), seconds."""
+    error_kind: ErrorKind | None = None
+    """The failure's kind where the sender acts on it (None: any other failure, or none)."""
 
 
 Message = Hello | Announce | Ready | Start | Abort | Ack

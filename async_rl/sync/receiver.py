@@ -24,9 +24,9 @@ from vllm.model_executor.model_loader.reload import (
 )
 
 from async_rl.sync.buckets import unpack_bucket
-from async_rl.sync.control import Announce, Start, decode
+from async_rl.sync.control import Announce, ErrorKind, Start, decode
 from async_rl.sync.group import Rendezvous, WeightGroup, connect_store
-from async_rl.sync.ipc import ShmReader
+from async_rl.sync.ipc import IpcUnavailable, ShmReader
 
 ReceiveState = Literal["receiving", "received", "failed"]
 
@@ -42,6 +42,7 @@ class _Staging:
     """One flat CPU ``uint8`` tensor per bucket, ``[bucket.nbytes]``."""
     state: ReceiveState = "receiving"
     error: str | None = None
+    error_kind: ErrorKind | None = None
     receive_s: float = 0.0
 
 
@@ -74,6 +75,8 @@ class WeightReceiverExtension:
                 staging.state = "received"
             except Exception as e:  # reported through wsync_status
                 staging.error, staging.state = f"{type(e).__name__}: {e}", "failed"
+                if isinstance(e, IpcUnavailable):
+                    staging.error_kind = "ipc_unavailable"
             staging.receive_s = time.monotonic() - staging.started
             return
         if st.rendezvous is None:
@@ -87,12 +90,12 @@ class WeightReceiverExtension:
         self._wsync_staging = staging
         staging.thread.start()
 
-    def wsync_status(self, update_id: int) -> tuple[ReceiveState, str | None, float]:
-        """``(state, error, receive_s)`` of ``update_id`` on this worker; non-blocking."""
+    def wsync_status(self, update_id: int) -> tuple[ReceiveState, str | None, float, ErrorKind | None]:
+        """``(state, error, receive_s, error_kind)`` of ``update_id`` on this worker; non-blocking."""
         s = self._wsync_staging
         if s is None or s.announce.update_id != update_id:
-            return "failed", f"update {update_id} is not being received here", 0.0
-        return s.state, s.error, s.receive_s
+            return "failed", f"update {update_id} is not being received here", 0.0, None
+        return s.state, s.error, s.receive_s, s.error_kind
 
     def wsync_load(self, update_id: int) -> float:
         """Load the fully staged ``update_id`` into the model in place; returns seconds.

@@ -405,7 +405,7 @@ class WeightSender:
             sid = pending.waiting.pop(peer)
             pending.reports[sid] = ServerReport(sid, msg.error is None, msg.error, msg.fatal, msg.receive_s, msg.load_s, msg.pause_s)
             pending.settled_at = time.monotonic()
-            if sid in pending.via_shm and msg.error is not None and IpcUnavailable.__name__ in msg.error:
+            if sid in pending.via_shm and msg.error_kind == "ipc_unavailable":
                 log.warning("weight sync: %s cannot map this host's shared memory (%s); it gets the %s group from now on",
                             sid, msg.error, self.backend)
                 self._no_shm.add(sid)

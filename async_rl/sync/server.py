@@ -12,7 +12,6 @@ are frozen, not dropped, and continue on the new weights after ``resume_generati
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import logging
 import time
@@ -25,6 +24,7 @@ from async_rl.sync.control import (
     Ack,
     Announce,
     ControlTimeout,
+    ErrorKind,
     Hello,
     Message,
     Ready,
@@ -32,7 +32,6 @@ from async_rl.sync.control import (
     Start,
     encode,
 )
-
 from async_rl.sync.ipc import host_identity
 
 log = logging.getLogger(__name__)
@@ -88,6 +87,8 @@ class UpdateOutcome:
     load_s: float = 0.0
     pause_s: float = 0.0
     prefix_cache_reset: bool = False
+    error_kind: ErrorKind | None = None
+    """See :attr:`~async_rl.sync.control.Ack.error_kind`."""
 
     @property
     def ok(self) -> bool:
@@ -164,7 +165,7 @@ class WeightUpdateServer:
                 outcome = await self._update(announce, msg)
                 await self._send(
                     Ack(outcome.update_id, self.server_id, outcome.version, outcome.error,
-                        outcome.fatal, outcome.receive_s, outcome.load_s, outcome.pause_s)
+                        outcome.fatal, outcome.receive_s, outcome.load_s, outcome.pause_s, outcome.error_kind)
                 )
                 if outcome.ok:
                     log.info("weight sync: %s now serves version %s", self.server_id, self.version)
@@ -191,12 +192,13 @@ class WeightUpdateServer:
         t0 = time.monotonic()
         try:
             await self.engine.rpc("wsync_begin", (encode(announce), encode(start)), self.control_timeout_s)
-            error = await self._wait_received(uid, start.timeout_s)
+            failure = await self._wait_received(uid, start.timeout_s)
         except Exception as e:  # an rpc failing or timing out is this update's failure
-            error = f"{type(e).__name__}: {e}"
-        if error is not None:
+            failure = f"{type(e).__name__}: {e}", None
+        if failure is not None:
             await self.engine.rpc("wsync_discard", (uid,), self.control_timeout_s)
-            return UpdateOutcome(uid, self.version, error, receive_s=time.monotonic() - t0)
+            error, kind = failure
+            return UpdateOutcome(uid, self.version, error, receive_s=time.monotonic() - t0, error_kind=kind)
         receive_s = time.monotonic() - t0
 
         t1 = time.monotonic()
@@ -214,28 +216,30 @@ class WeightUpdateServer:
             await self.engine.resume()
         return UpdateOutcome(uid, self.version, None, False, receive_s, load_s, time.monotonic() - t1, reset)
 
-    async def _wait_received(self, uid: int, timeout_s: float) -> str | None:
+    async def _wait_received(self, uid: int, timeout_s: float) -> tuple[str, ErrorKind | None] | None:
         """Poll the workers until all staged ``uid`` (None) or one failed, the sender
-        aborted, or ``timeout_s`` passed (the error text). The workers enforce the same
-        timeout themselves; the extra second here only covers a stuck worker thread."""
+        aborted, or ``timeout_s`` passed (the error text and the first failed worker's
+        kind, if any). The workers enforce the same timeout themselves; the extra second
+        here only covers a stuck worker thread."""
         deadline = time.monotonic() + timeout_s + 1.0
         delay = self.poll_s
         while True:
             statuses = await self.engine.rpc("wsync_status", (uid,), self.control_timeout_s)
-            errors = [err for state, err, _ in statuses if state == "failed"]
-            if errors:
-                return "; ".join(e or "receive failed" for e in errors)
-            if all(state == "received" for state, _, _ in statuses):
+            failed = [(err, kind) for state, err, _, kind in statuses if state == "failed"]
+            if failed:
+                kind = next((k for _, k in failed if k is not None), None)
+                return "; ".join(e or "receive failed" for e, _ in failed), kind
+            if all(state == "received" for state, _, _, _ in statuses):
                 return None
             if time.monotonic() >= deadline:
-                return f"receive timed out after {timeout_s:.1f} s"
+                return f"receive timed out after {timeout_s:.1f} s", None
             try:
                 msg = await self._channel.recv(delay)
             except ControlTimeout:
                 msg = None
             if isinstance(msg, Abort) and msg.update_id == uid:
-                return f"aborted by sender: {msg.reason}"
+                return f"aborted by sender: {msg.reason}", None
             if isinstance(msg, Announce):  # the sender gave up on uid and moved on
                 self._pending = msg
-                return f"superseded by update {msg.update_id}"
+                return f"superseded by update {msg.update_id}", None
             delay = min(delay * 2, 0.1)

@@ -6,7 +6,26 @@ import sys
 import threading
 
 from async_rl.config import load_config
-from async_rl.launch.driver import cpu_layout, pinned_to, set_process_cores, support_cores
+from async_rl.launch.cores import cpu_layout, pinned_to, set_process_cores, support_cores
+
+
+def test_cpu_layout_gives_disjoint_cores():
+    cores = len(os.sched_getaffinity(0))
+    cfg = load_config(None, ["rollout.cpus_per_server=1", "learner.cpus_per_rank=1"])
+    servers, ranks = cpu_layout(cfg)
+    assert len(servers) == 1 and len(ranks) == 1
+    assert servers[0] != str(ranks[0][0])
+    too_big = load_config(None, [f"rollout.cpus_per_server={cores}", "learner.cpus_per_rank=1"])
+    assert cpu_layout(too_big) is None  # does not fit: no pinning
+
+
+def test_cpu_layout_names_each_pools_cores_and_pins_nothing_on_a_cluster():
+    cfg = load_config(None, ["rollout.cpus_per_server=1", "learner.cpus_per_rank=1"])
+    layout = cpu_layout(cfg)
+    assert layout is not None and (layout.servers, layout.ranks) == tuple(layout)
+    assert int(layout.servers[0]) == min(os.sched_getaffinity(0))  # servers first, then the ranks
+    cluster = load_config(None, ["rollout.cpus_per_server=1", "learner.cpus_per_rank=1", "ray.address=auto"])
+    assert cpu_layout(cluster) is None  # other machines' cores are not this one's to split
 
 
 def test_support_processes_share_the_server_cores_not_the_learners():

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from async_rl.config import load_config
-from async_rl.launch.driver import cpu_layout
 from async_rl.launch.plan import is_hub_id, make_plan, render
 from async_rl.learner.memory import servers_gpu_share
 
@@ -85,18 +84,6 @@ def test_plan_names_the_metric_sinks_and_refuses_a_taken_prometheus_port(data: P
     assert [e for e in plan.errors if e.startswith(f"logging.prometheus_port={port}: cannot serve on 127.0.0.1")], plan.errors
     free = make_plan(load_config(ROOT / "configs" / "quickstart.yaml", [f"data.train_files={data}", "logging.prometheus_port=0"]))
     assert not [e for e in free.errors if "prometheus" in e] and "Prometheus on 0.0.0.0:a free port" in free.monitoring
-
-
-def test_cpu_layout_gives_disjoint_cores():
-    import os
-
-    cores = len(os.sched_getaffinity(0))
-    cfg = load_config(None, ["rollout.cpus_per_server=1", "learner.cpus_per_rank=1"])
-    servers, ranks = cpu_layout(cfg)
-    assert len(servers) == 1 and len(ranks) == 1
-    assert servers[0] != str(ranks[0][0])
-    too_big = load_config(None, [f"rollout.cpus_per_server={cores}", "learner.cpus_per_rank=1"])
-    assert cpu_layout(too_big) is None  # does not fit: no pinning
 
 
 def test_plan_lists_openai_api_ports(data: Path):

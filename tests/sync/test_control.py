@@ -1,5 +1,6 @@
 """Control messages and the sender's handling of unresponsive or vanished servers."""
 
+import threading
 import time
 
 import pytest
@@ -7,8 +8,9 @@ import torch
 import zmq
 
 from async_rl.sync.buckets import plan_buckets, tensor_specs
-from async_rl.sync.control import Ack, Announce, ControlTimeout, Hello, Start, decode, encode
+from async_rl.sync.control import Ack, Announce, ControlTimeout, ErrorKind, Hello, Ready, Start, decode, encode
 from async_rl.sync.group import Rendezvous
+from async_rl.sync.ipc import host_identity
 from async_rl.sync.sender import WeightSender
 
 
@@ -19,6 +21,7 @@ def test_messages_round_trip_as_msgpack():
         Announce(3, 7, tuple(specs), tuple(plan_buckets(specs, 1024))),
         Start(3, Rendezvous("10.0.0.1", 1234, 5, 3, "nccl"), 1, 12.5),
         Ack(3, "s0", 7, None, False, 0.1, 0.2, 0.05),
+        Ack(3, "s0", 6, "IpcUnavailable: cannot map", error_kind="ipc_unavailable"),
     ]
     for m in msgs:
         assert decode(encode(m)) == m
@@ -56,3 +59,60 @@ def test_wait_for_servers_times_out():
     with pytest.raises(ControlTimeout):
         sender.wait_for_servers(1, timeout_s=0.3)
     sender.close()
+
+
+class _ShmServer:
+    """A server on the sender's host that answers every Announce with Ready and every
+    shared-memory Start with a failed Ack (``error``, ``error_kind``); it never joins a
+    broadcast group. Records each Start it received."""
+
+    def __init__(self, sender: WeightSender, error: str, error_kind: ErrorKind | None):
+        self.starts: list[Start] = []
+        self._error, self._kind = error, error_kind
+        self._sock = zmq.Context.instance().socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(sender.address)
+        self._sock.send(encode(Hello("local", 1, None, host_identity())))
+        sender.wait_for_servers(1, timeout_s=5.0)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            if not self._sock.poll(50):
+                continue
+            msg = decode(self._sock.recv())
+            if isinstance(msg, Announce):
+                self._sock.send(encode(Ready(msg.update_id, "local")))
+            elif isinstance(msg, Start):
+                self.starts.append(msg)
+                if msg.shm is not None:
+                    self._sock.send(encode(Ack(msg.update_id, "local", None, self._error, error_kind=self._kind)))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._sock.close()
+
+
+@pytest.mark.parametrize(
+    ("kind", "then_group"),
+    [("ipc_unavailable", True), (None, False)],
+    ids=["ipc-unavailable-kind", "other-failure-naming-IpcUnavailable"],
+)
+def test_a_server_is_moved_to_the_group_by_the_acks_error_kind_not_its_text(kind: ErrorKind | None, then_group: bool):
+    """The Ack's typed ``error_kind`` decides whether a same-host server gets the group from
+    then on; an error text that merely names ``IpcUnavailable`` does not."""
+    sender = WeightSender(backend="ipc", timeout_s=1.0, control_timeout_s=1.0)
+    server = _ShmServer(sender, "IpcUnavailable: cannot map shared memory", kind)
+    named = [("w", torch.ones(4))]
+    try:
+        first = sender.send(iter(named), 1, specs=tensor_specs(named))
+        assert not first.ok and "IpcUnavailable" in first.failed["local"]
+        sender.send(iter(named), 1, specs=tensor_specs(named))  # over the group it times out: the fake never joins
+        assert server.starts[0].shm is not None
+        assert (server.starts[1].shm is None and server.starts[1].rendezvous is not None) == then_group
+    finally:
+        server.close()
+        sender.close()

@@ -1,0 +1,80 @@
+"""CPU placement of a local CPU run: which cores the servers, the learner ranks and the
+rest (driver, Redis, Ray's daemons, rollout workers) run on.
+
+vLLM's OpenMP threads spin, so a server and a learner rank that share a core slow each
+other down by far more than their share of it. :func:`cpu_layout` gives each its own
+cores; :func:`pinned_to` puts everything else on the servers' cores, so a learner rank's
+step takes as long as it does alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from collections.abc import Iterator
+from typing import NamedTuple
+
+from async_rl.config import Config
+from async_rl.rollout.engine_args import on_gpu
+
+__all__ = ["CpuLayout", "cpu_layout", "pinned_to", "set_process_cores", "support_cores"]
+
+
+class CpuLayout(NamedTuple):
+    """Disjoint cores of the servers and the learner ranks."""
+
+    servers: list[str]
+    """``VLLM_CPU_OMP_THREADS_BIND`` value of each server (e.g. ``"0,1"``)."""
+    ranks: list[list[int]]
+    """Cores of each learner rank."""
+
+
+def cpu_layout(cfg: Config) -> CpuLayout | None:
+    """Disjoint CPU cores for each server's vLLM threads and each learner rank, or None.
+
+    On a local CPU run whose actors fit on this machine, servers get the first cores and
+    learner ranks the next ones (``rollout.cpus_per_server`` / ``learner.cpus_per_rank``
+    each, rounded up), so the two pools never fight over a core. None on a GPU, on a Ray
+    cluster, or when they do not fit: nothing is pinned then.
+    """
+    if on_gpu() or cfg.ray.address is not None:
+        return None
+    per_server = math.ceil(cfg.rollout.cpus_per_server)
+    per_rank = math.ceil(cfg.learner.cpus_per_rank)
+    available = sorted(os.sched_getaffinity(0))
+    needed = per_server * cfg.rollout.num_servers + per_rank * cfg.learner.world_size
+    if needed > len(available) or per_server < 1 or per_rank < 1:
+        return None
+    cores = iter(available)
+    servers = [",".join(str(next(cores)) for _ in range(per_server)) for _ in range(cfg.rollout.num_servers)]
+    ranks = [[next(cores) for _ in range(per_rank)] for _ in range(cfg.learner.world_size)]
+    return CpuLayout(servers, ranks)
+
+
+def support_cores(layout: CpuLayout) -> set[int]:
+    """Cores for everything but the learner ranks and vLLM's compute threads: the driver,
+    Ray's daemons, the servers' engine front ends and rollout workers. They share the rollout
+    cores, so a learner rank's cores are its own (its step time is then what it is alone).
+    The embedded Redis is the exception: the driver lets it run on every core (it answers
+    every admission, put and read, and waited seconds for a busy rollout core)."""
+    return {int(core) for bind in layout.servers for core in bind.split(",")}
+
+
+@contextlib.contextmanager
+def pinned_to(cores: set[int]) -> Iterator[None]:
+    """Run every thread of this process on ``cores`` until the block ends (processes started
+    meanwhile keep them: Redis, Ray's daemons and workers, vLLM's engine processes)."""
+    before = os.sched_getaffinity(0)
+    set_process_cores(os.getpid(), cores)
+    try:
+        yield
+    finally:
+        set_process_cores(os.getpid(), before)
+
+
+def set_process_cores(pid: int, cores: set[int]) -> None:
+    """Move every thread of process ``pid`` (not only its main thread) to ``cores``."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that just ended
+            os.sched_setaffinity(int(tid), cores)
