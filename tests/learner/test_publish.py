@@ -1,15 +1,20 @@
-"""Full parameters gathered from FSDP shards of 2 ranks, bucket by bucket."""
+"""Publishing weights: full parameters gathered from FSDP shards of 2 ranks bucket by bucket,
+and the publication's rules (a version published for admission once every server holds it,
+catch-up of a late server) against a recording sender."""
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
-from learner_helpers import SPAWN, gather_main
+from learner_helpers import SPAWN, gather_main, learner_config
 from safetensors.torch import load_file
 
-from async_rl.learner.model import free_port
+from async_rl.learner.model import DistInfo, free_port, load_sharded
+from async_rl.learner.publish import Publication
+from async_rl.sync.sender import PendingSend, SendResult, ServerReport
 
 
 @pytest.mark.integration
@@ -32,3 +37,59 @@ def test_buckets_hold_the_full_parameters_within_the_budget(tiny_model: Path, tm
     assert sorted(gathered) == sorted(expected)
     for name, tensor in expected.items():
         torch.testing.assert_close(gathered[name], tensor, rtol=0, atol=0)
+
+
+class RecordingSender:
+    """The sender's interface over a dict of servers; every update is acknowledged when
+    ``complete`` is called, by the servers in ``ok``."""
+
+    def __init__(self, servers: dict[str, int | None], ok: set[str]) -> None:
+        self._servers, self.ok, self.sent = servers, ok, []
+
+    @property
+    def servers(self) -> dict[str, int | None]:
+        return dict(self._servers)
+
+    def behind(self, version: int) -> list[str]:
+        return [s for s, v in self._servers.items() if v != version]
+
+    def begin(self, named_tensors, version, *, specs, servers=None):  # type: ignore[no-untyped-def]
+        names = [name for name, _ in named_tensors]
+        targets = sorted(self._servers if servers is None else servers)
+        self.sent.append((version, targets, len(names) == len(specs)))
+        return PendingSend(version, len(self.sent), 0.0, 0.0, 0.0, 0.0, 0, 0.0, {}, {})
+
+    def complete(self, pending: PendingSend, wait: bool = True) -> SendResult:
+        targets = self.sent[pending.update_id - 1][1]
+        for s in targets:
+            if s in self.ok:
+                self._servers[s] = pending.version
+        reports = {s: ServerReport(s, s in self.ok, receive_s=0.1, load_s=0.2, pause_s=0.3) for s in targets}
+        return SendResult(pending.version, pending.update_id, 0.0, 0.0, 0.0, 0.5, 1.0, 0, reports)
+
+
+def test_a_version_is_published_for_admission_once_every_server_holds_it(tiny_model, one_rank: DistInfo) -> None:
+    cfg = learner_config(tiny_model, "/tmp", "pub")
+    policy = load_sharded(str(tiny_model), cfg.learner, one_rank.device, trainable=True)
+    sender, announced, counters = RecordingSender({"a": 0, "b": 0}, ok={"a"}), [], Counter()
+    publication = Publication(0, one_rank.device, policy, 1, counters, sender, announced.append, 0)
+    assert publication.active and not publication.loading
+    publication.publish(1)
+    assert sender.sent == [(1, ["a", "b"], True)] and publication.loading  # every tensor of the specs, to every server
+    publication.settle(wait=True)
+    assert announced == [] and counters["sync_failed"] == 1  # b failed: version 1 has not reached every server
+    assert publication.take_metrics()["sync/pause_s"] == 0.3 and publication.take_metrics() == {}
+    sender.ok.add("b")
+    publication.catch_up(2)  # the learner is at 2 by now: the late server gets the current weights
+    assert sender.sent[-1] == (2, ["b"], True) and counters["sync_catch_up"] == 1
+    publication.settle(wait=True)
+    assert announced == [1]  # every server holds at least the served version
+    publication.catch_up(2)
+    assert len(sender.sent) == 2  # nobody lags: no send
+
+
+def test_without_a_sender_nothing_is_gathered_or_sent(tiny_model, one_rank: DistInfo) -> None:
+    cfg = learner_config(tiny_model, "/tmp", "pub")
+    policy = load_sharded(str(tiny_model), cfg.learner, one_rank.device, trainable=True)
+    publication = Publication(0, one_rank.device, policy, 1, Counter(), None, None, 0)
+    assert not publication.active and publication.publish(1) == 0.0 and publication.take_metrics() == {}

@@ -1,0 +1,84 @@
+"""The learner's feed on one rank with a real redis-server: records passed on as read, the
+backlog, the run of drops, staleness on the groups' behaviour version."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+from learner_helpers import make_groups
+
+from async_rl.learner.feed import BatchFeed, NoTrainableDataError, QueueReader, staleness_metrics
+from async_rl.learner.model import DistInfo
+from async_rl.learner.screening import Limits
+from async_rl.queue import ReplayQueue
+from async_rl.records import RolloutGroup, Sample, encode
+
+
+class Hooks:
+    """The publisher's side, recorded (the feed only calls it)."""
+
+    def __init__(self, loading: bool = False) -> None:
+        self.loading = loading
+        self.calls: list[str] = []
+
+    def catch_up(self, version: int) -> None:
+        self.calls.append(f"catch_up {version}")
+
+    def settle(self, wait: bool) -> None:
+        self.calls.append(f"settle {wait}")
+        self.loading = False
+
+
+def _feed(queue: ReplayQueue, one_rank: DistInfo, batch_size: int = 2) -> BatchFeed:
+    limits = Limits(64, 512)
+    reader = QueueReader(queue, limits, max_staleness=1, batch_size=batch_size, read_timeout_s=0.2, takes_images=False,
+                         model_path="tiny", run_name=queue.run)
+    return BatchFeed(one_rank.rank, one_rank.device, limits, reader)
+
+
+def test_a_batch_carries_the_records_as_read_and_a_deadline_keeps_what_was_read(redis_url: str, one_rank: DistInfo) -> None:
+    run = f"feed-{uuid.uuid4().hex[:8]}"
+    groups = make_groups(3, seed=21, run=run)
+    with ReplayQueue(redis_url, run, max_depth=64) as queue:
+        for g in groups[:1]:
+            queue.put(g)
+        feed, hooks = _feed(queue, one_rank), Hooks()
+        started = time.monotonic()
+        assert feed.next(2, 0, hooks, deadline=time.monotonic() + 0.5) is None  # one group is not a batch
+        assert time.monotonic() - started < 5.0 and feed.reader is not None and len(feed.reader.backlog) == 1
+        for g in groups[1:]:
+            queue.put(g)
+        data = feed.next(2, 0, hooks)
+        assert data is not None and [f.screened.group for f in data.fed] == groups[:2]  # the backlog first
+        assert [f.record for f in data.fed] == [encode(g) for g in groups[:2]] and all(f.entry_id for f in data.fed)
+        assert hooks.calls[0] == "catch_up 0" and data.images == {}
+
+
+def test_a_batch_waiting_for_new_groups_publishes_the_loading_version_first(redis_url: str, one_rank: DistInfo) -> None:
+    run = f"feed-{uuid.uuid4().hex[:8]}"
+    with ReplayQueue(redis_url, run, max_depth=64) as queue:
+        queue.put(make_groups(1, seed=22, run=run)[0])
+        feed, hooks = _feed(queue, one_rank), Hooks(loading=True)
+        assert feed.next(2, 0, hooks, deadline=time.monotonic() + 0.3) is None
+        assert "settle True" in hooks.calls  # admission may need the version before new groups come
+
+
+def test_a_run_of_dropped_groups_stops_the_feed_with_the_reasons(redis_url: str, one_rank: DistInfo) -> None:
+    run = f"feed-{uuid.uuid4().hex[:8]}"
+    failed = [RolloutGroup.from_lists(run, f"bad{i}", i, [3, 4], [Sample.from_lists([5], [-1.0], 0, 0.0, error="boom")], "s", 0.0)
+              for i in range(20)]
+    with ReplayQueue(redis_url, run, max_depth=64) as queue:
+        for g in failed:
+            queue.put(g)
+        with pytest.raises(NoTrainableDataError, match=r"the last 20 groups read were all dropped \(reward_error: 20\)"):
+            _feed(queue, one_rank).next(2, 0, Hooks(), deadline=time.monotonic() + 30)
+
+
+def test_staleness_is_measured_on_the_groups_behaviour_version() -> None:
+    old, new = make_groups(1, seed=1, version=3)[0], make_groups(1, seed=2, version=5)[0]
+    metrics = staleness_metrics([old, new, new], 6)
+    assert metrics["staleness/mean"] == pytest.approx(5 / 3) and metrics["staleness/max"] == 3.0
+    assert {k: v for k, v in metrics.items() if "hist" in k} == {"staleness/hist/1": 2.0, "staleness/hist/3": 1.0}
+    assert all(isinstance(v, float) for v in metrics.values())
