@@ -1,1 +1,1 @@
-"""Datasets, prompt formatting and the tiny task/model assets used by tests and quickstart."""
+"""Datasets (text and images) and prompt formatting; the tiny assets live in ``async_rl.tiny``."""
