@@ -15,7 +15,7 @@ Usage::
     print(to_yaml(cfg))
 
 Of async_rl, this module depends only on :mod:`async_rl.algos.options` (the algorithms' names,
-needs and loss options; ARCHITECTURE.md: dependencies point one way).
+needs and loss options; docs/architecture.md: dependencies point one way).
 """
 
 from __future__ import annotations

@@ -270,7 +270,7 @@ class RolloutGroup(msgspec.Struct, frozen=True, tag="rollout_group.v1", tag_fiel
 
     @property
     def behaviour_version(self) -> int:
-        """The group's behaviour version (ARCHITECTURE.md): the oldest of its samples'
+        """The group's behaviour version (docs/architecture.md): the oldest of its samples'
         (:attr:`Sample.behaviour_version`). The one definition: admission's staleness
         screen at the queue and the learner's staleness metrics both read it."""
         return min(v for s in self.samples if (v := s.behaviour_version) is not None)

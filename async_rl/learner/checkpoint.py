@@ -13,7 +13,7 @@ Layout of ``{output_dir}/checkpoints/step_{version:08d}/``::
                       last, atomically: a directory without it is incomplete and ignored
 
 A checkpoint is durable when :func:`save` returns on any rank (files fsynced, directory
-entries fsynced); only then may the queue entries it covers be committed (ARCHITECTURE.md).
+entries fsynced); only then may the queue entries it covers be committed (docs/architecture.md).
 """
 
 from __future__ import annotations

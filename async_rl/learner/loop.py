@@ -3,7 +3,7 @@
 The feed (:mod:`async_rl.learner.feed`) gives every rank the same step's groups, read by
 rank 0, the only queue consumer; the publication (:mod:`async_rl.learner.publish`) sends
 new weights to the inference servers. Versions, staleness and checkpoints follow
-ARCHITECTURE.md: version += 1 per step that trained, entries are committed only after the
+docs/architecture.md: version += 1 per step that trained, entries are committed only after the
 checkpoint containing them is durable, and a restarted learner commits what its checkpoint
 covers, then re-reads its own pending entries first.
 """

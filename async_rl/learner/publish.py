@@ -3,7 +3,7 @@ acknowledgements, catch-up of lagging servers, and the version published for adm
 
 Every rank takes part in gathering the full parameters from the FSDP shards (collective);
 rank 0 sends them with a :class:`WeightPublisher` while the learner goes on, and publishes a
-version for admission only once every registered server acknowledged it (ARCHITECTURE.md:
+version for admission only once every registered server acknowledged it (docs/architecture.md:
 a version counts once its weights reached the servers).
 """
 
