@@ -70,13 +70,16 @@ def evaluate(cfg: Config, out_dir: str | Path, limit: int | None = None, progres
     t0 = time.perf_counter()
     llm = LLM(**engine_kwargs(cfg))
     engine_start_s = time.perf_counter() - t0
-
-    prompts = [{"prompt_token_ids": formatter.token_ids(r.prompt)} for r in rows]
-    params = SamplingParams(temperature=0.0, max_tokens=cfg.rollout.max_response_length)
-    progress(f"generating greedy answers for {len(rows)} validation prompts")
-    t0 = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    generate_s = time.perf_counter() - t0
+    try:
+        prompts = [{"prompt_token_ids": formatter.token_ids(r.prompt)} for r in rows]
+        params = SamplingParams(temperature=0.0, max_tokens=cfg.rollout.max_response_length)
+        progress(f"generating greedy answers for {len(rows)} validation prompts")
+        t0 = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        generate_s = time.perf_counter() - t0
+    finally:
+        # The engine's process ends here, not whenever the garbage collector finds the LLM.
+        llm.llm_engine.engine_core.shutdown()
 
     completions = [o.outputs[0] for o in outputs]
     scores = reward_fn(

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import time
 
 import pytest
 
@@ -20,9 +23,22 @@ def test_one_turn_episodes_score_exactly_as_the_single_turn_eval(tiny_assets, tm
         f"data.val_files={tiny_assets.val_path}", "data.max_prompt_length=64", "rollout.max_response_length=16",
     ]
     single = evaluate(load_config(None, base), tmp_path / "single", limit=24, progress=lambda _: None)
+    assert _engine_children() == []  # the engine's process ended with the evaluation, not at some garbage collection
     episodes = evaluate(load_config(None, [*base, "rollout.env.name=addition_feedback", "rollout.env.max_turns=1"]),
                         tmp_path / "env", limit=24, progress=lambda _: None)
     assert single.prompts == episodes.prompts == 24 and 0.0 < single.accuracy < 1.0
     assert episodes.accuracy == single.accuracy
     assert [e["response"] for e in episodes.examples] == [e["response"] for e in single.examples]
     assert json.loads((tmp_path / "env" / "eval.json").read_text())["accuracy"] == episodes.accuracy
+
+
+def _engine_children(wait_s: float = 10.0) -> list[str]:
+    """vLLM engine processes of this test process still alive after ``wait_s`` seconds."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        out = subprocess.run(["ps", "-eo", "pid,ppid,stat,args"], capture_output=True, text=True).stdout.splitlines()[1:]
+        alive = [line for line in out if line.split(None, 3)[1] == str(os.getpid()) and "EngineCore" in line
+                 and not line.split(None, 3)[2].startswith("Z")]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.5)
