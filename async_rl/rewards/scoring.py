@@ -8,7 +8,7 @@ process died, every sample of the call gets the error (retrying item by item wou
 multiply the hang).
 
 A sample whose reward failed gets reward 0.0 and carries the error
-(``Score.error = "ExceptionType: message"``, then ``Sample.error``), and the learner drops
+(``Score.failure``, then ``Sample.error`` and ``Sample.error_kind``), and the learner drops
 every group that holds such a sample (counted as ``dropped/reward_error``): no substitute
 reward ever reaches training, which is why there is no fallback reward setting. Each
 distinct error is logged once with its traceback; every failure is counted. DAPO's
@@ -25,6 +25,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Union
 
+from async_rl.records import Failure
 from async_rl.rewards.pool import RewardCallError, RewardError, RewardPool, RewardTimeout
 
 if TYPE_CHECKING:
@@ -44,8 +45,8 @@ class Score:
     """Scalar reward used for training (``overall``, plus the overlong penalty); 0.0 when ``error`` is set."""
     components: dict[str, float] = field(default_factory=dict)
     """Named components the function returned (and ``overlong_penalty`` when applied)."""
-    error: str | None = None
-    """``ExceptionType: message`` when scoring failed for this sample (its group is then not trained)."""
+    failure: Failure | None = None
+    """Why scoring failed for this sample (the sample is then not trained), or None."""
 
 
 @dataclass
@@ -97,7 +98,7 @@ class RewardScorer:
 
         Never raises for a failing reward function: failed samples get reward 0.0 and the error.
         """
-        scores = [o if isinstance(o, Score) else self._failure(o) for o in await self.attempt(inputs)]
+        scores = [o if isinstance(o, Score) else self._failure(o, item) for o, item in zip(await self.attempt(inputs), inputs)]
         self.counters.scored += len(inputs)
         for item, s in zip(inputs, scores):
             self._apply_overlong(s, int(item["response_length"]))
@@ -127,7 +128,7 @@ class RewardScorer:
                                     f"expected a list of {len(inputs)} dicts")
         return [_validate(out) for out in outputs]
 
-    def _failure(self, exc: RewardError) -> Score:
+    def _failure(self, exc: RewardError, item: dict[str, Any]) -> Score:
         signature = exc.signature
         self.counters.errors += 1
         self.counters.timeouts += isinstance(exc, RewardTimeout)
@@ -136,12 +137,13 @@ class RewardScorer:
             log.warning("reward function failed (%s); the sample carries the error and its group is not trained. Logged once:\n%s",
                         signature, exc.traceback_text or signature)
         self._seen_errors[signature] += 1
-        return Score(0.0, {}, signature[:500])
+        kind = "reward_timeout" if isinstance(exc, RewardTimeout) else "reward_error"
+        return Score(0.0, {}, Failure(kind, signature[:500], input=str(item.get("response", ""))[:200], traceback=exc.traceback_text))
 
     def _apply_overlong(self, score: Score, length: int) -> None:
         """DAPO soft overlong punishment (arXiv:2503.14476, eq. 13); lengths in tokens."""
         o = self.cfg.overlong_penalty
-        if not o.enable or o.buffer_length <= 0 or score.error is not None:
+        if not o.enable or o.buffer_length <= 0 or score.failure is not None:
             return
         start = self.max_response_length - o.buffer_length
         if length > start:

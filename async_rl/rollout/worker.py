@@ -256,7 +256,8 @@ class RolloutWorker:
             self.counters.groups_filtered += 1
             return None
         samples = [
-            Sample.from_lists(c.token_ids, c.logprobs, c.versions, s.reward, s.components, c.finish_reason, s.error)
+            Sample.from_lists(c.token_ids, c.logprobs, c.versions, s.reward, s.components, c.finish_reason,
+                              s.failure.signature if s.failure else None, error_kind=s.failure.kind if s.failure else None)
             for c, s in zip(completions, scores)
         ]
         self.counters.tokens_generated += sum(len(c.token_ids) for c in completions)

@@ -111,7 +111,7 @@ def test_hung_call_times_out_is_replaced_and_the_loop_stays_responsive(rewards):
             assert 1.0 <= elapsed < 3.0
             assert ticks >= 10  # the loop ran other tasks while the call hung
             # no per-item retry after a timeout: every sample of the call carries the error
-            assert all(s.reward == 0.0 and s.error.startswith("RewardTimeout: ") for s in hung)
+            assert all(s.reward == 0.0 and s.failure.signature.startswith("RewardTimeout: ") for s in hung)
             assert (scorer.counters.errors, scorer.counters.timeouts, scorer.pool.restarts) == (2, 2, 1)
             assert pool.pids()[0] != old_pid
             await asyncio.sleep(0.2)

@@ -112,10 +112,10 @@ def test_raising_reward_isolates_failing_samples(scorer_for, caplog):
         first, second = asyncio.run(go())
     # a failed sample gets 0.0 and the error; the learner drops its whole group
     assert [s.reward for s in first] == [1.0, 0.0, 0.0, 1.0]
-    assert first[0].error is None and first[0].components == {"accuracy": 1.0}
-    assert first[1].error == "ZeroDivisionError: division by zero in my reward"
-    assert "non-finite" in first[2].error and first[2].error.startswith("RewardOutputError: ")
-    assert second[0].error == first[1].error
+    assert first[0].failure is None and first[0].components == {"accuracy": 1.0}
+    assert first[1].failure.signature == "ZeroDivisionError: division by zero in my reward"
+    assert "non-finite" in first[2].failure.signature and first[2].failure.signature.startswith("RewardOutputError: ")
+    assert second[0].failure.signature == first[1].failure.signature
     c = scorer.counters
     assert (c.scored, c.errors, c.timeouts, c.distinct_errors, scorer.pool.restarts) == (5, 3, 0, 2, 0)
     # each distinct error is logged once, with the reward process's traceback
@@ -129,7 +129,7 @@ def test_wrong_output_shape_is_an_error(scorer_for):
     # the batch call returns 1 output for 2 inputs; one-by-one calls then succeed
     assert [s.reward for s in scores] == [1.0, 1.0] and scorer.counters.errors == 0
     bad = scorer_for("bare_floats")
-    assert "not a dict with key 'overall'" in asyncio.run(bad.score(_inputs(("a", "a"))))[0].error
+    assert "not a dict with key 'overall'" in asyncio.run(bad.score(_inputs(("a", "a"))))[0].failure.signature
 
 
 def test_overlong_penalty_dapo(scorer_for):
