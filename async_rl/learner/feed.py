@@ -28,6 +28,20 @@ from async_rl.queue import Drop, ReplayQueue, Staleness
 from async_rl.records import RolloutGroup, decode
 
 
+_DROP_HINTS = {
+    "reward_error": "the reward function raises (the driver's console and reward_errors.jsonl in the run directory show each error)",
+    "reward_timeout": "the reward function takes longer than rollout.reward.timeout_s (reward_errors.jsonl shows the inputs)",
+    "env_error": "the environment raises (the driver's console and env_errors.jsonl in the run directory show each error)",
+    "env_timeout": "an environment call takes longer than rollout.env.step_timeout_s (env_errors.jsonl shows the calls)",
+    "too_few_samples": "too few samples of each group were scored for a baseline (see the reward and environment errors)",
+    "bad_token": "the dead-letter stream {run}:dead says why",
+    "stale": "raise algorithm.max_staleness",
+    "too_long": "raise learner.max_tokens_per_microbatch or lower rollout.max_response_length",
+    "empty_response": "the model answers with no token (check the chat template and rollout.max_response_length)",
+}
+"""What to do about each drop reason, for the message of :class:`NoTrainableDataError`."""
+
+
 class NoTrainableDataError(RuntimeError):
     """Every group read for a long while was dropped: the run cannot make progress."""
 
@@ -102,6 +116,8 @@ class QueueReader:
         self._images: dict[str, bytes] = {}
         """PNG bytes of the images of the groups read and not yet trained, by SHA-256."""
         self._recent_drops: Counter[str] = Counter()
+        self._last_detail: dict[str, str] = {}
+        """The detail of the last group dropped for each reason (for the stop message)."""
         """Why the groups read since the last one kept were dropped (see :meth:`failure`)."""
 
     def recover(self, version: int) -> None:
@@ -140,9 +156,10 @@ class QueueReader:
         if in_row < limit:
             return ""
         reasons = ", ".join(f"{reason}: {count}" for reason, count in self._recent_drops.most_common())
-        return (f"the last {in_row} groups read were all dropped ({reasons}); nothing is trainable. "
-                f"reward_error: the reward function fails (see the driver log, rollout/reward_errors); bad_token: "
-                f"the dead-letter stream {self.run_name}:dead says why; stale: raise algorithm.max_staleness")
+        causes = "; ".join(f"{reason}: {_DROP_HINTS.get(reason, 'see the queue/dropped metrics').format(run=self.run_name)}"
+                           + (f" (last: {self._last_detail[reason][:300]})" if reason in self._last_detail else "")
+                           for reason in self._recent_drops)
+        return f"the last {in_row} groups read were all dropped ({reasons}); nothing is trainable. {causes}"
 
     def _staleness(self, version: int) -> Staleness:
         """The staleness rule, against the learner's own version (the one place it is applied)."""
@@ -165,6 +182,7 @@ class QueueReader:
         """Screen a group as it is read; fetch its images once, which must decode."""
         screened = screen(group, self.limits)
         if screened.verdict is not None:
+            self._last_detail[screened.verdict.reason] = screened.verdict.detail
             return Drop(*screened.verdict)
         if group.images:
             if not self.takes_images:

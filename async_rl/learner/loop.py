@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from async_rl.algos.options import ESTIMATORS
 from async_rl.config import Config
 from async_rl.data.images import decode_blob
 from async_rl.learner import checkpoint, collectives, vision
@@ -80,7 +81,8 @@ class LearnerLoop:
         self.process_images = vision.load_image_processor(lrn.model_path) if vision.is_vision_language(policy.config.to_dict()) else None
         """A vision-language policy's image processor (None for a text model)."""
         limits = Limits(lrn.max_tokens_per_microbatch, int(policy.config.get_text_config().vocab_size),
-                        getattr(policy.config, "image_token_id", None) if self.process_images is not None else None)
+                        getattr(policy.config, "image_token_id", None) if self.process_images is not None else None,
+                        cfg.algorithm.failed_samples, 2 if ESTIMATORS[cfg.algorithm.advantage.name].group else 1)
         self.trainer = Trainer(policy, reference, lrn, cfg.algorithm, self.info, cfg.trainer.total_steps, cfg.trainer.seed,
                                temperature=cfg.rollout.temperature, critic=critic)
         self.output_dir = Path(cfg.trainer.output_dir)

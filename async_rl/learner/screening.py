@@ -12,10 +12,13 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from async_rl.records import RolloutGroup
+from async_rl.records import FAILURE_KINDS, RolloutGroup, Sample
 
-#: Reasons a sample or a group is dropped before training (the keys of ``Prepared.dropped``).
-DROP_REASONS = ("empty_response", "nonfinite_reward", "reward_error", "nonfinite_logprob", "bad_token", "too_long", "image_token")
+#: Reasons a sample or a group is dropped before training (the keys of ``Prepared.dropped``):
+#: the user's code failed (:data:`~async_rl.records.FAILURE_KINDS`: reward or environment,
+#: raised or timed out), or the sample's data cannot be trained.
+DROP_REASONS = (*FAILURE_KINDS, "empty_response", "nonfinite_reward", "nonfinite_logprob", "bad_token", "too_long", "image_token",
+                "too_few_samples")
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,12 @@ class Limits:
     image_token: int | None = None
     """A vision-language model's image token: a response holding it is not trained (the
     model would look for an image that is not there); None for a text model."""
+    failed_samples: str = "drop_sample"
+    """``algorithm.failed_samples``: a sample the user's code failed on is left out of its
+    group (``drop_sample``) or takes the whole group with it (``drop_group``)."""
+    min_samples: int = 1
+    """The fewest trainable samples a group needs (2 for an estimator whose baseline is
+    the group's statistics: one sample alone has no baseline)."""
 
 
 class Verdict(NamedTuple):
@@ -71,12 +80,15 @@ def screen(group: RolloutGroup, limits: Limits) -> ScreenedGroup:
     """Judge ``group`` once.
 
     The whole group goes when a token id lies outside ``[0, vocab_size)`` (malformed), when a
-    sample's reward failed or is not finite or a behaviour log-probability is not finite
-    (group baselines computed from such a group would be wrong, and one NaN reaches every
-    parameter), or when no sample is trainable. A sample is not trained when it has no
-    token to train (an empty response, or a multi-turn episode whose environment failed
-    before the model's first turn), when prompt + response exceed ``max_tokens`` (it fits
-    no micro-batch) or when it holds ``image_token``.
+    sample's reward is not finite or a behaviour log-probability is not finite (one NaN
+    reaches every parameter), when the user's code failed on a sample and
+    ``limits.failed_samples`` is ``drop_group``, or when fewer than ``limits.min_samples``
+    samples are trainable (``too_few_samples``; the reason of the samples' problems when
+    none is). A sample is not trained when the user's code failed on it (its
+    ``error_kind``: the group's baseline is then computed over the other samples), when it
+    has no token to train (an empty response, or a multi-turn episode whose environment
+    failed before the model's first turn), when prompt + response exceed ``max_tokens`` (it
+    fits no micro-batch) or when it holds ``image_token``.
     """
     prompt = list(group.prompt_array())
     bad = _out_of_vocab(prompt, limits.vocab_size)
@@ -92,15 +104,28 @@ def screen(group: RolloutGroup, limits: Limits) -> ScreenedGroup:
         if bad is not None and (verdict is None or not verdict.malformed):
             verdict = Verdict("bad_token", f"sample {k}: response token id {tokens[bad]} at position {bad} is outside the vocabulary "
                                            f"[0, {limits.vocab_size})", True)
-        elif verdict is None:
-            reason = ("reward_error" if record.error is not None else "nonfinite_reward" if not math.isfinite(record.reward)
+        elif verdict is None and record.error is not None and limits.failed_samples == "drop_group":
+            verdict = Verdict(_failure_kind(record), f"sample {k}: {record.error}", False)
+        elif verdict is None and record.error is None:
+            reason = ("nonfinite_reward" if not math.isfinite(record.reward)
                       else "nonfinite_logprob" if not all(math.isfinite(x) for x in logprobs) else None)
             if reason is not None:
-                verdict = Verdict(reason, record.error or f"a sample has a {reason.replace('_', ' ')}", False)
-        samples.append(ScreenedSample(tokens, logprobs, versions, mask, record.reward, _sample_problem(len(prompt), tokens, mask, limits)))
-    if verdict is None and all(s.problem for s in samples):
-        verdict = Verdict(str(samples[0].problem), "no sample is trainable", False)
+                verdict = Verdict(reason, f"sample {k} has a {reason.replace('_', ' ')}", False)
+        problem = _failure_kind(record) if record.error is not None else _sample_problem(len(prompt), tokens, mask, limits)
+        samples.append(ScreenedSample(tokens, logprobs, versions, mask, record.reward, problem))
+    trainable = sum(s.problem is None for s in samples)
+    if verdict is None and trainable == 0:
+        first = next(s for s in samples if s.problem)
+        detail = next((f"sample {k}: {r.error}" for k, r in enumerate(group.samples) if r.error is not None), "no sample is trainable")
+        verdict = Verdict(str(first.problem), detail, False)
+    elif verdict is None and trainable < limits.min_samples:
+        verdict = Verdict("too_few_samples", f"{trainable} trainable sample(s) < {limits.min_samples} for the group's baseline", False)
     return ScreenedGroup(group, prompt, tuple(samples), verdict)
+
+
+def _failure_kind(record: Sample) -> str:
+    """Whose code failed on ``record`` (records written before ``error_kind`` existed: the reward's)."""
+    return record.error_kind or "reward_error"
 
 
 def _out_of_vocab(tokens: list[int], vocab_size: int | None) -> int | None:

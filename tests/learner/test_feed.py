@@ -66,14 +66,20 @@ def test_a_batch_waiting_for_new_groups_publishes_the_loading_version_first(redi
 
 
 def test_a_run_of_dropped_groups_stops_the_feed_with_the_reasons(redis_url: str, one_rank: DistInfo) -> None:
+    """The stop message names the real cause: an environment's error is not blamed on the reward function."""
     run = f"feed-{uuid.uuid4().hex[:8]}"
-    failed = [RolloutGroup.from_lists(run, f"bad{i}", i, [3, 4], [Sample.from_lists([5], [-1.0], 0, 0.0, error="boom")], "s", 0.0)
+    error = "Countdown.step: KeyError: 'turn'"
+    failed = [RolloutGroup.from_lists(run, f"bad{i}", i, [3, 4], [Sample.from_lists([5], [-1.0], 0, 0.0, error=error, error_kind="env_error")],
+                                      "s", 0.0)
               for i in range(20)]
     with ReplayQueue(redis_url, run, max_depth=64) as queue:
         for g in failed:
             queue.put(g)
-        with pytest.raises(NoTrainableDataError, match=r"the last 20 groups read were all dropped \(reward_error: 20\)"):
+        with pytest.raises(NoTrainableDataError, match=r"the last 20 groups read were all dropped \(env_error: 20\)") as caught:
             _feed(queue, one_rank).next(2, 0, Hooks(), deadline=time.monotonic() + 30)
+    message = str(caught.value)
+    assert "env_error: the environment raises" in message and f"(last: sample 0: {error})" in message
+    assert "reward" not in message
 
 
 def test_staleness_is_measured_on_the_groups_behaviour_version() -> None:

@@ -20,7 +20,8 @@ def test_screen_dead_letters_bad_tokens_and_drops_untrainable_groups() -> None:
     assert (reason, malformed) == ("bad_token", True) and detail.startswith("sample 1: response token id -1 at position 1")
     # malformed data wins over a failed reward: it goes to the dead-letter stream
     assert verdict([3], Sample.from_lists([7], [-1.0], 0, 0.0, error="boom"), Sample.from_lists([600], [-1.0], 0, 1.0))[2] is True
-    assert verdict([3], ok, Sample.from_lists([7], [-1.0], 0, 0.0, error="ValueError: boom")) == ("reward_error", "ValueError: boom", False)
+    # one failed sample alone: nothing is trainable, and the verdict names its error
+    assert verdict([3], Sample.from_lists([7], [-1.0], 0, 0.0, error="ValueError: boom")) == ("reward_error", "sample 0: ValueError: boom", False)
     assert verdict([3] * 60, Sample.from_lists([5] * 10, [-1.0] * 10, 0, 1.0)) == ("too_long", "no sample is trainable", False)
 
 
@@ -45,3 +46,23 @@ def test_a_response_holding_the_image_token_is_not_trained() -> None:
     only_bad = RolloutGroup.from_lists("t", "g", 0, prompt, [bad], "s", 0.0)
     assert screen(only_bad, Limits(64, 512, image_token)).verdict == ("image_token", "no sample is trainable", False)
     assert prepare_groups([only_bad], 64, 512).batch is not None  # a text model has no image token
+
+
+def test_a_failed_sample_leaves_its_group_unless_drop_group() -> None:
+    """The user's code failed on one sample: by default the others train (the group's baseline
+    over them, at least ``min_samples``); ``drop_group`` drops the group; the reason says whose code failed."""
+    ok = Sample.from_lists([5, 6], [-1.0, -1.0], 0, 1.0)
+    timed_out = Sample.from_lists([7], [-1.0], 0, 0.0, error="RewardTimeout: too slow", error_kind="reward_timeout")
+    env_failed = Sample.from_lists([8], [-1.0], 0, 0.0, error="Env.step: KeyError: 'x'", error_kind="env_error")
+    group = RolloutGroup.from_lists("t", "g", 0, [3], [ok, timed_out, ok, env_failed], "s", 0.0)
+    screened = screen(group, Limits(64, 512, min_samples=2))
+    assert screened.verdict is None
+    assert [s.problem for s in screened.samples] == [None, "reward_timeout", None, "env_error"]
+    prepared = prepare_groups([group], 64, 512)
+    assert prepared.batch is not None and prepared.batch.size == 2 and prepared.dropped == {"reward_timeout": 1, "env_error": 1}
+    assert screen(group, Limits(64, 512, failed_samples="drop_group")).verdict == (
+        "reward_timeout", "sample 1: RewardTimeout: too slow", False)
+    lonely = RolloutGroup.from_lists("t", "g", 0, [3], [ok, timed_out], "s", 0.0)
+    assert screen(lonely, Limits(64, 512, min_samples=2)).verdict == (
+        "too_few_samples", "1 trainable sample(s) < 2 for the group's baseline", False)
+    assert screen(lonely, Limits(64, 512, min_samples=1)).verdict is None

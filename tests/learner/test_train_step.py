@@ -80,10 +80,11 @@ def test_bad_groups_are_dropped_with_reasons(tiny_model: Path, one_rank: DistInf
         group(Sample.from_lists(list(range(2, 80)), [-1.0] * 78, 0, 1.0)),
     ]
     prepared = prepare_groups(good + bad, 64, 512)
-    # a token outside the vocabulary condemns its whole group (malformed: dead-lettered when read)
-    assert dict(prepared.dropped) == {"nonfinite_reward": 2, "nonfinite_logprob": 2, "reward_error": 2,
+    # a token outside the vocabulary condemns its whole group (malformed: dead-lettered when read);
+    # a failed reward only its sample (algorithm.failed_samples=drop_sample)
+    assert dict(prepared.dropped) == {"nonfinite_reward": 2, "nonfinite_logprob": 2, "reward_error": 1,
                                       "empty_response": 1, "bad_token": 2, "too_long": 1}
-    assert len(prepared.kept) == 4 and prepared.batch.size == 8 + 2
+    assert len(prepared.kept) == 5 and prepared.batch.size == 8 + 3
     trainer = _trainer(tiny_model, one_rank, tmp_path)
     before = _params(trainer)
     metrics = trainer.step(prepared.batch, 0).metrics
@@ -91,7 +92,7 @@ def test_bad_groups_are_dropped_with_reasons(tiny_model: Path, one_rank: DistInf
     assert all(torch.isfinite(v).all() for v in after.values())
     assert any(not torch.equal(before[k], after[k]) for k in before)
     assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
-    assert prepare_groups(bad[:3], 64, 512).batch is None
+    assert prepare_groups(bad[:2], 64, 512).batch is None
 
 
 def test_lr_schedule_warmup_then_cosine(tmp_path: Path) -> None:
