@@ -33,6 +33,7 @@ from async_rl.data.prompts import ImageFields, PromptFormatter, read_prompt_rows
 from async_rl.envs import load_environment
 from async_rl.envs.conversation import ChatEncoder
 from async_rl.launch.cores import cpu_layout, pinned_to, set_process_cores, support_cores
+from async_rl.launch.failures import FailureLog
 from async_rl.launch.plan import make_plan
 from async_rl.launch.prometheus import server_states
 from async_rl.launch.ray_cluster import init_ray
@@ -59,6 +60,11 @@ HEALTH_PERIOD_S = 10.0
 """Period of the server health check and of the stall check, seconds."""
 RATE_WINDOW_S = 10.0
 """Generation tokens/s is measured over about this many seconds (groups land in bursts), seconds."""
+FAILURE_POLL_S = 1.0
+"""How often the driver reads the servers' failure reports from the queue, seconds."""
+HEARTBEAT_S = 30.0
+"""While no learner step has come for this long, the console shows what the rollout side is
+doing (and the counters go to every metrics sink) once per this many seconds."""
 
 
 class StartupError(RuntimeError):
@@ -110,6 +116,10 @@ class _Run:
         self.server_busy_s: list[float] = []
         self.failure: str | None = None
         """Why the run stopped early (exit status 1), or None."""
+        self.failures = FailureLog(self.run_dir, cfg.algorithm.failed_samples)
+        self._last_step = time.monotonic()
+        """When the learner's last step was logged (or the rollout workers started)."""
+        self._generated = RateMeter(RATE_WINDOW_S)
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -188,6 +198,7 @@ class _Run:
                 # back with it (20 steps: 30-190 s instead of 8 s); it is light, so it runs anywhere.
                 set_process_cores(embedded.pid, all_cores)
         self.queue = stack.enter_context(ReplayQueue(redis_url, cfg.trainer.run_name, cfg.queue.max_depth, op_timeout_s=cfg.queue.timeout_s))
+        self._failure_cursor = self.queue.last_failure_id()  # a resumed run's older failure reports are on file already
 
         try:
             init_ray(cfg.ray.address, cfg.ray.num_cpus, configure_logging=False)
@@ -272,6 +283,7 @@ class _Run:
     async def _train(self) -> None:
         learner = asyncio.create_task(self._drive_learner())
         watcher: asyncio.Task | None = None
+        relay: asyncio.Task | None = None
         try:
             try:
                 await self.pool.start(workers=False)
@@ -282,6 +294,7 @@ class _Run:
                 self.tracker.console.print(f"OpenAI-compatible API: {' '.join(u or '-' for u in self.pool.openai_urls())} "
                                            f"(servers listed in {self.run_dir / 'servers.json'})", highlight=False)
             watcher = asyncio.create_task(self._watch())
+            relay = asyncio.create_task(self._relay_failures())
             # The first validation measures the starting weights alone: the rollout workers
             # (and so the learner's first updates) start after it (verl's val_before_train).
             self._maybe_validate(force=True)
@@ -290,7 +303,7 @@ class _Run:
             if self.stop.is_set():
                 return
             await self.pool.start_workers()
-            started = time.monotonic()
+            started = self._last_step = time.monotonic()
             await learner
             self.train_wall_s = time.monotonic() - started
         finally:
@@ -302,6 +315,12 @@ class _Run:
             # Workers end their tickets (prompts in flight go back to the queue) before the
             # learner's final commit is read back and before Redis stops.
             await self._stop_workers()
+            if relay is not None:
+                relay.cancel()
+                await asyncio.gather(relay, return_exceptions=True)
+                await self._relay_once()  # what the workers reported as they stopped
+            with contextlib.suppress(Exception):  # the summary's counters; the queue may be gone after a failure
+                self.tracker.latest.update(self._rollout_metrics(self.queue.rollout_stats(), 0.0))
         self.server_busy_s = [h.busy_s for h in await self.pool.health() if not isinstance(h, str)]
         if self._validating is not None:
             await self._validating
@@ -317,15 +336,14 @@ class _Run:
 
     async def _drive_learner(self) -> None:
         total = self.cfg.trainer.total_steps
-        generated = RateMeter(RATE_WINDOW_S)
         try:
             while self.version < total and not self.stop.is_set():
                 results = await asyncio.gather(*(a.run.remote(1, LEARNER_WAIT_S) for a in self.learners))
                 self.version = results[0]["version"]
                 for metrics in results[0]["steps"]:
-                    rollout = self.queue.rollout_stats()
-                    metrics.update(self._rollout_metrics(rollout, generated.rate(rollout.get("tokens_generated", 0.0), time.monotonic())))
+                    metrics.update(self._rollout_now())
                     self.tracker.log(metrics)
+                    self._last_step = time.monotonic()
                     self._maybe_validate()
         except ray.exceptions.RayTaskError as exc:
             self._fail(f"the learner stopped: {_cause(exc)}")
@@ -367,6 +385,51 @@ class _Run:
             for line in await self.pool.heal(self.version, cfg.sync.max_lag_s, healths):
                 log.warning("%s", line)
 
+    def _rollout_now(self) -> dict[str, float]:
+        """The rollout side's metrics now (counters from Redis, generation rate)."""
+        rollout = self.queue.rollout_stats()
+        return self._rollout_metrics(rollout, self._generated.rate(rollout.get("tokens_generated", 0.0), time.monotonic()))
+
+    async def _relay_failures(self) -> None:
+        """About once a second: the servers' failure reports to the console and the run's
+        files; while no step comes, a heartbeat every :data:`HEARTBEAT_S` seconds."""
+        last_beat = time.monotonic()
+        while True:
+            await asyncio.sleep(FAILURE_POLL_S)
+            try:
+                await self._relay_once()
+                now = time.monotonic()
+                if now - self._last_step >= HEARTBEAT_S and now - last_beat >= HEARTBEAT_S:
+                    last_beat = now
+                    await self._heartbeat(now - self._last_step)
+            except Exception as exc:  # noqa: BLE001 - diagnostics must never end the run (Redis away: the watcher decides)
+                log.warning("failure reports not read: %s: %s", type(exc).__name__, exc)
+
+    async def _relay_once(self) -> None:
+        self._failure_cursor, reports, bad = await asyncio.to_thread(self.queue.read_failures, self._failure_cursor)
+        self.failures.undecodable += bad
+        for line in self.failures.ingest(reports, time.monotonic()):
+            self._say(line)
+
+    async def _heartbeat(self, waited_s: float) -> None:
+        """Log the rollout side's counters to every sink, and say on the console what each side is doing."""
+        metrics = {"version": float(self.version), **self._rollout_now()}
+        self.tracker.log(metrics, heartbeat=True)
+        dropped = ", ".join(f"{k.removeprefix('queue/dropped/')} {v:.0f}" for k, v in metrics.items() if k.startswith("queue/dropped/") and v)
+        errors = ", ".join(f"{label} {metrics[key]:.0f}" for label, key in (
+            ("reward errors", "rollout/reward_errors"), ("of them timeouts", "rollout/reward_timeouts"), ("environment errors", "env/errors"))
+            if metrics.get(key))
+        self._say(f"no learner step for {waited_s:.0f} s: {metrics.get('rollout/groups_put', 0):.0f} groups generated, "
+                  f"{metrics.get('rollout/tokens_per_s', 0):.0f} tokens/s; dropped: {dropped or 'none'}; {errors or 'no reward or environment errors'}. "
+                  f"{await self._diagnose()}")
+
+    def _say(self, line: str) -> None:
+        """A line the user must see: on the console (or in the log when the console is off)."""
+        if self.cfg.logging.console:
+            self.tracker.console.print(line, highlight=False, soft_wrap=True, markup=False)
+        else:
+            log.warning("%s", line)
+
     async def _diagnose(self) -> str:
         """What each side of a stalled run waits for, in one paragraph."""
         cfg, stats = self.cfg, self.queue.stats()
@@ -395,6 +458,7 @@ class _Run:
             "queue/oldest_age_s": float(stats["oldest_age_s"]),
             "queue/returned_prompts": float(stats["returned_prompts"]),
             "rollout/server_restarts": float(self.pool.restarts),
+            "rollout/failure_reports_undecodable": float(self.failures.undecodable),
         }
         out.update({f"rollout/{name}": rollout.get(name, 0.0) for name in COUNTERS})
         if episodes := rollout.get("env_episodes", 0.0):

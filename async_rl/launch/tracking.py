@@ -101,8 +101,9 @@ class Tracker:
         run.define_metric("*", step_metric="version")
         return run
 
-    def log(self, metrics: dict[str, float]) -> None:
-        """Record one step's metrics, or a validation's (they must include ``version``)."""
+    def log(self, metrics: dict[str, float], heartbeat: bool = False) -> None:
+        """Record one step's metrics, or a validation's, or (``heartbeat``) the rollout side's
+        while no step comes (they must include ``version``; a heartbeat prints no step line)."""
         metrics = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
         now = time.monotonic()
         metrics["time/elapsed_s"] = now - self._start
@@ -129,7 +130,7 @@ class Tracker:
             self._wandb_step += 1
         if self._live is not None:
             self._live.update(self._table())
-        elif self.cfg.logging.console and int(metrics.get("version", 0)) % self.cfg.logging.log_every == 0:
+        elif self.cfg.logging.console and not heartbeat and int(metrics.get("version", 0)) % self.cfg.logging.log_every == 0:
             self.console.print(self._line(metrics), highlight=False, soft_wrap=True)
 
     def snapshot(self) -> Snapshot:
@@ -165,7 +166,9 @@ class Tracker:
             ("wall time", f"{(time.monotonic() - self._start) / 60:.1f} min"),
             ("learner idle fraction (last step)", _pct(self.latest.get("perf/idle_fraction"))),
             ("groups dropped as stale", f"{self.latest.get('queue/dropped_stale', 0):.0f}"),
-            ("reward errors", f"{self.latest.get('rollout/reward_errors', 0):.0f}"),
+            ("reward errors (of them timeouts)",
+             f"{self.latest.get('rollout/reward_errors', 0):.0f} ({self.latest.get('rollout/reward_timeouts', 0):.0f})"),
+            ("environment errors", f"{self.latest.get('env/errors', 0):.0f}"),
             ("run directory", str(self.run_dir)),
             ("plots", ", ".join(p.name for p in self.plots) or "-"),
         ]

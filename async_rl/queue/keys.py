@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["CONSUMER_GROUP", "PAYLOAD_FIELD", "RunKeys"]
+__all__ = ["CONSUMER_GROUP", "FAILURES_MAXLEN", "FAILURE_FIELD", "PAYLOAD_FIELD", "RunKeys"]
 
 CONSUMER_GROUP = "learner"
 PAYLOAD_FIELD = b"group"  # stream entry field holding the msgspec-encoded RolloutGroup
+FAILURE_FIELD = b"report"  # failures stream entry field holding a msgspec-encoded FailureReport
+FAILURES_MAXLEN = 10_000
+"""Failure reports the queue keeps (the driver appends each to a file within about a second)."""
 
 
 @dataclass(frozen=True)
@@ -24,6 +27,9 @@ class RunKeys:
     - ``returned``: list of prompt indices claimed but never enqueued, served first.
     - ``rollout_stats``: hash of the rollout workers' cumulative counters (``groups_put``,
       ``tokens_generated``, ``reward_errors``, ...), added to by every worker host.
+    - ``failures``: stream of msgspec-encoded :class:`~async_rl.records.FailureReport`
+      (field ``report``): every sample the user's reward function or environment failed
+      on, from every server; capped at the newest ``FAILURES_MAXLEN`` entries.
     - ``admit_reply(call)``: ``"<index> <claim>"`` of one admission, kept a few minutes
       (makes retried admissions idempotent).
     - ``last_put(producer)``: ``"<seq> <entry id>"`` of a producer's last put, expiring
@@ -58,6 +64,10 @@ class RunKeys:
     @property
     def rollout_stats(self) -> str:
         return f"{self.run}:rollout-stats"
+
+    @property
+    def failures(self) -> str:
+        return f"{self.run}:failures"
 
     def admit_reply(self, call_id: str) -> str:
         return f"{self.run}:admit-reply:{call_id}"

@@ -24,12 +24,15 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar, cast
 
+import msgspec
 import redis
 
 from async_rl.queue.admission import AdmissionLedger, Reconciled, Ticket
 from async_rl.queue.client import attempts, connect, redact, retrying
-from async_rl.queue.keys import CONSUMER_GROUP, PAYLOAD_FIELD, RunKeys
-from async_rl.records import RecordDecodeError, RolloutGroup, decode, encode
+from async_rl.queue.keys import CONSUMER_GROUP, FAILURE_FIELD, FAILURES_MAXLEN, PAYLOAD_FIELD, RunKeys
+from async_rl.records import FailureReport, RecordDecodeError, RolloutGroup, decode, encode
+
+_FAILURE_DECODER = msgspec.msgpack.Decoder(FailureReport)
 
 __all__ = ["Check", "Drop", "ReplayQueue", "ScreenReport", "Staleness", "TicketEndedError"]
 
@@ -485,6 +488,40 @@ class ReplayQueue:
         worker host of the run since its first start."""
         raw = self._call("rollout_stats", lambda: self._client.hgetall(self.keys.rollout_stats))
         return {k.decode(): float(v) for k, v in raw.items()}
+
+    def report_failures(self, reports: Sequence[FailureReport]) -> None:
+        """Append ``reports`` to the run's failures stream (one round trip; the oldest
+        entries beyond ``FAILURES_MAXLEN`` are trimmed)."""
+        if not reports:
+            return
+        encoded = [msgspec.msgpack.encode(r) for r in reports]
+
+        def add() -> None:
+            pipe = self._client.pipeline(transaction=False)
+            for data in encoded:
+                pipe.xadd(self.keys.failures, {FAILURE_FIELD: data}, maxlen=FAILURES_MAXLEN, approximate=True)
+            pipe.execute()
+
+        self._call("report_failures", add)
+
+    def last_failure_id(self) -> str:
+        """The id of the newest failure report ("0-0" when there is none): where a reader
+        that wants only new reports starts."""
+        newest = self._call("last_failure_id", lambda: self._client.xrevrange(self.keys.failures, count=1))
+        return newest[0][0].decode() if newest else "0-0"
+
+    def read_failures(self, after: str, count: int = 1000) -> tuple[str, list[FailureReport], int]:
+        """Failure reports after entry id ``after``, oldest first: ``(last id read, reports,
+        entries that did not decode)``. Undecodable entries are skipped (they are diagnostics,
+        never training data); the caller counts them."""
+        entries = self._call("read_failures", lambda: self._client.xrange(self.keys.failures, min=f"({after}", count=count))
+        reports, bad = [], 0
+        for entry_id, fields_ in entries:
+            try:
+                reports.append(_FAILURE_DECODER.decode(fields_.get(FAILURE_FIELD, b"")))
+            except msgspec.DecodeError:  # ValidationError is a subclass
+                bad += 1
+        return (entries[-1][0].decode() if entries else after), reports, bad
 
     def close(self) -> None:
         """Close the connection pool."""

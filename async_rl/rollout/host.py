@@ -29,6 +29,7 @@ from async_rl.data.prompts import ImageFields, PromptFormatter, PromptRow
 from async_rl.envs import load_environment
 from async_rl.envs.conversation import ChatEncoder
 from async_rl.queue import ReplayQueue
+from async_rl.records import FailureReport
 from async_rl.rewards import RewardPool, RewardScorer
 from async_rl.rollout.episodes import EpisodeCounters, EpisodeSampler
 from async_rl.rollout.types import GenerateFn, Sampling
@@ -41,10 +42,12 @@ log = logging.getLogger(__name__)
 
 STATS_PERIOD_S = 1.0
 """How often a host adds its counters to Redis, seconds (what a killed host loses at most)."""
+MAX_PENDING_FAILURES = 1000
+"""Failure reports a host holds while Redis is away; beyond, the oldest are dropped (counted)."""
 
 EPISODE_COUNTERS = tuple(f"env_{f.name}" for f in dataclasses.fields(EpisodeCounters))
-COUNTERS = (tuple(f.name for f in dataclasses.fields(WorkerCounters)) + ("reward_errors", "reward_timeouts", "reward_restarts")
-            + EPISODE_COUNTERS)
+COUNTERS = (tuple(f.name for f in dataclasses.fields(WorkerCounters))
+            + ("reward_errors", "reward_timeouts", "reward_restarts", "failure_reports_dropped") + EPISODE_COUNTERS)
 """Names of the counters in the run's ``rollout_stats`` hash (all cumulative)."""
 
 
@@ -119,6 +122,9 @@ class WorkerHost:
         self._tasks: list[asyncio.Task] = []
         self._flusher: asyncio.Task | None = None
         self._flushed = dict.fromkeys(COUNTERS, 0.0)
+        self._failures: list[FailureReport] = []
+        """Failure reports not yet sent to Redis."""
+        self._failures_dropped = 0
 
     async def start(self) -> None:
         """Connect, start the reward pool and the worker loops (on the event loop's thread:
@@ -138,7 +144,8 @@ class WorkerHost:
             scorer = RewardScorer(self.rewards, spec.reward, spec.max_response_length)
             episodes = None if env_cls is None else EpisodeSampler(
                 env_cls, spec.env, ChatEncoder(self.tokenizer), settings.sampling, settings.max_prompt_length)  # type: ignore[arg-type]
-            self.workers.append(RolloutWorker(settings, self.queue, self.rows, formatter.token_ids, scorer, lambda: self.generate, episodes))
+            self.workers.append(RolloutWorker(settings, self.queue, self.rows, formatter.token_ids, scorer, lambda: self.generate, episodes,
+                                              report=self._failures.extend))
         self._tasks = [asyncio.create_task(w.run(self._stop)) for w in self.workers]
         self._flusher = asyncio.create_task(self._flush_every(spec.stats_period_s))
 
@@ -160,6 +167,7 @@ class WorkerHost:
                 for name, value in dataclasses.asdict(w.episodes.counters).items():
                     out[f"env_{name}"] += value
         out["reward_restarts"] = float(self.rewards.restarts if self.rewards is not None else 0)
+        out["failure_reports_dropped"] = float(self._failures_dropped)
         return out
 
     async def stop(self, grace_s: float) -> dict[str, float]:
@@ -190,6 +198,13 @@ class WorkerHost:
                 log.warning("%s: rollout counters not flushed: %s", self.server_id, exc)
 
     async def _flush(self) -> None:
+        if len(self._failures) > MAX_PENDING_FAILURES:
+            self._failures_dropped += len(self._failures) - MAX_PENDING_FAILURES
+            del self._failures[:-MAX_PENDING_FAILURES]
+        if self._failures and self.queue is not None:
+            sending = self._failures[:]
+            await asyncio.to_thread(self.queue.report_failures, sending)
+            del self._failures[:len(sending)]
         totals = self.totals()
         deltas = {k: v - self._flushed[k] for k, v in totals.items() if v != self._flushed[k]}
         if deltas and self.queue is not None:

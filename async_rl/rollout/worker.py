@@ -30,7 +30,7 @@ from typing import Any, Callable
 from async_rl.data.images import ImageError, PixelBounds, image_blob, load_image
 from async_rl.data.prompts import PromptRow
 from async_rl.queue import ReplayQueue, Ticket
-from async_rl.records import ImageRef, RolloutGroup, Sample
+from async_rl.records import Failure, FailureReport, ImageRef, RolloutGroup, Sample
 from async_rl.rewards.scoring import RewardScorer
 from async_rl.rollout.episodes import EpisodeSampler
 from async_rl.rollout.types import Completion, GenerateFn, Sampling
@@ -106,6 +106,8 @@ class RolloutWorker:
             failure, so a restarted server is picked up.
         episodes: with an environment (``rollout.env``), a group's samples are its episodes
             (:mod:`async_rl.rollout.episodes`) instead of single responses to the prompt.
+        report: receives a :class:`~async_rl.records.FailureReport` for every sample the
+            reward function or environment failed on (the host sends them to the driver).
     """
 
     def __init__(
@@ -117,6 +119,7 @@ class RolloutWorker:
         scorer: RewardScorer,
         server: Callable[[], GenerateFn],
         episodes: EpisodeSampler | None = None,
+        report: Callable[[list[FailureReport]], None] | None = None,
     ):
         if not rows:
             raise ValueError("the rollout worker needs at least one training prompt (data.train_files has no usable rows)")
@@ -127,6 +130,7 @@ class RolloutWorker:
         self.scorer = scorer
         self.server = server
         self.episodes = episodes
+        self.report = report
         self.counters = WorkerCounters()
         self._orders: dict[int, list[int]] = {}
 
@@ -260,6 +264,7 @@ class RolloutWorker:
                               s.failure.signature if s.failure else None, error_kind=s.failure.kind if s.failure else None)
             for c, s in zip(completions, scores)
         ]
+        self._report(f"{self.s.run_id}:{index}", [s.failure for s in scores])
         self.counters.tokens_generated += sum(len(c.token_ids) for c in completions)
         refs = await self._store_images(images) if images else None
         return RolloutGroup.from_lists(
@@ -272,6 +277,13 @@ class RolloutWorker:
             generation_s=time.monotonic() - t0,
             images=refs,
         )
+
+    def _report(self, group_id: str, failures: list[Failure | None]) -> None:
+        """Hand the failures of a group's samples (None: the sample is fine) to ``report``."""
+        now = time.time()
+        reports = [FailureReport(f, self.s.server_id, group_id, k, now) for k, f in enumerate(failures) if f is not None]
+        if reports and self.report is not None:
+            self.report(reports)
 
     async def _store_images(self, images: list[Any]) -> list[ImageRef]:
         """Put the group's images into the queue's image store (once per content) before the
@@ -287,6 +299,8 @@ class RolloutWorker:
         if made is None:
             return None
         prompt_ids, samples = made
+        self._report(f"{self.s.run_id}:{index}",
+                     [Failure(s.error_kind or "env_error", s.error) if s.error is not None else None for s in samples])
         self.counters.tokens_generated += sum(sum(s.token_mask()) for s in samples)
         return RolloutGroup.from_lists(
             run_id=self.s.run_id, group_id=f"{self.s.run_id}:{index}", prompt_id=index, prompt_token_ids=prompt_ids,

@@ -11,7 +11,7 @@ import redis
 from queue_workers import make_group
 
 from async_rl.queue import Drop, EmbeddedRedis, QueueUnavailableError, ReplayQueue, Staleness, Ticket, TicketEndedError
-from async_rl.records import RolloutGroup, decode, encode
+from async_rl.records import Failure, FailureReport, RolloutGroup, decode, encode
 
 
 def test_put_get_commit_round_trip(queue: ReplayQueue, run: str) -> None:
@@ -263,3 +263,19 @@ def test_get_rides_out_a_redis_stall_longer_than_the_socket_timeout(redis_url: s
         start = time.monotonic()
         assert q.get(1, Staleness(0, 0), timeout=0.2) == []
         assert 1.0 < time.monotonic() - start < 10.0
+
+
+def test_failure_reports_round_trip_and_undecodable_entries_are_skipped(queue: ReplayQueue, redis_url: str, run: str) -> None:
+    """Servers on any node report their failed samples through the queue; the driver reads
+    them after a cursor, and an entry that is not a report is counted, never decoded as code."""
+    assert queue.last_failure_id() == "0-0"
+    reports = [FailureReport(Failure("reward_timeout", "RewardTimeout: 5 s", "r.py:3 in f", "2+2"), "server-0", f"{run}:1", k, 1.0)
+               for k in range(3)]
+    queue.report_failures(reports[:2])
+    cursor, read, bad = queue.read_failures("0-0")
+    assert read == reports[:2] and bad == 0
+    redis.Redis.from_url(redis_url).xadd(f"{run}:failures", {b"report": b"\x93not a report"})
+    queue.report_failures(reports[2:])
+    cursor, read, bad = queue.read_failures(cursor)
+    assert read == reports[2:] and bad == 1
+    assert queue.read_failures(cursor)[1:] == ([], 0) and queue.last_failure_id() == cursor
