@@ -304,6 +304,9 @@ class _Run:
                 return
             await self.pool.start_workers()
             started = self._last_step = time.monotonic()
+            r = self.cfg.rollout
+            self._say(f"rollout workers started: {r.num_servers} server(s) x {r.workers_per_server} worker(s); "
+                      f"the learner steps on every {self.cfg.learner.batch_size} groups of {r.n}")
             await learner
             self.train_wall_s = time.monotonic() - started
         finally:
