@@ -26,12 +26,26 @@ pytestmark = pytest.mark.integration
 
 
 def test_train_runs_the_whole_pipeline(tiny_assets, tmp_path):
-    config = write_config(tiny_assets, tmp_path, steps=4)
+    """The quickstart end to end, with a reward function (EasyR1 batch form) that raises on the
+    responses ending in 7: only those samples are left out, and the console names the error."""
+    reward = tmp_path / "reward.py"
+    reward.write_text("def compute_score(items):\n"
+                      "    return [score(i) for i in items]\n\n\n"
+                      "def score(item):\n"
+                      "    if item['response'].strip().endswith('7'):\n"
+                      "        raise ValueError('cannot parse ' + item['response'])\n"
+                      "    return {'overall': float(item['response'].strip() == item['ground_truth'])}\n")
+    config = write_config(tiny_assets, tmp_path, steps=4, rollout={"reward": {"function": f"{reward}:compute_score"}})
     run_dir = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "async_rl.cli", "train", str(config)], cwd=ROOT, capture_output=True, text=True, timeout=900)
     (tmp_path / "train.log").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "run summary" in proc.stdout
+    failures = [json.loads(line) for line in (run_dir / "reward_errors.jsonl").read_text().splitlines()]
+    assert failures and all(f["kind"] == "reward_error" and f["input"].strip().endswith("7") for f in failures)
+    assert failures[0]["where"] == f"{reward}:7 in score" and "ValueError: cannot parse" in failures[0]["traceback"]
+    named = [line for line in proc.stdout.splitlines() if line.startswith("the reward function raised (reward_error)")]
+    assert len(named) == 1 and f"at {reward}:7 in score: ValueError: cannot parse" in named[0], proc.stdout[-3000:]
 
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "perf/tokens_per_s" in r]
@@ -50,6 +64,10 @@ def test_train_runs_the_whole_pipeline(tiny_assets, tmp_path):
     assert [(r["version"], r["val/greedy_accuracy"]) for _, r in rows if "val/greedy_accuracy" in r] == \
            [(r["version"], r["val/greedy_accuracy"]) for r in vals]
     assert sorted(p.name for p in run_dir.glob("*.png")) == sorted(PLOTS) and "validation_accuracy.png" in proc.stdout
+
+    dropped = steps[-1].get("counters/dropped/reward_error", 0) + 4 * steps[-1].get("queue/dropped/reward_error", 0)
+    samples = sum(r["batch/samples"] for r in steps)
+    assert dropped > 0 and samples / (samples + dropped) > 0.5, (samples, dropped)  # the groups' other samples trained
 
     learner_lines = [json.loads(line) for line in (run_dir / "learner_steps.jsonl").read_text().splitlines()]
     trained = [e for line in learner_lines for e in line["entry_ids"]]
