@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -185,3 +186,28 @@ def test_sigterm_checkpoints_and_leaves_nothing_running(tiny_assets, tmp_path):
     assert state["stats"]["inflight"] == 0, (state, output[-5000:])
     held = state["queued"] + state["returned"]
     assert len(held) == len(set(held)), state
+
+
+def test_a_reward_that_hangs_on_every_answer_stops_the_run_and_says_so(tiny_assets, tmp_path):
+    """At default settings, a reward function that hangs on every non-empty response passes the
+    start-up probe (it scores the empty one), then: the console names the timeout, a heartbeat
+    says what each side does while no step comes, and the run stops naming reward_timeout
+    (not another cause); the summary counts the rollout side's reward errors."""
+    reward = tmp_path / "reward.py"
+    reward.write_text("import time\n\ndef compute_score(items):\n"
+                      "    return [{'overall': time.sleep(3600) if i['response'].strip() else 0.0} for i in items]\n")
+    config = write_config(tiny_assets, tmp_path, steps=100, rollout={"reward": {"function": f"{reward}:compute_score"}},
+                          trainer={"val_every": 0})
+    proc = train_cli(config, timeout_s=900)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 1, output[-3000:]
+    assert "the reward function timed out (reward_timeout)" in proc.stdout, output[-3000:]
+    beats = [line for line in proc.stdout.splitlines() if line.startswith("no learner step for ")]
+    assert beats and "reward errors" in beats[-1] and "learner at version 0 waits for 4 groups" in beats[-1], output[-3000:]
+    error = next(line for line in proc.stderr.splitlines() if line.startswith("error: "))
+    assert "reward_timeout:" in error and "longer than rollout.reward.timeout_s" in error and "raises" not in error, error
+    counted = re.search(r"reward errors \(of them timeouts\)\D*(\d+) \((\d+)\)", proc.stdout)
+    assert counted and int(counted[1]) == int(counted[2]) > 0, proc.stdout[-2000:]
+    rows = (tmp_path / "run" / "reward_errors.jsonl").read_text().splitlines()
+    assert rows and all(json.loads(r)["kind"] == "reward_timeout" for r in rows)
+    assert wait_gone(tmp_path / "run") == []
