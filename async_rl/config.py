@@ -370,7 +370,7 @@ class AlgorithmConfig:
     recompute_proximal: bool = True
     """Recompute proximal log-probs with the current weights each step; false is bypass mode (pi_prox := mu)."""
     failed_samples: Literal["drop_sample", "drop_group"] = "drop_sample"
-    """A sample the reward function or environment failed on (raised, timed out) is left out of its group, whose baseline then comes from the other samples (at least 2 for a group estimator), or takes its whole group with it; counted in ``queue/dropped/{reward_error,reward_timeout,env_error,env_timeout}``."""
+    """A sample the reward function or environment failed on (raised, timed out) is left out of its group, whose baseline then comes from the other samples (at least 2 for a group estimator), or takes its whole group with it; counted by kind (``reward_error``, ``reward_timeout``, ``env_error``, ``env_timeout``) in ``counters/dropped/<kind>`` (samples) or, when the group goes, ``queue/dropped/<kind>`` (groups)."""
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     """Advantage estimator."""
     loss: LossConfig = field(default_factory=LossConfig)
