@@ -121,11 +121,11 @@ class RewardConfig:
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments passed to every call of the function (EasyR1's ``reward_function_kwargs``), e.g. ``{max_response_length: 256}``."""
     num_workers: int = 2
-    """Processes the reward pool of each inference server keeps (and the driver's, for the start-up probe and validation); a call runs in one of them, so a hung or crashing function never blocks generation."""
-    max_workers: int = 16
+    """Processes the reward pool of each inference server keeps (and the driver's, for the start-up probe and validation); a call runs in one of them, so a hung or crashing function never blocks generation (EasyR1 calls it in the trainer's process)."""
+    max_workers: int = 32
     """Most processes a pool grows to while calls wait for workers held by slow or hung calls (one more after a call has waited 0.5 s; an extra idle for 60 s is stopped); >= ``num_workers``."""
     timeout_s: float = 5.0
-    """Longest the function may run on one input, seconds (a ``batch`` call gets this bound as a whole; an input or batch call past it is interrupted in its process, and a batch call that ran over is retried one input per call). The input then gets the error; a function the interrupt cannot stop within 5 s more has its process group killed and replaced."""
+    """Longest the function may run on one input, seconds (a ``batch`` call gets this bound as a whole; an input or batch call past it is interrupted in its process, and a batch call that ran over is retried one input per call). The input then gets the error; a function the interrupt cannot stop within 5 s more has its process group killed and replaced. 5 s is math_verify's own default; EasyR1 has no timeout."""
     dynamic_sampling: bool = False
     """DAPO dynamic sampling: drop (and count) groups whose rewards are all equal."""
     overlong_penalty: OverlongPenaltyConfig = field(default_factory=OverlongPenaltyConfig)

@@ -329,13 +329,14 @@ class RewardPool:
             error = await self._wait_ready(slot)
             if error is not None:
                 return [error] * expected, False
-        if slot.conn is None:
-            raise RuntimeError("reward slot without a process")
-        slot.conn.send(inputs)  # the child is blocked in recv(), so this only streams into it
         replies: list[Any] = []
         deadline_s = self.cfg.timeout_s + self.kill_grace_s
         while len(replies) < expected:
             try:
+                if not replies:
+                    if slot.conn is None:
+                        raise EOFError
+                    slot.conn.send(inputs)  # the child is blocked in recv(), so this only streams into it
                 reply = await asyncio.wait_for(self._receive(slot), deadline_s)
             except asyncio.TimeoutError:
                 self.killed += 1

@@ -265,7 +265,7 @@ def test_hung_calls_do_not_hold_the_workers_other_calls_need(rewards):
     fails alone after timeout_s (the batch call, then the input alone)."""
     async def go():
         cfg = _cfg(rewards, "hang_on_request")
-        assert (cfg.timeout_s, cfg.max_workers) == (5.0, 16)
+        assert (cfg.timeout_s, cfg.max_workers) == (5.0, 32)
         with RewardPool(cfg) as pool:
             scorer = RewardScorer(pool, cfg, max_response_length=16)
             await scorer.score(_inputs(("w", "w")))  # the first worker is up
