@@ -121,9 +121,11 @@ class RewardConfig:
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments passed to every call of the function (EasyR1's ``reward_function_kwargs``), e.g. ``{max_response_length: 256}``."""
     num_workers: int = 2
-    """Processes of the reward pool of each inference server (and one more pool in the driver for validation); a call runs in one of them, so a hung or crashing function never blocks generation."""
-    timeout_s: float = 60.0
-    """Longest one reward call may take, seconds; the process is then killed and replaced and the call's samples get the error (their group is not trained)."""
+    """Processes the reward pool of each inference server keeps (and the driver's, for the start-up probe and validation); a call runs in one of them, so a hung or crashing function never blocks generation (EasyR1 calls it in the trainer's process)."""
+    max_workers: int = 32
+    """Most processes a pool grows to while calls wait for workers held by slow or hung calls (one more after a call has waited 0.5 s; an extra idle for 60 s is stopped); >= ``num_workers``."""
+    timeout_s: float = 5.0
+    """Longest the function may run on one input, seconds (a ``batch`` call gets this bound as a whole; an input or batch call past it is interrupted in its process, and a batch call that ran over is retried one input per call). The input then gets the error; a function the interrupt cannot stop within 5 s more has its process group killed and replaced. 5 s is math_verify's own default; EasyR1 has no timeout."""
     dynamic_sampling: bool = False
     """DAPO dynamic sampling: drop (and count) groups whose rewards are all equal."""
     overlong_penalty: OverlongPenaltyConfig = field(default_factory=OverlongPenaltyConfig)
@@ -735,7 +737,8 @@ def validate(cfg: Config) -> None:
          "algorithm.use_advantage_shaping=true needs algorithm.use_vppo_on_perception=true (the shaping scales by the visual dependency it computes)")
     need(cfg.queue.image_ttl_s >= 1, f"queue.image_ttl_s={cfg.queue.image_ttl_s} must be >= 1 (seconds)")
     need(cfg.queue.timeout_s > 0 and cfg.sync.timeout_s > 0, f"queue.timeout_s={cfg.queue.timeout_s} and sync.timeout_s={cfg.sync.timeout_s} must be > 0")
-    need(r.reward.num_workers >= 1, f"rollout.reward.num_workers={r.reward.num_workers} must be >= 1")
+    need(1 <= r.reward.num_workers <= r.reward.max_workers,
+         f"rollout.reward.num_workers={r.reward.num_workers} must be >= 1 and <= rollout.reward.max_workers={r.reward.max_workers}")
     need(r.reward.timeout_s > 0, f"rollout.reward.timeout_s={r.reward.timeout_s} must be > 0")
     need(r.env.max_turns >= 1, f"rollout.env.max_turns={r.env.max_turns} must be >= 1")
     need(r.env.max_turn_tokens >= 0, f"rollout.env.max_turn_tokens={r.env.max_turn_tokens} must be >= 0 (0: no per-turn limit)")

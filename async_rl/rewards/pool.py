@@ -1,21 +1,33 @@
-"""A guarded process pool for the user's reward function.
+"""A guarded, elastic process pool for the user's reward function.
 
-The reward function runs in ``rollout.reward.num_workers`` worker processes (started with
-multiprocessing's ``spawn`` context: the parent runs Ray and threads, so never ``fork``).
-Each process loads the function itself (:func:`~async_rl.rewards.registry.load_reward_function`)
-and calls it with ``**rollout.reward.kwargs`` (EasyR1's interface):
+The reward function runs in worker processes (started with multiprocessing's ``spawn``
+context: the parent runs Ray and threads, so never ``fork``), each in a process group of
+its own. Each process loads the function itself
+(:func:`~async_rl.rewards.registry.load_reward_function`) and calls it with
+``**rollout.reward.kwargs`` (EasyR1's interface):
 
 * ``type: batch``: ``fn(list_of_dicts, **kwargs) -> list_of_dicts``, one call;
-* ``type: sequential``: ``fn(dict, **kwargs) -> dict`` once per input, looped in the child
-  (one call from the parent's view).
+* ``type: sequential``: ``fn(dict, **kwargs) -> dict`` once per input, looped in the child,
+  which answers each input as soon as it is done.
 
-:meth:`RewardPool.call` awaits the reply on the event loop (``add_reader`` on the pipe,
-no thread), so a slow or hung function never blocks generation, and every outcome other
-than a reply is a typed exception: :class:`RewardCallError` (the function raised, or
-could not be loaded), :class:`RewardTimeout` (longer than ``timeout_s``: the process is
-SIGKILLed and replaced) and :class:`RewardWorkerDied` (the process exited mid-call:
-replaced). Worker processes die with the parent (``PR_SET_PDEATHSIG``), so a SIGKILLed
-driver leaves none behind.
+Timeouts, in two stages. ``rollout.reward.timeout_s`` bounds one input of a sequential
+function, or one batch call. When it passes, a watchdog thread in the worker sends the
+worker's main thread :data:`TIMER_SIGNAL`, whose handler raises in the function wherever it
+is (``time.sleep``, a pure-Python loop, a blocking read): the input (or the batch call)
+gets :class:`RewardTimeout` with the file and line it was interrupted at, and the process
+lives on, so a hang costs ``timeout_s`` of one worker and no new interpreter. What a signal
+cannot interrupt (C code that holds the GIL, e.g. a regular expression backtracking; a
+function that blocks or swallows the signal) meets the parent's deadline ``kill_grace_s``
+later: the worker's whole process group is SIGKILLed (the subprocesses the function
+started die with it) and a fresh process replaces it.
+
+The pool is elastic: it keeps ``num_workers`` processes, and while a call has waited
+``grow_after_s`` for a worker (all of them busy: slow or hung calls) it starts one more, up
+to ``max_workers``; a process beyond ``num_workers`` idle for ``extra_idle_s`` is stopped.
+
+:meth:`RewardPool.call` awaits replies on the event loop (``add_reader`` on the pipe, no
+thread), so a slow or hung function never blocks generation. Worker processes die with
+the parent (``PR_SET_PDEATHSIG``), so a SIGKILLed driver leaves none behind.
 """
 
 from __future__ import annotations
@@ -26,10 +38,14 @@ import os
 import pickle
 import signal
 import sys
+import sysconfig
+import threading
+import time
 import traceback
 from collections import deque
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from async_rl.rewards.registry import load_reward_function
@@ -37,17 +53,31 @@ from async_rl.rewards.registry import load_reward_function
 if TYPE_CHECKING:
     from async_rl.config import RewardConfig
 
+TIMER_SIGNAL = signal.SIGUSR2
+"""The signal a worker's watchdog sends its main thread when the function runs past
+``timeout_s``. Not SIGALRM: checkers such as math_verify time themselves with
+``signal.alarm``, and keep doing so inside the pool."""
 START_TIMEOUT_S = 60.0
-"""Seconds a new worker process may take to start and load the function (at least ``timeout_s``)."""
+"""Seconds a new worker process may take to start and load the function."""
+KILL_GRACE_S = 5.0
+"""Seconds past ``timeout_s`` the parent waits for the interrupted function before it kills
+the worker's process group."""
+GROW_AFTER_S = 0.5
+"""Seconds a call waits for a busy pool before the pool starts one more process: a burst of
+fast calls clears sooner, so only slow or hung calls make the pool grow."""
+EXTRA_IDLE_S = 60.0
+"""Seconds a process beyond ``num_workers`` may stay idle before it is stopped."""
 KILL_JOIN_S = 5.0
-"""Seconds :meth:`RewardPool.close` waits for each SIGKILLed process to be reaped."""
+"""Seconds :meth:`RewardPool.close` waits for each killed process to be reaped."""
 
 
 class RewardError(Exception):
     """A reward call failed. ``signature`` (``ExceptionType: message``) is what a failed
-    sample carries; ``traceback_text`` is the child's traceback, where there is one."""
+    sample carries; ``traceback_text`` is the child's traceback and ``where``
+    (``path/file.py:123 in name``) the innermost frame of the user's code in it, where known."""
 
     traceback_text: str = ""
+    where: str = ""
 
     @property
     def signature(self) -> str:
@@ -58,9 +88,10 @@ class RewardError(Exception):
 class RewardCallError(RewardError):
     """The function raised in the worker process (or could not be loaded there)."""
 
-    def __init__(self, signature: str, traceback_text: str):
+    def __init__(self, signature: str, traceback_text: str, where: str = ""):
         super().__init__(signature)
         self.traceback_text = traceback_text
+        self.where = where
 
     @property
     def signature(self) -> str:
@@ -69,11 +100,22 @@ class RewardCallError(RewardError):
 
 
 class RewardTimeout(RewardError):
-    """The call took longer than ``timeout_s``; its process was SIGKILLed and replaced."""
+    """The function ran longer than ``timeout_s`` on an input (or a batch call).
+
+    ``killed`` False: the timer interrupted it in its process (``where`` and
+    ``traceback_text`` say where it was); True: it did not stop within ``kill_grace_s`` of
+    the interrupt, so its process group was killed and the process replaced (no traceback).
+    """
+
+    def __init__(self, message: str, *, killed: bool, traceback_text: str = "", where: str = ""):
+        super().__init__(message)
+        self.killed = killed
+        self.traceback_text = traceback_text
+        self.where = where
 
 
 class RewardWorkerDied(RewardError):
-    """The worker process exited mid-call (``os._exit``, a crash, the OOM killer); it was replaced."""
+    """The worker process exited mid-call or while starting (``os._exit``, a crash, the OOM killer); it was replaced."""
 
 
 class _Slot:
@@ -86,51 +128,80 @@ class _Slot:
         self.conn: Connection | None = None
         self.ready = False
         """Whether the process has reported that it is waiting for inputs."""
+        self.idle_since = 0.0
+        """``time.monotonic()`` when the slot last became idle."""
 
 
 class RewardPool:
-    """``cfg.num_workers`` processes running the reward function, used from one event loop.
+    """Reward worker processes (``cfg.num_workers``, up to ``cfg.max_workers`` while calls
+    wait), used from one event loop at a time.
 
     Start it (``start()`` or ``with RewardPool(cfg) as pool:``) from a long-lived thread,
     e.g. the one that runs the event loop: the kernel's parent-death signal follows the
-    thread that started a process. Calls are ``await pool.call(inputs)``; ``close()`` kills
-    and reaps every process. The processes are daemonic (they end with the interpreter), so
-    the reward function cannot start multiprocessing children of its own (``subprocess`` works).
+    thread that started a process (processes the pool adds later are started by the
+    thread that runs the call). Calls are ``await pool.call(inputs)``; ``close()`` kills
+    every process group and reaps the processes. The processes are daemonic (they end with
+    the interpreter), so the reward function cannot start multiprocessing children of its
+    own (``subprocess`` works).
+
+    Args:
+        cfg: ``rollout.reward``.
+        kill_grace_s: seconds past ``cfg.timeout_s`` before an interrupted call's process group is killed.
+        grow_after_s: seconds a call waits for a busy pool before one more process is started.
+        extra_idle_s: seconds a process beyond ``cfg.num_workers`` stays idle before it is stopped.
     """
 
-    def __init__(self, cfg: RewardConfig):
+    def __init__(self, cfg: RewardConfig, *, kill_grace_s: float = KILL_GRACE_S, grow_after_s: float = GROW_AFTER_S,
+                 extra_idle_s: float = EXTRA_IDLE_S):
         self.cfg = cfg
+        self.kill_grace_s = kill_grace_s
+        self.grow_after_s = grow_after_s
+        self.extra_idle_s = extra_idle_s
         self.restarts = 0
-        """Worker processes replaced: timed out, died, or killed because their call was cancelled."""
+        """Worker processes replaced: killed after a timeout, died, or killed because their call was cancelled."""
+        self.interrupted = 0
+        """Calls (a sequential function's inputs, or batch calls) the worker's timer interrupted in-process."""
+        self.killed = 0
+        """Worker processes (with their process groups) killed because an interrupted call did not stop."""
+        self.peak_workers = 0
+        """The most worker processes the pool has held at once."""
         self._ctx = multiprocessing.get_context("spawn")
         self._slots: list[_Slot] = []
         self._idle: list[_Slot] = []
+        """Idle slots, the longest idle first (calls take from the end)."""
         self._waiters: deque[asyncio.Future[_Slot]] = deque()
         self._dying: set[BaseProcess] = set()
+        self._next_index = 0
+        self._retire_timer: asyncio.TimerHandle | None = None
         self._closed = False
 
+    @property
+    def workers(self) -> int:
+        """Worker processes now (started, idle or busy)."""
+        return len(self._slots)
+
     def start(self) -> None:
-        """Start the worker processes (returns at once; each loads the function as it starts)."""
+        """Start ``cfg.num_workers`` processes (returns at once; each loads the function as it starts)."""
         if self._slots:
             raise RuntimeError("RewardPool.start() called twice")
-        if self.cfg.num_workers < 1:
-            raise ValueError(f"rollout.reward.num_workers={self.cfg.num_workers} must be at least 1")
-        self._slots = [_Slot(i) for i in range(self.cfg.num_workers)]
-        for slot in self._slots:
-            self._spawn(slot)
-        self._idle = list(self._slots)
+        if not 1 <= self.cfg.num_workers <= self.cfg.max_workers:
+            raise ValueError(f"rollout.reward.num_workers={self.cfg.num_workers} must be in [1, rollout.reward.max_workers={self.cfg.max_workers}]")
+        for _ in range(self.cfg.num_workers):
+            self._idle.append(self._new_slot())
 
     def close(self) -> None:
-        """SIGKILL and reap every worker process. Calls still waiting for a worker raise
-        RuntimeError; a call in flight raises :class:`RewardWorkerDied`."""
+        """Kill every worker's process group and reap the processes. Calls still waiting
+        for a worker raise RuntimeError; a call in flight raises :class:`RewardWorkerDied`."""
         self._closed = True
+        if self._retire_timer is not None:
+            self._retire_timer.cancel()
         while self._waiters:
             waiter = self._waiters.popleft()
             if not waiter.done():
                 waiter.set_exception(RuntimeError("the reward pool was closed"))
         procs = [slot.process for slot in self._slots if slot.process is not None] + list(self._dying)
         for proc in procs:
-            proc.kill()
+            _kill_group(proc)
         for proc in procs:
             proc.join(KILL_JOIN_S)
         self._dying.clear()
@@ -149,30 +220,51 @@ class RewardPool:
         """Process ids of the current worker processes."""
         return [slot.process.pid for slot in self._slots if slot.process is not None and slot.process.pid is not None]
 
-    async def call(self, inputs: list[dict[str, Any]]) -> list[Any]:
-        """Run the function on ``inputs`` in an idle worker process; its raw outputs.
+    async def call(self, inputs: list[dict[str, Any]]) -> Any:
+        """Run the function on ``inputs`` in an idle worker process.
 
-        Waits (without blocking the loop) for an idle worker; then ``cfg.timeout_s`` seconds
-        bound the call itself (a new process first gets ``max(timeout_s, START_TIMEOUT_S)``
-        to start and load the function). Raises :class:`RewardCallError`,
-        :class:`RewardTimeout` or :class:`RewardWorkerDied`. If the awaiting task is
-        cancelled mid-call, the process is killed and replaced.
+        ``type: batch``: returns the function's output (unchecked) or raises
+        :class:`RewardCallError`, :class:`RewardTimeout` or :class:`RewardWorkerDied` for
+        the call. ``type: sequential``: returns one entry per input, the function's output
+        or the :class:`RewardError` of that input; a process killed or dead on one input is
+        replaced and the inputs after it go to another worker.
+
+        Waits (without blocking the loop) for an idle worker, growing the pool if that takes
+        ``grow_after_s``; a new process first gets :data:`START_TIMEOUT_S` to start. If the
+        awaiting task is cancelled mid-call, the process group is killed and replaced.
         """
         if not self._slots or self._closed:
             raise RuntimeError("RewardPool.call() needs a started, open pool")
-        slot = await self._acquire()
-        try:
-            if slot.process is None or not slot.process.is_alive():
+        sequential = self.cfg.type == "sequential"
+        outcomes: list[Any] = []
+        while not sequential or len(outcomes) < len(inputs):
+            rest = inputs[len(outcomes):]
+            slot = await self._acquire()
+            if slot.process is None or not slot.process.is_alive():  # exited while idle (e.g. the OOM killer)
                 self._replace(slot)
-            return await self._roundtrip(slot, inputs)
-        finally:
-            self._release(slot)
+                continue
+            healthy = False
+            try:
+                got, healthy = await self._roundtrip(slot, rest, len(rest) if sequential else 1)
+            finally:
+                if healthy:
+                    self._release(slot)
+                else:
+                    self._replace(slot)
+            if not sequential:
+                if isinstance(got[0], RewardError):
+                    raise got[0]
+                return got[0]
+            outcomes += got
+        return outcomes
 
     async def _acquire(self) -> _Slot:
         if self._idle:
-            return self._idle.pop()
-        waiter: asyncio.Future[_Slot] = asyncio.get_running_loop().create_future()
+            return self._take_idle()
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[_Slot] = loop.create_future()
         self._waiters.append(waiter)
+        grow = loop.call_later(self.grow_after_s, self._grow, waiter)
         try:
             return await waiter
         except asyncio.CancelledError:
@@ -180,8 +272,23 @@ class RewardPool:
                 self._release(waiter.result())
             raise
         finally:
+            grow.cancel()
             if waiter in self._waiters:
                 self._waiters.remove(waiter)
+
+    def _take_idle(self) -> _Slot:
+        """The most recently idle slot whose process is ready (a new one may still be starting), else the most recent."""
+        for i in range(len(self._idle) - 1, -1, -1):
+            slot = self._idle[i]
+            if slot.ready or (slot.conn is not None and slot.conn.poll()):
+                return self._idle.pop(i)
+        return self._idle.pop()
+
+    def _grow(self, waiter: asyncio.Future[_Slot]) -> None:
+        """``waiter`` has waited ``grow_after_s``: start one more process, if the pool may grow."""
+        if waiter.done() or self._closed or len(self._slots) >= self.cfg.max_workers:
+            return
+        self._release(self._new_slot())
 
     def _release(self, slot: _Slot) -> None:
         if self._closed:
@@ -193,43 +300,81 @@ class RewardPool:
             if not waiter.done():
                 waiter.set_result(slot)
                 return
+        slot.idle_since = time.monotonic()
         self._idle.append(slot)
+        if len(self._slots) > self.cfg.num_workers:
+            self._retire_idle()
 
-    async def _roundtrip(self, slot: _Slot, inputs: list[dict[str, Any]]) -> list[Any]:
-        completed = False
-        try:
-            if not slot.ready:
-                try:
-                    await asyncio.wait_for(self._receive(slot), max(self.cfg.timeout_s, START_TIMEOUT_S))
-                except asyncio.TimeoutError:
-                    raise RewardTimeout(f"the reward process did not start within {max(self.cfg.timeout_s, START_TIMEOUT_S):g} s; "
-                                        "it was killed and replaced") from None
-                slot.ready = True
+    def _retire_idle(self) -> None:
+        """Stop processes beyond ``num_workers`` idle for ``extra_idle_s``; check again when the next one will be."""
+        now = time.monotonic()
+        while len(self._slots) > self.cfg.num_workers and self._idle and now - self._idle[0].idle_since >= self.extra_idle_s:
+            slot = self._idle.pop(0)
+            self._slots.remove(slot)
+            self._stop(slot)
+        if self._retire_timer is not None:
+            self._retire_timer.cancel()
+            self._retire_timer = None
+        if len(self._slots) > self.cfg.num_workers and self._idle and not self._closed:
+            wait = self._idle[0].idle_since + self.extra_idle_s - now
+            self._retire_timer = asyncio.get_running_loop().call_later(wait, self._retire_idle)
+
+    async def _roundtrip(self, slot: _Slot, inputs: list[dict[str, Any]], expected: int) -> tuple[list[Any], bool]:
+        """Send ``inputs``, read ``expected`` replies (each an output or a :class:`RewardError`).
+
+        Returns the replies and whether the process is fit for another call; on a start
+        failure every reply is that error, on a kill or death the last one is.
+        """
+        if not slot.ready:
+            error = await self._wait_ready(slot)
+            if error is not None:
+                return [error] * expected, False
+        replies: list[Any] = []
+        deadline_s = self.cfg.timeout_s + self.kill_grace_s
+        while len(replies) < expected:
             try:
-                reply = await asyncio.wait_for(self._exchange(slot, inputs), self.cfg.timeout_s)
+                if not replies:
+                    if slot.conn is None:
+                        raise EOFError
+                    slot.conn.send(inputs)  # the child is blocked in recv(), so this only streams into it
+                reply = await asyncio.wait_for(self._receive(slot), deadline_s)
             except asyncio.TimeoutError:
-                raise RewardTimeout(f"the reward call took longer than rollout.reward.timeout_s={self.cfg.timeout_s:g} s; "
-                                    "its process was killed and replaced") from None
-            completed = True
+                self.killed += 1
+                replies.append(RewardTimeout(
+                    f"the reward function ran longer than rollout.reward.timeout_s={self.cfg.timeout_s:g} s and did not stop within "
+                    f"{self.kill_grace_s:g} s of the timer's interrupt (C code or a blocked signal); its process group was killed",
+                    killed=True))
+                return replies, False
+            except (EOFError, OSError):
+                replies.append(RewardWorkerDied(f"the reward process exited mid-call ({await self._exit_status(slot)}); it was replaced"))
+                return replies, False
+            replies.append(self._decode(reply))
+        return replies, True
+
+    async def _wait_ready(self, slot: _Slot) -> RewardWorkerDied | None:
+        """Wait for a new process's ``ready`` message; the error if it does not come."""
+        try:
+            await asyncio.wait_for(self._receive(slot), START_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            return RewardWorkerDied(f"the reward process did not start within {START_TIMEOUT_S:g} s; it was replaced")
         except (EOFError, OSError):
-            raise RewardWorkerDied(f"the reward process exited mid-call ({await self._exit_status(slot)}); it was replaced") from None
-        finally:
-            if not completed:
-                self._replace(slot)
+            return RewardWorkerDied(f"the reward process exited while starting ({await self._exit_status(slot)}); it was replaced")
+        slot.ready = True
+        return None
+
+    def _decode(self, reply: bytes) -> Any:
         try:
             status, *payload = pickle.loads(reply)
         except Exception as exc:  # noqa: BLE001 - e.g. an output of a class the driver cannot import
-            raise RewardCallError(f"{type(exc).__name__}: reward output could not be unpickled in the driver: {exc}",
-                                  traceback.format_exc()) from None
+            return RewardCallError(f"{type(exc).__name__}: reward output could not be unpickled in the driver: {exc}", traceback.format_exc())
         if status == "error":
-            raise RewardCallError(*payload)
+            return RewardCallError(*payload)
+        if status == "timeout":
+            self.interrupted += 1
+            text, where = payload
+            return RewardTimeout(f"the reward function ran longer than rollout.reward.timeout_s={self.cfg.timeout_s:g} s; "
+                                 "the timer interrupted it", killed=False, traceback_text=text, where=where)
         return payload[0]
-
-    async def _exchange(self, slot: _Slot, inputs: list[dict[str, Any]]) -> bytes:
-        if slot.conn is None:
-            raise EOFError
-        slot.conn.send(inputs)  # the child is blocked in recv(), so this only streams into it
-        return await self._receive(slot)
 
     async def _receive(self, slot: _Slot) -> bytes:
         """The next message from the child, awaited with ``add_reader`` (EOF: EOFError)."""
@@ -270,17 +415,27 @@ class RewardPool:
         return f"exit code {code}"
 
     def _replace(self, slot: _Slot) -> None:
-        """SIGKILL the slot's process, reap it without blocking, start a fresh one."""
+        """Kill the slot's process group; start a fresh process in its place, or, for a
+        process beyond ``num_workers`` that no call waits for, drop the slot."""
+        self._stop(slot)
+        if self._closed:
+            return
+        if len(self._slots) > self.cfg.num_workers and not self._waiters:
+            self._slots.remove(slot)
+            return
+        self.restarts += 1
+        self._spawn(slot)
+        self._release(slot)
+
+    def _stop(self, slot: _Slot) -> None:
+        """Kill the slot's process group and reap the process without blocking."""
         proc, conn = slot.process, slot.conn
         if conn is not None:
             conn.close()
         if proc is not None:
-            proc.kill()
+            _kill_group(proc)
             self._reap_later(proc)
         slot.process, slot.conn, slot.ready = None, None, False
-        if not self._closed:
-            self.restarts += 1
-            self._spawn(slot)
 
     def _reap_later(self, proc: BaseProcess) -> None:
         """Join ``proc`` once its sentinel is readable (it exited); close() joins the rest."""
@@ -297,11 +452,19 @@ class RewardPool:
 
         loop.add_reader(proc.sentinel, reap)
 
+    def _new_slot(self) -> _Slot:
+        slot = _Slot(self._next_index)
+        self._next_index += 1
+        self._slots.append(slot)
+        self.peak_workers = max(self.peak_workers, len(self._slots))
+        self._spawn(slot)
+        return slot
+
     def _spawn(self, slot: _Slot) -> None:
         parent_conn, child_conn = self._ctx.Pipe(duplex=True)
         proc = self._ctx.Process(
             target=_child_main,
-            args=(child_conn, self.cfg.function, self.cfg.type, dict(self.cfg.kwargs), os.getpid()),
+            args=(child_conn, self.cfg.function, self.cfg.type, dict(self.cfg.kwargs), self.cfg.timeout_s, os.getpid()),
             name=f"async-rl-reward-{slot.index}",
             daemon=True,
         )
@@ -310,45 +473,172 @@ class RewardPool:
         slot.process, slot.conn, slot.ready = proc, parent_conn, False
 
 
+def _kill_group(proc: BaseProcess) -> None:
+    """SIGKILL the worker's process group (it leads its own session, see :func:`_child_main`),
+    so that subprocesses the reward function started die too. The kernel keeps a group's
+    id from being reused while any member, the unreaped worker included, exists."""
+    if proc.pid is None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # not yet in a group of its own (just spawned), or all gone
+        proc.kill()
+
+
 # -- the worker process ---------------------------------------------------------------
 
 _PR_SET_PDEATHSIG = 1
 
 
-def _child_main(conn: Connection, function: str, kind: str, kwargs: dict[str, Any], parent_pid: int) -> None:
+def _child_main(conn: Connection, function: str, kind: str, kwargs: dict[str, Any], timeout_s: float, parent_pid: int) -> None:
     """Worker process: load the function, then answer each request until the pipe closes.
 
-    Messages to the parent are pickled tuples: ``("ready",)`` once, then per request
-    ``("ok", outputs)`` or ``("error", "ExceptionType: message", traceback_text)``. A
-    function that cannot be loaded answers every request with the loading error.
+    Messages to the parent are pickled tuples: ``("ready",)`` once, then one reply per
+    batch call or per input of a sequential function: ``("ok", output)``,
+    ``("error", "ExceptionType: message", traceback_text, where)`` or
+    ``("timeout", traceback_text, where)``. A function that cannot be loaded answers with
+    the loading error.
     """
+    # A session (and process group) of its own: the parent kills the group, subprocesses
+    # included; and Ctrl-C in the terminal reaches the driver, not the workers.
+    os.setsid()
     _die_with_parent(parent_pid)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the parent decides
+    timer = _Timer(timeout_s)
     try:
         fn = load_reward_function(function)
         load_error = None
-    except BaseException:  # noqa: BLE001 - reported on every call, never a hang
-        fn, load_error = None, _error_reply()
+    except BaseException as exc:  # noqa: BLE001 - reported on every call, never a hang
+        fn, load_error = None, _error_reply(exc)
     conn.send_bytes(pickle.dumps(("ready",)))
     while True:
         try:
             inputs = conn.recv()
         except EOFError:
             return
-        if load_error is not None:
-            conn.send_bytes(load_error)
-            continue
+        for arg in [inputs] if kind == "batch" else inputs:
+            conn.send_bytes(load_error or timer.run(fn, arg, kwargs))
+
+
+class _Interrupted(BaseException):
+    """Raised in the function by :data:`TIMER_SIGNAL`'s handler; a BaseException, so that
+    the function's ``except Exception`` does not swallow it."""
+
+
+class _Timer:
+    """Runs the function in the main thread with a deadline kept by a watchdog thread.
+
+    :data:`TIMER_SIGNAL` is blocked in the main thread except while the function runs, and
+    the handler blocks it again before it raises, so the interrupt lands only in the
+    function; a signal left pending from a call that has ended is ignored (``_fired`` is
+    the call the watchdog fired for, ``_call`` the one running; 0: none).
+    """
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self._main = threading.get_ident()
+        self._cond = threading.Condition()
+        self._call = 0
+        self._calls = 0
+        self._fired = 0
+        self._deadline = 0.0
+        self._stack: traceback.StackSummary | None = None
+        signal.pthread_sigmask(signal.SIG_BLOCK, {TIMER_SIGNAL})  # before the watchdog starts, so it inherits the block
+        signal.signal(TIMER_SIGNAL, self._on_signal)
+        threading.Thread(target=self._watch, name="reward-timer", daemon=True).start()
+
+    def run(self, fn: Any, arg: Any, kwargs: dict[str, Any]) -> bytes:
+        """``fn(arg, **kwargs)`` as a pickled reply (see :func:`_child_main`)."""
+        with self._cond:
+            self._calls += 1
+            self._call = call = self._calls
+            self._deadline = time.monotonic() + self.timeout_s
+            self._cond.notify()
+        self._stack = None
+        reply: bytes | None = None
         try:
-            outputs = fn(inputs, **kwargs) if kind == "batch" else [fn(item, **kwargs) for item in inputs]
-            reply = pickle.dumps(("ok", outputs))
-        except BaseException:  # noqa: BLE001 - also SystemExit: a reward bug must not end the worker silently
-            reply = _error_reply()
-        conn.send_bytes(reply)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {TIMER_SIGNAL})
+            try:
+                output = fn(arg, **kwargs)
+            finally:
+                signal.pthread_sigmask(signal.SIG_BLOCK, {TIMER_SIGNAL})
+            reply = _dumps_output(output)
+        except _Interrupted:
+            pass
+        except BaseException as exc:  # noqa: BLE001 - also SystemExit: a reward bug must not end the worker silently
+            reply = _error_reply(exc)
+        with self._cond:
+            fired = self._fired == call
+            self._call = 0
+        if fired or reply is None:  # past the deadline even if the function swallowed the interrupt and returned
+            frames = _user_frames(self._stack or traceback.StackSummary())
+            text = f"Interrupted after rollout.reward.timeout_s={self.timeout_s:g} s at (most recent call last):\n" + "".join(frames.format())
+            return pickle.dumps(("timeout", text, _where(frames)))
+        return reply
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self._call == 0 or self._fired != self._call:
+            return  # left pending by a call that ended before it could land
+        signal.pthread_sigmask(signal.SIG_BLOCK, {TIMER_SIGNAL})
+        self._stack = traceback.extract_stack(frame)
+        raise _Interrupted
+
+    def _watch(self) -> None:
+        with self._cond:
+            while True:
+                if self._call == 0 or self._fired == self._call:
+                    self._cond.wait()
+                    continue
+                left = self._deadline - time.monotonic()
+                if left > 0:
+                    self._cond.wait(left)
+                    continue
+                self._fired = self._call
+                signal.pthread_kill(self._main, TIMER_SIGNAL)
 
 
-def _error_reply() -> bytes:
-    exc = sys.exc_info()[1]
-    return pickle.dumps(("error", f"{type(exc).__name__}: {exc}"[:2000], traceback.format_exc()))
+def _dumps_output(output: Any) -> bytes:
+    try:
+        return pickle.dumps(("ok", output))
+    except Exception as exc:  # noqa: BLE001 - an output pickle cannot carry is the function's error
+        return _error_reply(exc)
+
+
+def _error_reply(exc: BaseException) -> bytes:
+    te = traceback.TracebackException.from_exception(exc)
+    te.stack = _user_frames(te.stack)
+    where = _where(te.stack)
+    if isinstance(exc, SyntaxError) and exc.filename:  # the frames are the importer's; the error is in the file
+        where = f"{exc.filename}:{exc.lineno}"
+    return pickle.dumps(("error", f"{type(exc).__name__}: {exc}"[:2000], "".join(te.format()), where))
+
+
+def _user_frames(stack: traceback.StackSummary) -> traceback.StackSummary:
+    """The frames of ``stack`` below this module's (the process start-up and the worker
+    loop around the function), the function's own first."""
+    last = max((i for i, f in enumerate(stack) if f.filename == __file__), default=-1)
+    return traceback.StackSummary.from_list(list(stack)[last + 1:])
+
+
+_PACKAGE = str(Path(__file__).resolve().parents[1]) + os.sep
+_STDLIB = tuple({str(Path(sysconfig.get_paths()[k]).resolve()) + os.sep for k in ("stdlib", "platstdlib")})
+_INSTALLED = tuple({str(Path(sysconfig.get_paths()[k]).resolve()) + os.sep for k in ("purelib", "platlib")})
+
+
+def _where(frames: traceback.StackSummary) -> str:
+    """``path/file.py:LINE in name`` of the innermost frame of the user's own code: outside
+    the standard library, installed packages and async_rl; failing that (a built-in
+    reward), outside the standard library; else the innermost frame."""
+    def path(f: traceback.FrameSummary) -> str:
+        return f.filename if f.filename.startswith("<") else str(Path(f.filename).resolve())
+
+    def library(f: traceback.FrameSummary) -> bool:
+        return path(f).startswith(_STDLIB) or f.filename.startswith("<")
+
+    for own in (lambda f: not library(f) and not path(f).startswith(_INSTALLED + (_PACKAGE,)), lambda f: not library(f), lambda f: True):
+        for f in reversed(frames):
+            if own(f):
+                return f"{f.filename}:{f.lineno} in {f.name}"
+    return ""
 
 
 def _die_with_parent(parent_pid: int) -> None:

@@ -1,19 +1,23 @@
 """Scoring rollouts safely: a reward function that raises, hangs or crashes never stops a run.
 
-:class:`RewardScorer` sends each batch to the :class:`~async_rl.rewards.pool.RewardPool`
-as one call. If the call raises (:class:`~async_rl.rewards.pool.RewardCallError`) or
-returns something unusable, it rescores item by item (each its own pool call, with the
-timeout) so that only the failing samples get the error; if the call timed out or its
-process died, every sample of the call gets the error (retrying item by item would
-multiply the hang).
+:class:`RewardScorer` sends each batch (a rollout group) to the
+:class:`~async_rl.rewards.pool.RewardPool` as one call, and only the inputs the function
+fails on get an error:
 
-A sample whose reward failed gets reward 0.0 and carries the error
-(``Score.failure``, then ``Sample.error`` and ``Sample.error_kind``), and the learner drops
-every group that holds such a sample (counted as ``dropped/reward_error``): no substitute
-reward ever reaches training, which is why there is no fallback reward setting. Each
-distinct error is logged once with its traceback; every failure is counted. DAPO's
-overlong penalty and dynamic-sampling filter live here too, since they are functions of
-the scores alone. :func:`check_reward_function` is the start-up probe.
+* ``type: sequential``: the worker calls and times the function input by input, so each
+  input's outcome comes back on its own (a hang costs ``timeout_s`` once);
+* ``type: batch``: a call that raises, times out, kills its process or returns the wrong
+  number of outputs is rescored one input per call, all at once in the pool, so only the
+  failing inputs get the error (the function then sees 1-element lists); an output that is
+  unusable (no ``overall``, not finite) fails its own input only.
+
+A sample whose reward failed gets reward 0.0 and carries a :class:`~async_rl.records.Failure`
+(``Score.failure``: kind ``reward_error`` or ``reward_timeout``, the error, the start of
+the response, the child's traceback and the user's file and line); no substitute reward
+ever reaches training, which is why there is no fallback reward setting. Each distinct
+error is logged once with its traceback; every failure is counted. DAPO's overlong penalty
+and dynamic-sampling filter live here too, since they are functions of the scores alone.
+:func:`check_reward_function` is the start-up probe.
 """
 
 from __future__ import annotations
@@ -26,15 +30,17 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Union
 
 from async_rl.records import Failure
-from async_rl.rewards.pool import RewardCallError, RewardError, RewardPool, RewardTimeout
+from async_rl.rewards.pool import RewardError, RewardPool, RewardTimeout
 
 if TYPE_CHECKING:
     from async_rl.config import RewardConfig
 
 log = logging.getLogger(__name__)
 
-PROBE_SAMPLES = 4
-"""Ground-truth answers the start-up probe scores (each with an empty response)."""
+PROBE_ANSWERS = 4
+"""Ground-truth answers the start-up probe uses (each with three responses: itself, empty, a wrong one)."""
+WRONG_RESPONSE = "no answer"
+"""The probe's wrong response when no other ground truth differs from the one probed."""
 
 
 @dataclass
@@ -42,7 +48,7 @@ class Score:
     """The reward of one sample."""
 
     reward: float
-    """Scalar reward used for training (``overall``, plus the overlong penalty); 0.0 when ``error`` is set."""
+    """Scalar reward used for training (``overall``, plus the overlong penalty); 0.0 when ``failure`` is set."""
     components: dict[str, float] = field(default_factory=dict)
     """Named components the function returned (and ``overlong_penalty`` when applied)."""
     failure: Failure | None = None
@@ -58,7 +64,8 @@ class RewardCounters:
     errors: int = 0
     """Samples whose scoring failed: the function raised, timed out, its process died, or the output was unusable."""
     timeouts: int = 0
-    """Samples among ``errors`` whose reward call exceeded ``rollout.reward.timeout_s``."""
+    """Samples among ``errors`` on which the function ran longer than ``rollout.reward.timeout_s``
+    (interrupted in its process, or its process group killed: see ``RewardPool.interrupted``, ``RewardPool.killed``)."""
     distinct_errors: int = 0
     """Distinct error signatures seen (each logged once with its traceback)."""
     groups_filtered: int = 0
@@ -107,26 +114,25 @@ class RewardScorer:
     async def attempt(self, inputs: list[dict[str, Any]]) -> list[Outcome]:
         """Each sample's :class:`Score` (before the overlong penalty) or its error; nothing counted or logged."""
         try:
-            return list(await self._call(inputs))
-        except (RewardCallError, RewardOutputError) as exc:
+            return await self._call(inputs)
+        except RewardError as exc:  # a batch call failed as a whole: find the inputs it failed on
             if len(inputs) == 1:
                 return [exc]
-            return list(await asyncio.gather(*(self._attempt_one(item) for item in inputs)))
-        except RewardError as exc:  # timeout or died: the same error for every sample of the call
-            return [exc] * len(inputs)
+            return await self.attempt_each(inputs)
 
-    async def _attempt_one(self, item: dict[str, Any]) -> Outcome:
-        try:
-            return (await self._call([item]))[0]
-        except RewardError as exc:
-            return exc
+    async def attempt_each(self, inputs: list[dict[str, Any]]) -> list[Outcome]:
+        """:meth:`attempt` with one pool call per input, all at once (the pool grows while they wait)."""
+        return [outcome for outcomes in await asyncio.gather(*(self.attempt([item]) for item in inputs)) for outcome in outcomes]
 
-    async def _call(self, inputs: list[dict[str, Any]]) -> list[Score]:
+    async def _call(self, inputs: list[dict[str, Any]]) -> list[Outcome]:
+        """One pool call: each input's outcome; a :class:`RewardError` raised for a batch call that failed as a whole."""
         outputs = await self.pool.call(inputs)
+        if self.cfg.type == "sequential":  # one entry per input, errors included
+            return [out if isinstance(out, RewardError) else _outcome(out) for out in outputs]
         if not isinstance(outputs, list) or len(outputs) != len(inputs):
             raise RewardOutputError(f"reward function returned {type(outputs).__name__} of length {_len(outputs)}; "
                                     f"expected a list of {len(inputs)} dicts")
-        return [_validate(out) for out in outputs]
+        return [_outcome(out) for out in outputs]
 
     def _failure(self, exc: RewardError, item: dict[str, Any]) -> Score:
         signature = exc.signature
@@ -134,11 +140,12 @@ class RewardScorer:
         self.counters.timeouts += isinstance(exc, RewardTimeout)
         if signature not in self._seen_errors:
             self.counters.distinct_errors += 1
-            log.warning("reward function failed (%s); the sample carries the error and its group is not trained. Logged once:\n%s",
-                        signature, exc.traceback_text or signature)
+            log.warning("reward function failed (%s)%s; the sample carries the error and is not trained. Logged once:\n%s",
+                        signature, f" at {exc.where}" if exc.where else "", exc.traceback_text or signature)
         self._seen_errors[signature] += 1
         kind = "reward_timeout" if isinstance(exc, RewardTimeout) else "reward_error"
-        return Score(0.0, {}, Failure(kind, signature[:500], input=str(item.get("response", ""))[:200], traceback=exc.traceback_text))
+        return Score(0.0, {}, Failure(kind, signature[:500], where=exc.where, input=str(item.get("response", ""))[:200],
+                                      traceback=exc.traceback_text))
 
     def _apply_overlong(self, score: Score, length: int) -> None:
         """DAPO soft overlong punishment (arXiv:2503.14476, eq. 13); lengths in tokens."""
@@ -160,33 +167,47 @@ class RewardScorer:
 
 
 async def check_reward_function(scorer: RewardScorer, answers: list[str]) -> None:
-    """Start-up probe: score up to :data:`PROBE_SAMPLES` of ``answers`` (ground truths),
-    each with an empty response (``""``, length 0).
+    """Start-up probe: for each of up to :data:`PROBE_ANSWERS` of ``answers`` (ground
+    truths), score three responses: the ground truth itself, an empty one and a wrong one
+    (another ground truth, or :data:`WRONG_RESPONSE`), each in a call of its own, all at
+    once (a hang costs ``timeout_s`` once).
 
-    Returns if at least one sample scores. Raises :class:`RewardStartupError` if every
-    sample fails (raised, timed out, died, unusable output), with the first failure's
-    traceback from the reward process and a hint.
+    Returns if at least one input scores. Raises :class:`RewardStartupError` if every input
+    fails (raised, timed out, died, unusable output), naming each input and its error, with
+    a hint and the reward process's traceback of each distinct error.
     """
-    probe = [{"response": "", "response_length": 0, "ground_truth": a} for a in (answers[:PROBE_SAMPLES] or [""])]
-    outcomes = await scorer.attempt(probe)
-    errors = [o for o in outcomes if isinstance(o, RewardError)]
-    if len(errors) < len(outcomes):
+    truths = [str(a) for a in answers[:PROBE_ANSWERS]] or [""]
+    probe: list[dict[str, Any]] = []
+    for i, truth in enumerate(truths):
+        wrong = next((a for a in truths[i + 1:] + truths[:i] if a != truth), WRONG_RESPONSE if truth != WRONG_RESPONSE else "0")
+        for response in dict.fromkeys((truth, "", wrong)):
+            item = {"response": response, "response_length": min(len(response), scorer.max_response_length), "ground_truth": truth}
+            if item not in probe:
+                probe.append(item)
+    outcomes = await scorer.attempt_each(probe)
+    if not all(isinstance(o, RewardError) for o in outcomes):
         return
-    first = errors[0]
+    errors: list[RewardError] = [o for o in outcomes if isinstance(o, RewardError)]
     cfg = scorer.cfg
-    hint = _hint(first, cfg)
+    lines = [f"  response {item['response']!r:.60} for ground truth {item['ground_truth']!r:.60}: {exc.signature:.300}"
+             + (f" (at {exc.where})" if exc.where else "") for item, exc in zip(probe, errors)]
+    distinct = list({exc.signature: exc for exc in errors}.values())
+    hints = list(dict.fromkeys(h for h in (_hint(exc, cfg) for exc in distinct) if h))
+    tracebacks = [f"Traceback in the reward process ({exc.signature:.200}):\n{exc.traceback_text}" for exc in distinct if exc.traceback_text]
     raise RewardStartupError(
-        f"rollout.reward.function={cfg.function} (type={cfg.type}) failed on all {len(probe)} start-up probe samples "
-        f"(ground-truth answers with an empty response): {first.signature}\n"
-        + (f"Hint: {hint}\n" if hint else "")
-        + (f"Traceback in the reward process:\n{first.traceback_text}" if first.traceback_text else "")
+        f"rollout.reward.function={cfg.function} (type={cfg.type}) failed on all {len(probe)} start-up probe inputs "
+        "(each ground-truth answer as the response, an empty response and a wrong one):\n"
+        + "\n".join(lines) + "\n"
+        + "".join(f"Hint: {hint}\n" for hint in hints)
+        + "\n".join(tracebacks)
     )
 
 
 def _hint(exc: RewardError, cfg: RewardConfig) -> str:
     sig = exc.signature
     if isinstance(exc, RewardTimeout):
-        return f"a call took longer than rollout.reward.timeout_s={cfg.timeout_s:g} s; raise it or find the hang"
+        return (f"the function ran longer than rollout.reward.timeout_s={cfg.timeout_s:g} s on one input"
+                + (f" (interrupted at {exc.where})" if exc.where else "") + "; raise it if it is slow, or find the hang")
     if sig.startswith("TypeError:") and ("keyword argument" in sig or "positional argument" in sig):
         return (f"the function's parameters do not match the call fn({'batch' if cfg.type == 'batch' else 'sample'}, "
                 f"**rollout.reward.kwargs) with kwargs={dict(cfg.kwargs)}: pass the missing arguments "
@@ -195,6 +216,13 @@ def _hint(exc: RewardError, cfg: RewardConfig) -> str:
         return ("the function indexes its input the other way: check rollout.reward.type "
                 "(batch gets a list of dicts, sequential one dict)")
     return ""
+
+
+def _outcome(out: Any) -> Outcome:
+    try:
+        return _validate(out)
+    except RewardOutputError as exc:
+        return exc
 
 
 def _validate(out: Any) -> Score:
