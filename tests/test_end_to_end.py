@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -160,7 +159,7 @@ def test_sigterm_checkpoints_and_leaves_nothing_running(tiny_assets, tmp_path):
     reward = tmp_path / "reward.py"
     reward.write_text("import time\n\ndef compute_score(items):\n"
                       "    return [{'overall': time.sleep(3600) if i['response'].strip().endswith('3') else 0.0} for i in items]\n")
-    config = write_config(tiny_assets, tmp_path, steps=1000, rollout={"reward": {"function": f"{reward}:compute_score", "timeout_s": 5.0}},
+    config = write_config(tiny_assets, tmp_path, steps=1000, rollout={"reward": {"function": f"{reward}:compute_score"}},
                           logging={"prometheus_port": 0})
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "async_rl.cli", "train", str(config)], cwd=ROOT,
@@ -187,27 +186,3 @@ def test_sigterm_checkpoints_and_leaves_nothing_running(tiny_assets, tmp_path):
     held = state["queued"] + state["returned"]
     assert len(held) == len(set(held)), state
 
-
-def test_a_reward_that_hangs_on_every_answer_stops_the_run_and_says_so(tiny_assets, tmp_path):
-    """At default settings, a reward function that hangs on every non-empty response passes the
-    start-up probe (it scores the empty one), then: the console names the timeout, a heartbeat
-    says what each side does while no step comes, and the run stops naming reward_timeout
-    (not another cause); the summary counts the rollout side's reward errors."""
-    reward = tmp_path / "reward.py"
-    reward.write_text("import time\n\ndef compute_score(items):\n"
-                      "    return [{'overall': time.sleep(3600) if i['response'].strip() else 0.0} for i in items]\n")
-    config = write_config(tiny_assets, tmp_path, steps=100, rollout={"reward": {"function": f"{reward}:compute_score"}},
-                          trainer={"val_every": 0})
-    proc = train_cli(config, timeout_s=900)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 1, output[-3000:]
-    assert "the reward function timed out (reward_timeout)" in proc.stdout, output[-3000:]
-    beats = [line for line in proc.stdout.splitlines() if line.startswith("no learner step for ")]
-    assert beats and "reward errors" in beats[-1] and "learner at version 0 waits for 4 groups" in beats[-1], output[-3000:]
-    error = next(line for line in proc.stderr.splitlines() if line.startswith("error: "))
-    assert "reward_timeout:" in error and "longer than rollout.reward.timeout_s" in error and "raises" not in error, error
-    counted = re.search(r"reward errors \(of them timeouts\)\D*(\d+) \((\d+)\)", proc.stdout)
-    assert counted and int(counted[1]) == int(counted[2]) > 0, proc.stdout[-2000:]
-    rows = (tmp_path / "run" / "reward_errors.jsonl").read_text().splitlines()
-    assert rows and all(json.loads(r)["kind"] == "reward_timeout" for r in rows)
-    assert wait_gone(tmp_path / "run") == []

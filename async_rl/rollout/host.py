@@ -47,7 +47,8 @@ MAX_PENDING_FAILURES = 1000
 
 EPISODE_COUNTERS = tuple(f"env_{f.name}" for f in dataclasses.fields(EpisodeCounters))
 COUNTERS = (tuple(f.name for f in dataclasses.fields(WorkerCounters))
-            + ("reward_errors", "reward_timeouts", "reward_restarts", "failure_reports_dropped") + EPISODE_COUNTERS)
+            + ("reward_errors", "reward_timeouts", "reward_restarts", "reward_interrupted", "reward_killed", "failure_reports_dropped")
+            + EPISODE_COUNTERS)
 """Names of the counters in the run's ``rollout_stats`` hash (all cumulative)."""
 
 
@@ -166,7 +167,10 @@ class WorkerHost:
             if w.episodes is not None:
                 for name, value in dataclasses.asdict(w.episodes.counters).items():
                     out[f"env_{name}"] += value
-        out["reward_restarts"] = float(self.rewards.restarts if self.rewards is not None else 0)
+        if self.rewards is not None:
+            out["reward_restarts"] = float(self.rewards.restarts)
+            out["reward_interrupted"] = float(self.rewards.interrupted)
+            out["reward_killed"] = float(self.rewards.killed)
         out["failure_reports_dropped"] = float(self._failures_dropped)
         return out
 

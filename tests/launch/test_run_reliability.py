@@ -5,14 +5,16 @@
   neither skipping nor repeating a prompt (the ledger is reconciled at each start);
 - a reward function that fails on every probe stops the run before anything starts;
 - a reward function that hangs on some samples costs those samples, not the run (the
-  resumed run above uses one);
-- one that fails on every real sample stops the run with exit 1 and the reason;
+  resumed run above uses one, at the default timeout);
+- one that hangs on every real sample (default settings) is named on the console, a
+  heartbeat comes while no step does, and the run stops with exit 1 naming reward_timeout;
 - a run in which nothing progresses exits 1 and says what each side waits for.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -42,12 +44,12 @@ def _lineage(run_dir: Path) -> dict[int, dict[str, list]]:
 
 
 def test_sigkill_and_resume_reach_the_last_step_every_time(tiny_assets, tmp_path):
-    # About one response in ten ends in 3: that reward call hangs until the pool kills it,
-    # which costs those samples (their groups are dropped), not the run.
+    # About one response in ten ends in 3: scoring it hangs until the worker's timer interrupts
+    # it (rollout.reward.timeout_s, default), which costs those samples, not the run.
     reward = _reward_file(tmp_path, "(time.sleep(3600) if item['response'].strip().endswith('3') else float(item['response'].strip() == item['ground_truth']))")
     steps = 12
     config = write_config(tiny_assets, tmp_path, steps, trainer={"save_every": 3, "val_every": 0},
-                          rollout={"reward": {"function": reward, "timeout_s": 2.0}})
+                          rollout={"reward": {"function": reward}})
     run_dir = tmp_path / "run"
     for kill_at in (5, 8):  # each time after a checkpoint, with trained-but-uncommitted steps and groups queued
         proc = start_train(config)
@@ -74,7 +76,9 @@ def test_sigkill_and_resume_reach_the_last_step_every_time(tiny_assets, tmp_path
     assert len(claimed) + sum(stats["dropped"].values()) + stats["dead_lettered"] == stats["prompt_cursor"]
     assert set(claimed) <= set(range(stats["prompt_cursor"]))
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert sum(r.get("rollout/reward_timeouts", 0) for r in records) > 0 and stats["dropped"].get("reward_error", 0) > 0
+    steps_logged = [r for r in records if "perf/tokens_per_s" in r]
+    assert sum(r.get("rollout/reward_timeouts", 0) for r in records) > 0
+    assert steps_logged[-1].get("counters/dropped/reward_timeout", 0) > 0  # the hung samples only: their groups trained
 
 
 def test_a_reward_function_failing_every_probe_stops_before_starting(tiny_assets, tmp_path):
@@ -87,16 +91,29 @@ def test_a_reward_function_failing_every_probe_stops_before_starting(tiny_assets
     assert time.monotonic() - start < 120
 
 
-def test_a_reward_function_failing_on_every_sample_stops_the_run(tiny_assets, tmp_path):
-    # The start-up probe passes (its dummy response is empty); every real sample fails.
-    reward = _reward_file(tmp_path, "(fail('cannot parse') if item['response'] else 0.0)")
-    config = write_config(tiny_assets, tmp_path, 4, rollout={"reward": {"function": reward}})
-    proc = train_cli(config, timeout_s=600)
-    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "nothing is trainable" in proc.stderr and "reward_error" in proc.stderr
+def test_a_reward_that_hangs_on_every_answer_stops_the_run_and_says_so(tiny_assets, tmp_path):
+    """At default settings, a reward function that hangs on every non-empty response passes the
+    start-up probe (it scores the empty one), then: the console names the timeout, a heartbeat
+    says what each side does while no step comes, and the run stops naming reward_timeout
+    (not another cause); the summary counts the rollout side's reward errors."""
+    reward = _reward_file(tmp_path, "(time.sleep(3600) if item['response'].strip() else 0.0)")
+    config = write_config(tiny_assets, tmp_path, 4, rollout={"reward": {"function": reward}}, trainer={"val_every": 0})
+    proc = train_cli(config, timeout_s=900)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 1, output[-3000:]
+    assert "the reward function timed out (reward_timeout) at " in proc.stdout, output[-3000:]
+    beats = [line for line in proc.stdout.splitlines() if line.startswith("no learner step for ")]
+    assert beats and "reward errors" in beats[-1] and "learner at version 0 waits for 4 groups" in beats[-1], output[-3000:]
+    error = next(line for line in proc.stderr.splitlines() if line.startswith("error: "))
+    assert "nothing is trainable" in error and "reward_timeout:" in error and "longer than rollout.reward.timeout_s" in error, error
+    assert "raises" not in error, error
+    counted = re.search(r"reward errors \(of them timeouts\)\D*(\d+) \((\d+)\)", proc.stdout)
+    assert counted and int(counted[1]) == int(counted[2]) > 0, proc.stdout[-2000:]
+    rows = (tmp_path / "run" / "reward_errors.jsonl").read_text().splitlines()
+    assert rows and all(json.loads(r)["kind"] == "reward_timeout" for r in rows)
     state = queue_state(tmp_path / "run", config)
     assert state["stats"]["pending"] == 0  # every dropped entry was acknowledged
-    assert state["stats"]["dropped"]["reward_error"] >= 40  # min(100, 10 x batch 4)
+    assert state["stats"]["dropped"]["reward_timeout"] >= 40  # min(100, 10 x batch 4)
     assert wait_gone(tmp_path / "run") == []
 
 
