@@ -201,6 +201,16 @@ def _user_traceback(exc: BaseException) -> str:
     return "".join(traceback.format_exception(type(exc), exc, tb))
 
 
+def _frames_of_coroutine(coro: Any) -> list[tuple[str, int, str]]:
+    """The frames of a suspended coroutine and those it awaits, outermost first
+    (``Task.get_stack`` gives only the outermost)."""
+    out = []
+    while coro is not None and (frame := getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)) is not None:
+        out.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return out
+
+
 def _definition(fn: Callable[..., Any]) -> str:
     """``path/file.py:LINE in name`` of a function's ``def`` (for a wrong return value: no traceback)."""
     code = getattr(fn, "__code__", None)
@@ -388,8 +398,7 @@ class _Server:
             frame = sys._current_frames().get(thread)
             where = _where(_frames_of_stack(frame))
         else:
-            stack = task.get_stack()  # the suspended coroutines, outermost first
-            where = _where([(f.f_code.co_filename, f.f_lineno, f.f_code.co_name) for f in stack])
+            where = _where(_frames_of_coroutine(task.get_coro()))
         task.cancel()  # a thread cannot be stopped: its result is dropped when it returns
         self.send(Stuck(call_id, label, where, abandoned=thread is None))
 
