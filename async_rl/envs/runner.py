@@ -110,6 +110,8 @@ class _Proc:
         self.conn = conn
         self.ready = ready
         self.pending: dict[int, asyncio.Future[Opening | StepOut]] = {}
+        self.inputs: dict[int, str] = {}
+        """call id -> the start of its input (``reset`` or the action), for failures the server words."""
         self.stuck: dict[int, asyncio.Future[Stuck | None]] = {}
         self.episodes: dict[int, EnvEpisode] = {}
         self.blocked: Blocked | None = None
@@ -218,6 +220,8 @@ class EnvPool:
             self._kill(proc, f"the environment process exited ({_exit_status(proc.process)})")
 
     def _dispatch(self, proc: _Proc, msg: Any) -> None:
+        if isinstance(msg, (Reply, Error)):
+            proc.inputs.pop(msg.id, None)
         if isinstance(msg, Reply):
             fut = proc.pending.pop(msg.id, None)
             if fut is not None and not fut.done():
@@ -285,6 +289,7 @@ class EnvPool:
         for episode in proc.episodes.values():
             episode.lost = reason
         proc.pending.clear()
+        proc.inputs.clear()
         proc.stuck.clear()
         self._retiring.discard(proc)
         self._replace(proc)
@@ -318,6 +323,7 @@ class EnvPool:
         call = Call(next(self._ids), episode.id, method, action, dict(row or {}))
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         proc.pending[call.id] = fut
+        proc.inputs[call.id] = "reset" if method == "reset" else action[:INPUT_CHARS]
         _send(proc, call)
         t0 = time.monotonic()
         try:
@@ -344,15 +350,15 @@ class EnvPool:
         if fut.done():  # answered meanwhile, or the process was killed: the answer stands
             return fut.result()
         proc.pending.pop(call.id, None)
+        input_ = proc.inputs.pop(call.id, "")
         limit = f"rollout.env.step_timeout_s={self.cfg.step_timeout_s:g} s"
-        input_ = "reset" if call.method == "reset" else call.action[:INPUT_CHARS]
         if stuck is None:  # the loop is blocked or the process is wedged: kill it now
             blocker = proc.blocked
             blame: dict[int, BaseException] = {}
             if blocker is not None:
                 message = blocked_message(blocker.label, blocker.seconds + elapsed)
                 blame[blocker.id] = EnvFailed(Failure("env_timeout", f"EnvTimeout: {message} (longer than {limit})"[:500],
-                                                      blocker.where, input_ if blocker.id == call.id else ""),
+                                                      blocker.where, proc.inputs.get(blocker.id, input_)),
                                               blocked=True, restarted=True)
                 reason = f"the environment process was restarted because {message} (at {blocker.where})"
                 self.blocked += 1

@@ -117,7 +117,7 @@ class Countdown(BaseEnvironment):
         return "Say the number."
 
 
-def _add(a: int, b: int) -> int:
+def add(a: int, b: int) -> int:
     """Add.
 
     Args:
@@ -130,7 +130,7 @@ def _add(a: int, b: int) -> int:
 class AddTool(ToolEnvironment):
     """The answer after a calculator call; the tools reach the first prompt."""
 
-    tools = (_add,)
+    tools = (add,)
 
     def reset(self, row: dict) -> str:
         self.answer_text = row["answer"]
