@@ -2,8 +2,8 @@
 
 :class:`~async_rl.envs.runner.EnvPool` (the server's side) starts ``rollout.env.num_workers``
 of these with multiprocessing's ``spawn`` context. Each loads the class itself by name
-(``rollout.env.name``), holds ``episode id -> instance`` and answers calls over its pipe
-with msgspec MessagePack messages (never pickle). A synchronous method runs on a thread of
+(``rollout.env.name``), holds ``episode id -> instance`` and answers calls over a socket
+pair with length-prefixed msgspec MessagePack messages (never pickle). A synchronous method runs on a thread of
 the process's own pool and an ``async`` one on the process's own event loop, so one slow
 episode does not serialize the others, and nothing the environment does can block the
 server's event loop.
@@ -20,6 +20,8 @@ import asyncio
 import inspect
 import os
 import signal
+import socket
+import struct
 import sys
 import sysconfig
 import threading
@@ -27,13 +29,13 @@ import time
 import traceback
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from multiprocessing.connection import Connection
 from types import FrameType, TracebackType
 from typing import Any, Union
 
 import msgspec
 
-from async_rl.envs.base import BaseEnvironment, EnvironmentConfig
+from async_rl.envs.base import BaseEnvironment
+from async_rl.envs.registry import load_environment, make_environment
 from async_rl.records import Failure
 
 ENV_THREADS = 64
@@ -145,6 +147,34 @@ def _enc_hook(obj: Any) -> Any:
 
 
 ENCODER = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+_LENGTH = struct.Struct("<I")
+
+
+def frame(msg: msgspec.Struct) -> bytes:
+    """``msg`` encoded, prefixed with its length (4 bytes, little-endian): one message on the socket."""
+    data = ENCODER.encode(msg)
+    return _LENGTH.pack(len(data)) + data
+
+
+class Frames:
+    """Splits the bytes read from the socket into messages' bytes."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[bytes]:
+        """The messages completed by ``data``."""
+        self._buf += data
+        out = []
+        while len(self._buf) >= _LENGTH.size:
+            (n,) = _LENGTH.unpack_from(self._buf)
+            if len(self._buf) < _LENGTH.size + n:
+                break
+            out.append(bytes(self._buf[_LENGTH.size:_LENGTH.size + n]))
+            del self._buf[:_LENGTH.size + n]
+        return out
+
+
 TO_CHILD = msgspec.msgpack.Decoder(ToChild)  # type: ignore[arg-type]
 TO_PARENT = msgspec.msgpack.Decoder(ToParent)  # type: ignore[arg-type]
 
@@ -271,8 +301,9 @@ def _takes_row(reset: Callable[..., Any]) -> bool:
 class _Server:
     """The event loop side of one environment process."""
 
-    def __init__(self, conn: Connection, cls: type[BaseEnvironment], kwargs: dict[str, Any]):
-        self.conn = conn
+    def __init__(self, sock: socket.socket, cls: type[BaseEnvironment], kwargs: dict[str, Any]):
+        self.sock = sock
+        self.frames = Frames()
         self.cls = cls
         self.kwargs = kwargs
         self.envs: dict[int, BaseEnvironment] = {}
@@ -290,13 +321,13 @@ class _Server:
         self.closed = asyncio.Event()
 
     def send(self, msg: ToParent) -> None:
-        data = ENCODER.encode(msg)
-        with self.send_lock:
-            self.conn.send_bytes(data)
+        data = frame(msg)
+        with self.send_lock:  # the server always reads, so a blocking send only waits for it briefly
+            self.sock.sendall(data)
 
     async def serve(self) -> None:
         loop = asyncio.get_running_loop()
-        loop.add_reader(self.conn.fileno(), self._on_readable)
+        loop.add_reader(self.sock.fileno(), self._on_readable)
         loop.call_soon(self._heartbeat)
         threading.Thread(target=self._monitor, name="env-loop-monitor", daemon=True).start()
         await self.closed.wait()
@@ -307,16 +338,20 @@ class _Server:
 
     def _on_readable(self) -> None:
         try:
-            while self.conn.poll():
-                msg = TO_CHILD.decode(self.conn.recv_bytes())
-                if isinstance(msg, Call):
-                    self.tasks[msg.id] = asyncio.get_running_loop().create_task(self._handle(msg))
-                elif isinstance(msg, Cancel):
-                    self._cancel(msg.id)
-                else:
-                    self.envs.pop(msg.episode, None)
-        except (EOFError, OSError):  # the server closed the pipe: this process is done
+            data = self.sock.recv(1 << 16)
+        except OSError:
+            data = b""
+        if not data:  # the server closed the socket: this process is done
             self.closed.set()
+            return
+        for raw in self.frames.feed(data):
+            msg = TO_CHILD.decode(raw)
+            if isinstance(msg, Call):
+                self.tasks[msg.id] = asyncio.get_running_loop().create_task(self._handle(msg))
+            elif isinstance(msg, Cancel):
+                self._cancel(msg.id)
+            else:
+                self.envs.pop(msg.episode, None)
 
     # -- calls --------------------------------------------------------------------------
 
@@ -359,7 +394,7 @@ class _Server:
 
     async def _reset(self, call: Call) -> Opening:
         name = self.cls.__name__
-        env = await self._invoke(call.id, f"{name}.__init__", self.cls, EnvironmentConfig(**self.kwargs))
+        env = await self._invoke(call.id, f"{name}.__init__", make_environment, self.cls, self.kwargs)
         args = (dict(call.row),) if _takes_row(env.reset) else ()
         observation = await self._invoke(call.id, f"{name}.reset", env.reset, *args)
         prefix = await self._invoke(call.id, f"{name}.get_prompt_prefix", env.get_prompt_prefix)
@@ -443,7 +478,7 @@ def _input(call: Call) -> str:
 _PR_SET_PDEATHSIG = 1
 
 
-def main(conn: Connection, spec: str, kwargs: dict[str, Any], parent_pid: int) -> None:
+def main(sock: socket.socket, spec: str, kwargs: dict[str, Any], parent_pid: int) -> None:
     """The process: its own process group (so a kill takes the environment's own children
     too), load the class, serve calls until the pipe closes."""
     os.setpgid(0, 0)
@@ -454,12 +489,10 @@ def main(conn: Connection, spec: str, kwargs: dict[str, Any], parent_pid: int) -
     if os.getppid() != parent_pid:
         os._exit(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the server decides
-    from async_rl.envs.registry import load_environment
-
     try:
         cls = load_environment(spec)
     except BaseException as exc:  # noqa: BLE001 - reported to the server, which refuses to start
-        conn.send_bytes(ENCODER.encode(Ready(error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())))
+        sock.sendall(frame(Ready(error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())))
         return
-    conn.send_bytes(ENCODER.encode(Ready(class_name=cls.__name__)))
-    asyncio.run(_Server(conn, cls, kwargs).serve())
+    sock.sendall(frame(Ready(class_name=cls.__name__)))
+    asyncio.run(_Server(sock, cls, kwargs).serve())

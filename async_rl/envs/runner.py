@@ -33,9 +33,9 @@ import itertools
 import multiprocessing
 import os
 import signal
+import socket
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING, Any
 
@@ -43,7 +43,6 @@ import msgspec
 
 from async_rl.envs.base import Trajectory
 from async_rl.envs.process import (
-    ENCODER,
     INPUT_CHARS,
     TO_PARENT,
     Blocked,
@@ -51,6 +50,7 @@ from async_rl.envs.process import (
     Cancel,
     Drop,
     Error,
+    Frames,
     Opening,
     Ready,
     Reply,
@@ -58,6 +58,7 @@ from async_rl.envs.process import (
     Stuck,
     ToChild,
     blocked_message,
+    frame,
     main,
 )
 from async_rl.records import Failure
@@ -104,10 +105,11 @@ class EnvLost(Exception):
 class _Proc:
     """One environment process and the server's end of its pipe."""
 
-    def __init__(self, index: int, process: BaseProcess, conn: Connection, ready: asyncio.Future[Ready]):
+    def __init__(self, index: int, process: BaseProcess, ready: asyncio.Future[Ready]):
         self.index = index
         self.process = process
-        self.conn = conn
+        self.transport: asyncio.Transport | None = None
+        """The server's end of the socket (buffered writes: a process that does not read never blocks the loop)."""
         self.ready = ready
         self.pending: dict[int, asyncio.Future[Opening | StepOut]] = {}
         self.inputs: dict[int, str] = {}
@@ -203,21 +205,16 @@ class EnvPool:
 
     def _spawn(self, index: int) -> _Proc:
         loop = asyncio.get_running_loop()  # only ever on the pool's loop
-        parent_conn, child_conn = self._ctx.Pipe(duplex=True)
-        process = self._ctx.Process(target=main, args=(child_conn, self.cfg.name, dict(self.cfg.kwargs), os.getpid()),
+        ours, theirs = socket.socketpair()
+        process = self._ctx.Process(target=main, args=(theirs, self.cfg.name, dict(self.cfg.kwargs), os.getpid()),
                                     name=f"async-rl-env-{index}", daemon=True)
         process.start()
-        child_conn.close()
-        proc = _Proc(index, process, parent_conn, loop.create_future())
-        loop.add_reader(parent_conn.fileno(), self._on_readable, proc)
+        theirs.close()
+        ours.setblocking(False)
+        proc = _Proc(index, process, loop.create_future())
+        # The process's first message (Ready) waits in the socket until the transport is up.
+        loop.create_task(loop.create_unix_connection(lambda: _Protocol(self, proc), sock=ours))
         return proc
-
-    def _on_readable(self, proc: _Proc) -> None:
-        try:
-            while not proc.dead and proc.conn.poll():
-                self._dispatch(proc, TO_PARENT.decode(proc.conn.recv_bytes()))
-        except (EOFError, OSError, msgspec.DecodeError):
-            self._kill(proc, f"the environment process exited ({_exit_status(proc.process)})")
 
     def _dispatch(self, proc: _Proc, msg: Any) -> None:
         if isinstance(msg, (Reply, Error)):
@@ -266,9 +263,8 @@ class EnvPool:
         if proc.dead:
             return
         proc.dead = True
-        if self._loop is not None and not self._loop.is_closed():
-            self._loop.remove_reader(proc.conn.fileno())
-        proc.conn.close()
+        if proc.transport is not None:
+            proc.transport.abort()
         pid = proc.process.pid
         if pid is not None:
             try:
@@ -388,18 +384,36 @@ class EnvPool:
 
 
 def _send(proc: _Proc, msg: ToChild) -> None:
-    try:
-        proc.conn.send_bytes(ENCODER.encode(msg))
-    except OSError:
-        pass  # the process is gone: its reader sees EOF and fails the calls
+    if proc.transport is not None and not proc.dead:
+        proc.transport.write(frame(msg))  # buffered: never blocks the loop
 
 
-def _exit_status(process: BaseProcess) -> str:
-    process.join(0.5)
-    code = process.exitcode
-    if code is None:
-        return "still running"
-    return f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+class _Protocol(asyncio.Protocol):
+    """The server's end of one process's socket: messages go to :meth:`EnvPool._dispatch`;
+    a closed socket (the process exited) kills and replaces it."""
+
+    def __init__(self, pool: EnvPool, proc: _Proc):
+        self.pool = pool
+        self.proc = proc
+        self.frames = Frames()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.proc.transport = transport  # type: ignore[assignment]
+        if self.proc.dead:
+            transport.abort()  # type: ignore[attr-defined]
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            for raw in self.frames.feed(data):
+                self.pool._dispatch(self.proc, TO_PARENT.decode(raw))
+        except msgspec.DecodeError as exc:
+            self.pool._kill(self.proc, f"the environment process sent an unreadable message ({exc})")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.proc.process.join(0)  # reaps it if it has exited (never waits)
+        code = self.proc.process.exitcode
+        status = "" if code is None else f" (killed by signal {signal.Signals(-code).name})" if code < 0 else f" (exit code {code})"
+        self.pool._kill(self.proc, f"the environment process exited{status}")
 
 
 class EnvEpisode:

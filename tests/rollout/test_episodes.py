@@ -171,4 +171,5 @@ def test_episodes_lost_to_a_process_killed_by_a_blocking_method_are_played_again
     assert all(s.error is None and s.reward == 1.0 for s in group.samples if s is not sample)
     c = sampler.counters
     assert (c.reruns, c.restarts, c.blocked, c.timeouts, c.errors, c.episodes) == (2, 1, 1, 1, 0, 3)
-    assert len(calls) == 5 and lag < 0.25  # 3 first turns, then the 2 replayed episodes' turns
+    # the blocking turn, then 2 replayed episodes' turns, and the turn each of them took before the kill, if it got that far
+    assert 3 <= len(calls) <= 5 and lag < 0.25
