@@ -276,6 +276,7 @@ class EnvPool:
         for call_id, fut in proc.pending.items():
             if not fut.done():
                 fut.set_exception((blame or {}).get(call_id) or EnvLost(reason))
+                fut.exception()  # marked retrieved: a caller cancelled meanwhile no longer awaits it
         for waiter in proc.stuck.values():
             if not waiter.done():
                 waiter.set_result(None)

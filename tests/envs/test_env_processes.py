@@ -251,3 +251,19 @@ def test_many_episodes_share_the_processes():
     served = {int(t.states[1].rsplit(" ", 1)[1]) for t in trajectories}  # "turn 1 from PID"
     assert served == set(pids)  # both processes held episodes
     assert os.getpid() not in served
+
+
+def test_a_process_that_stops_reading_never_blocks_the_callers_loop():
+    """While a blocking ``async`` step holds the process, 40 episodes send it 50 kB actions
+    each (far past a socket's buffer): the server's writes are buffered, its loop runs on."""
+
+    async def go(pool: EnvPool) -> tuple[list[Trajectory], float]:
+        with LoopLag() as lag:
+            blocker = asyncio.create_task(_play(pool, ["block"]))
+            await asyncio.sleep(0.2)  # the process's loop is blocked now
+            out = await asyncio.gather(*(_play(pool, ["x" * 50_000]) for _ in range(40)))
+            await blocker
+        return out, lag.worst
+
+    trajectories, lag = _with_pool("AsyncFaulty", go, step_timeout_s=10.0, num_workers=1, kwargs={"block_s": 1.5})
+    assert all(t.failure is None and t.success for t in trajectories) and lag < 0.25, lag
