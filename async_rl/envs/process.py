@@ -30,7 +30,7 @@ import traceback
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from types import FrameType, TracebackType
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 
@@ -136,8 +136,8 @@ class Blocked(msgspec.Struct, tag="blocked", frozen=True):
     seconds: float
 
 
-ToChild = Union[Call, Cancel, Drop]
-ToParent = Union[Ready, Reply, Error, Stuck, Blocked]
+ToChild = Call | Cancel | Drop
+ToParent = Ready | Reply | Error | Stuck | Blocked
 
 
 def _enc_hook(obj: Any) -> Any:

@@ -37,7 +37,7 @@ import socket
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from multiprocessing.process import BaseProcess
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 import msgspec
 
@@ -181,7 +181,7 @@ class EnvPool:
             process.join(KILL_JOIN_S)
         self._dying.clear()
 
-    async def __aenter__(self) -> EnvPool:
+    async def __aenter__(self) -> Self:
         await self.start()
         return self
 

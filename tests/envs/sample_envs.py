@@ -86,7 +86,7 @@ class AsyncFaulty(BaseEnvironment):
 
     async def step(self, action: str):
         if action == "block":
-            time.sleep(float(self.config.get("block_s", 3600)))
+            time.sleep(float(self.config.get("block_s", 3600)))  # noqa: ASYNC251 - the fault under test
         if action == "raise":
             raise ValueError("async boom")
         if action == "hang":

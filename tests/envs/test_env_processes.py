@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import pytest
 
@@ -70,7 +70,7 @@ class LoopLag:
             self.worst = max(self.worst, now - last - 0.01)
             last = now
 
-    def __enter__(self) -> LoopLag:
+    def __enter__(self) -> Self:
         self._task = asyncio.get_running_loop().create_task(self._tick())
         return self
 
