@@ -108,6 +108,7 @@ class _Proc:
     def __init__(self, index: int, process: BaseProcess, ready: asyncio.Future[Ready]):
         self.index = index
         self.process = process
+        self.connecting: asyncio.Task[Any] | None = None
         self.transport: asyncio.Transport | None = None
         """The server's end of the socket (buffered writes: a process that does not read never blocks the loop)."""
         self.ready = ready
@@ -187,6 +188,7 @@ class EnvPool:
 
     async def __aexit__(self, *exc_info: object) -> None:
         self.close()
+        await asyncio.sleep(0)  # the aborted transports close their sockets on the loop's next turn
 
     def pids(self) -> list[int]:
         """Process ids of the live environment processes (retiring ones included)."""
@@ -213,8 +215,13 @@ class EnvPool:
         ours.setblocking(False)
         proc = _Proc(index, process, loop.create_future())
         # The process's first message (Ready) waits in the socket until the transport is up.
-        loop.create_task(loop.create_unix_connection(lambda: _Protocol(self, proc), sock=ours))
+        proc.connecting = loop.create_task(loop.create_unix_connection(lambda: _Protocol(self, proc), sock=ours))
+        proc.connecting.add_done_callback(lambda task: self._connected(proc, task))
         return proc
+
+    def _connected(self, proc: _Proc, task: asyncio.Task[Any]) -> None:
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            self._kill(proc, f"the environment process's socket could not be set up: {exc}")
 
     def _dispatch(self, proc: _Proc, msg: Any) -> None:
         if isinstance(msg, (Reply, Error)):
