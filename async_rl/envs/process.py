@@ -363,7 +363,7 @@ class _Server:
             else:
                 env = self.envs.get(call.episode)
                 if env is None:
-                    raise _BadReturn(f"episode {call.episode} has no environment (its reset failed or it ended)")
+                    raise LookupError(f"episode {call.episode} has no environment (its reset failed or it ended)")
                 label = f"{self.cls.__name__}.step"
                 out = await self._invoke(call.id, label, env.step, call.action)
                 try:
