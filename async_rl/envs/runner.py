@@ -109,6 +109,7 @@ class _Proc:
         self.index = index
         self.process = process
         self.connecting: asyncio.Task[Any] | None = None
+        self.exiting: asyncio.Task[None] | None = None
         self.transport: asyncio.Transport | None = None
         """The server's end of the socket (buffered writes: a process that does not read never blocks the loop)."""
         self.ready = ready
@@ -246,6 +247,17 @@ class EnvPool:
             proc.class_name = msg.class_name
             if not proc.ready.done():
                 proc.ready.set_result(msg)
+
+    async def _exited(self, proc: _Proc) -> None:
+        """The process closed its socket: wait up to a second for its exit status, then kill
+        (its group) and replace it, failing its calls with the status."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 1.0
+        while proc.process.exitcode is None and loop.time() < deadline and not proc.dead:
+            await asyncio.sleep(0.01)  # join(0) inside exitcode reaps it once it has exited; never waits
+        code = proc.process.exitcode
+        status = "" if code is None else f" (killed by signal {signal.Signals(-code).name})" if code < 0 else f" (exit code {code})"
+        self._kill(proc, f"the environment process exited{status}")
 
     def _retire(self, proc: _Proc, reason: str) -> None:
         """Take ``proc`` out of service: a fresh process takes new episodes; ``proc`` is killed
@@ -418,10 +430,8 @@ class _Protocol(asyncio.Protocol):
             self.pool._kill(self.proc, f"the environment process sent an unreadable message ({exc})")
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.proc.process.join(0)  # reaps it if it has exited (never waits)
-        code = self.proc.process.exitcode
-        status = "" if code is None else f" (killed by signal {signal.Signals(-code).name})" if code < 0 else f" (exit code {code})"
-        self.pool._kill(self.proc, f"the environment process exited{status}")
+        if not self.proc.dead:
+            self.proc.exiting = asyncio.get_running_loop().create_task(self.pool._exited(self.proc))
 
 
 class EnvEpisode:

@@ -46,7 +46,7 @@ class RowEnv(BaseEnvironment):
 
 class Faulty(BaseEnvironment):
     """Answers each action by its word: ``raise`` raises, ``hang`` sleeps forever (on its
-    thread), ``spawn`` starts a child process and hangs, ``shape`` returns a 2-tuple,
+    thread), ``spawn`` starts a child process and hangs, ``exit`` ends the process, ``shape`` returns a 2-tuple,
     ``slow`` takes 0.3 s; anything else is a normal turn (done on turn ``config.turns``, default 2)."""
 
     def __init__(self, config: EnvironmentConfig):
@@ -70,6 +70,8 @@ class Faulty(BaseEnvironment):
             with open(self.config.pid_file, "w") as f:
                 f.write(str(child.pid))
             time.sleep(3600)
+        if action == "exit":
+            os._exit(3)  # a crash (a segfault in an extension, the OOM killer) as the server sees it
         if action == "shape":
             return "obs", 1.0
         if action == "slow":

@@ -267,3 +267,40 @@ def test_a_process_that_stops_reading_never_blocks_the_callers_loop():
 
     trajectories, lag = _with_pool("AsyncFaulty", go, step_timeout_s=10.0, num_workers=1, kwargs={"block_s": 1.5})
     assert all(t.failure is None and t.success for t in trajectories) and lag < 0.25, lag
+
+
+def test_a_crashed_process_loses_its_episodes_and_is_replaced():
+    async def go(pool: EnvPool) -> tuple[list[Any], Trajectory, int]:
+        async def play(actions: list[str]) -> Any:
+            try:
+                return await _play(pool, actions)
+            except EnvLost as exc:
+                return exc
+
+        out = await asyncio.gather(play(["exit"]), play(["slow", "slow"]))
+        return out, await _play(pool, ["ok", "ok"]), pool.restarts
+
+    (crashed, other), after, restarts = _with_pool("Faulty", go, num_workers=1)
+    assert all(isinstance(e, EnvLost) and str(e) == "the environment process exited (exit code 3)" for e in (crashed, other)), (crashed, other)
+    assert after.success and restarts == 1
+
+
+def test_a_retiring_process_kills_its_last_episodes_after_the_grace(monkeypatch: pytest.MonkeyPatch):
+    """A hung thread's process serves its other episodes for ``RETIRE_GRACE_S`` at most; those
+    still running then are lost (to be played again), naming the hung method."""
+    from async_rl.envs import runner
+
+    monkeypatch.setattr(runner, "RETIRE_GRACE_S", 0.5)
+
+    async def go(pool: EnvPool) -> list[Any]:
+        async def play(actions: list[str]) -> Any:
+            try:
+                return await _play(pool, actions)
+            except EnvLost as exc:
+                return exc
+
+        return await asyncio.gather(play(["hang"]), play(["slow"] * 10))
+
+    hung, long = _with_pool("Faulty", go, step_timeout_s=0.5, num_workers=1, kwargs={"turns": 10})
+    assert hung.failure.kind == "env_timeout"
+    assert isinstance(long, EnvLost) and str(long).startswith("the environment process was restarted because Faulty.step hung in a thread (at ")
