@@ -82,7 +82,12 @@ KILL_JOIN_S = 5.0
 
 
 class EnvStartupError(RuntimeError):
-    """The environment processes could not start or load ``rollout.env.name``."""
+    """The environment processes could not start or load ``rollout.env.name``; ``traceback_text``
+    is the loading error's traceback in the environment process, where there is one."""
+
+    def __init__(self, message: str, traceback_text: str = ""):
+        super().__init__(message)
+        self.traceback_text = traceback_text
 
 
 class EnvFailed(Exception):
@@ -166,7 +171,7 @@ class EnvPool:
                 except EnvLost as exc:
                     raise EnvStartupError(f"rollout.env.name={self.cfg.name!r}: {exc}") from None
                 if ready.error:
-                    raise EnvStartupError(f"rollout.env.name={self.cfg.name!r}: {ready.error}\n{ready.traceback}")
+                    raise EnvStartupError(f"rollout.env.name={self.cfg.name!r}: {ready.error}", ready.traceback)
         except BaseException:
             self.close()
             raise
