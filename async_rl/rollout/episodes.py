@@ -82,6 +82,8 @@ class Episode:
     """None when the episode ended before the model's first turn."""
     overlong: bool = False
     """Its first prompt was longer than ``data.max_prompt_length`` (it was not generated)."""
+    lost: bool = False
+    """Its environment process was killed under it (another episode's call hung or blocked it, or it crashed)."""
 
 
 def _failure(episode: Episode) -> Failure | None:
@@ -123,14 +125,10 @@ class EpisodeSampler:
     async def episode(self, row: PromptRow, generate: GenerateFn) -> Episode:
         """One episode of ``row`` (its fields ``problem`` and ``answer`` go to ``reset(row)``),
         played again once when its environment process is killed under it."""
-        try:
-            episode = await self._play(row, generate)
-        except EnvLost:
+        episode = await self._play(row, generate)
+        if episode.lost:
             self.counters.reruns += 1
-            try:
-                episode = await self._play(row, generate)
-            except EnvLost as exc:
-                episode = Episode(Trajectory(failure=Failure("env_error", f"EnvLost: {exc}"[:500], "", "reset")), None)
+            episode = await self._play(row, generate)  # lost again: it stays failed (env_error)
         c = self.counters
         trajectory, failure = episode.trajectory, episode.trajectory.failure
         c.episodes += 1
@@ -148,7 +146,7 @@ class EpisodeSampler:
         return episode
 
     async def _play(self, row: PromptRow, generate: GenerateFn) -> Episode:
-        """One try at an episode; :class:`EnvLost` when its process was killed under it."""
+        """One try at an episode (``lost`` when its process was killed under it)."""
         tokens: TokenTrajectory | None = None
         budget = self.sampling.max_tokens
         closed = True  # the last reply's closing template tokens fitted the budget
@@ -183,6 +181,8 @@ class EpisodeSampler:
             trajectory = await run_episode(env, act, max_turns=self.cfg.max_turns, row={"problem": row.prompt, "answer": row.answer})
         except _Overlong as exc:
             return Episode(Trajectory(failure=Failure("env_error", f"PromptTooLong: {exc}", "", "reset")), None, overlong=True)
+        except EnvLost as exc:  # its text view ended with run_episode; its tokens so far are kept
+            return Episode(Trajectory(failure=Failure("env_error", f"EnvLost: {exc}"[:500], "", "reset")), tokens, lost=True)
         finally:
             env.close()
             self.counters.restarts += env.restarted

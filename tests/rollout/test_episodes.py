@@ -173,3 +173,16 @@ def test_episodes_lost_to_a_process_killed_by_a_blocking_method_are_played_again
     assert (c.reruns, c.restarts, c.blocked, c.timeouts, c.errors, c.episodes) == (2, 1, 1, 1, 0, 3)
     # the blocking turn, then 2 replayed episodes' turns, and the turn each of them took before the kill, if it got that far
     assert 3 <= len(calls) <= 5 and lag < 0.25
+
+
+def test_an_episode_lost_twice_fails_as_an_env_error_and_keeps_its_tokens(tokenizer):
+    """Every turn crashes the environment process (``os._exit``): the episode is played again
+    once, then fails naming the exit, with the tokens the model generated (the group is kept,
+    so the learner can drop the sample and count why)."""
+    generate, calls = _server(tokenizer, ["exit"])
+    sampler, group = _run(tokenizer, lambda s: s.group(ROW, 1, generate), cls="Faulty")
+    (sample,), (failure,) = group.samples, group.failures
+    assert sample.error_kind == "env_error" and sample.error == "EnvLost: the environment process exited (exit code 3)"
+    assert sample.num_tokens > 0 and failure.signature == sample.error and len(calls) == 2
+    c = sampler.counters
+    assert (c.reruns, c.errors, c.episodes) == (1, 1, 1)
