@@ -147,7 +147,9 @@ class EnvConfig:
     reward: Literal["sum", "final"] = "sum"
     """The episode's reward: the sum of the step rewards, or the last one."""
     step_timeout_s: float = 30.0
-    """Longest one environment call (reset, step) may take, seconds; the episode then ends with the error (its group is not trained)."""
+    """Longest one environment call (``reset`` with the constructor and ``get_prompt_prefix``, or one ``step``) may take, seconds; the episode then fails (``env_timeout``)."""
+    num_workers: int = 2
+    """Environment processes per inference server; each holds many episodes' instances (plain methods run on its threads, ``async`` ones on its event loop)."""
 
 
 @dataclass
@@ -743,6 +745,7 @@ def validate(cfg: Config) -> None:
     need(r.env.max_turns >= 1, f"rollout.env.max_turns={r.env.max_turns} must be >= 1")
     need(r.env.max_turn_tokens >= 0, f"rollout.env.max_turn_tokens={r.env.max_turn_tokens} must be >= 0 (0: no per-turn limit)")
     need(r.env.step_timeout_s > 0, f"rollout.env.step_timeout_s={r.env.step_timeout_s} must be > 0")
+    need(r.env.num_workers >= 1, f"rollout.env.num_workers={r.env.num_workers} must be >= 1")
     need(cfg.sync.max_lag_s > 0, f"sync.max_lag_s={cfg.sync.max_lag_s} must be > 0")
     need(cfg.data.max_pixels >= cfg.data.min_pixels,
          f"data.max_pixels={cfg.data.max_pixels} must be >= data.min_pixels={cfg.data.min_pixels}")

@@ -12,8 +12,10 @@ unchanged::
         def get_prompt_prefix(self) -> str: return "You are a helpful assistant."
 
 Beyond that form, ``reset`` and ``step`` may be ``async def``, and ``reset(row)`` may take the
-dataset row of the episode (a dict with the row's fields). The runner
-(:mod:`async_rl.envs.runner`) calls them off the event loop, each with a timeout.
+dataset row of the episode (a dict with the row's fields). The instances live in environment
+processes (:mod:`async_rl.envs.process`, one or a few per server): a plain method runs on a
+thread there, an ``async`` one on that process's event loop, each call with a timeout
+(:mod:`async_rl.envs.runner`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass, field
 from typing import Any
+
+from async_rl.records import Failure
 
 
 class EnvironmentConfig:
@@ -45,7 +49,7 @@ class EnvironmentConfig:
 class BaseEnvironment(abc.ABC):
     """One episode's world: ``reset`` gives the first observation, ``step(action)`` answers
     each model turn with ``(observation, reward, done, info)``. One instance serves one
-    episode at a time (the runner makes one per episode)."""
+    episode (the environment process makes one per episode)."""
 
     def __init__(self, config: EnvironmentConfig) -> None:
         self.config = config
@@ -83,8 +87,10 @@ class Trajectory:
     rewards: list[float] = field(default_factory=list)
     dones: list[bool] = field(default_factory=list)
     infos: list[dict[str, Any]] = field(default_factory=list)
-    error: str | None = None
-    """``ExceptionType: message`` when the environment raised or timed out (the episode ended there)."""
+    failure: Failure | None = None
+    """Why the environment ended the episode there (``env_error``: it raised, returned something
+    unusable or blocked its event loop; ``env_timeout``: a call took longer than
+    ``rollout.env.step_timeout_s``); None when it did not fail."""
     step_s: float = 0.0
     """Seconds spent in the environment's ``step`` calls, all turns together."""
 
@@ -99,7 +105,7 @@ class Trajectory:
 
     @property
     def done(self) -> bool:
-        """The environment ended the episode (not the turn limit, nor an error)."""
+        """The environment ended the episode (not the turn limit, nor a failure)."""
         return bool(self.dones) and self.dones[-1]
 
     def total_reward(self, mode: str = "sum") -> float:

@@ -107,23 +107,23 @@ def _evaluate_episodes(cfg: Config, rows: list[PromptRow], rejected: int, progre
     """One greedy episode of ``rollout.env`` per row, on an inference server in this process."""
     import asyncio
 
-    from async_rl.envs import load_environment
+    from async_rl.envs import EnvPool
     from async_rl.envs.conversation import ChatEncoder
     from async_rl.rollout.episodes import Episode, EpisodeSampler
     from async_rl.rollout.server import InferenceServer
     from async_rl.rollout.types import Sampling
 
-    env_cls = load_environment(cfg.rollout.env.name)  # type: ignore[arg-type]
-
     async def run() -> tuple[list[Episode], float, float]:
         progress(f"starting vLLM engine for {cfg.learner.model_path}")
         t0 = time.perf_counter()
         server = InferenceServer("eval", engine_kwargs(cfg))
+        envs = EnvPool(cfg.rollout.env)
         try:
+            await envs.start()
             await server.start()
             start_s = time.perf_counter() - t0
             greedy = Sampling(temperature=0.0, max_tokens=cfg.rollout.max_response_length)
-            sampler = EpisodeSampler(env_cls, cfg.rollout.env, ChatEncoder(server.tokenizer()), greedy, cfg.data.max_prompt_length)
+            sampler = EpisodeSampler(envs, cfg.rollout.env, ChatEncoder(server.tokenizer()), greedy, cfg.data.max_prompt_length)
             limit = asyncio.Semaphore(EPISODES_IN_FLIGHT)
 
             async def one(row: PromptRow) -> Episode:
@@ -135,10 +135,11 @@ def _evaluate_episodes(cfg: Config, rows: list[PromptRow], rejected: int, progre
             episodes = await asyncio.gather(*(one(r) for r in rows))
             return episodes, start_s, time.perf_counter() - t0
         finally:
+            envs.close()
             await server.shutdown()
 
     episodes, engine_start_s, generate_s = asyncio.run(run())
-    wins = [e.trajectory.error is None and e.trajectory.success for e in episodes]
+    wins = [e.trajectory.failure is None and e.trajectory.success for e in episodes]
     return EvalResult(
         prompts=len(rows),
         accuracy=sum(wins) / len(rows),
@@ -147,7 +148,7 @@ def _evaluate_episodes(cfg: Config, rows: list[PromptRow], rejected: int, progre
         generate_s=generate_s,
         engine_start_s=engine_start_s,
         examples=[
-            {"prompt": r.prompt, "response": " | ".join(e.trajectory.actions) or f"(error: {e.trajectory.error})",
+            {"prompt": r.prompt, "response": " | ".join(e.trajectory.actions) or f"(error: {e.trajectory.failure and e.trajectory.failure.signature})",
              "answer": r.answer, "reward": f"{e.trajectory.total_reward(cfg.rollout.env.reward):.2f}"}
             for r, e in list(zip(rows, episodes))[:5]
         ],

@@ -99,7 +99,7 @@ async def validate_episodes(
     async def one(row: PromptRow) -> tuple[bool, list[bool], list[int]]:
         async with limit:
             episodes = await asyncio.gather(greedy.episode(row, generate), *(sampled.episode(row, generate) for _ in range(n)))
-        wins = [e.trajectory.error is None and e.trajectory.success for e in episodes]
+        wins = [e.trajectory.failure is None and e.trajectory.success for e in episodes]
         return wins[0], wins[1:], [v for e in episodes if e.tokens is not None for v, m in zip(e.tokens.versions, e.tokens.mask) if m]
 
     return _summary(await asyncio.gather(*(one(r) for r in rows)), n, t0)

@@ -1,4 +1,4 @@
-"""The built-in environments, played by a scripted model through the real episode runner."""
+"""The built-in environments, played by a scripted model through the real episode runner and environment process."""
 
 from __future__ import annotations
 
@@ -6,20 +6,28 @@ import asyncio
 
 import pytest
 
-from async_rl.envs import load_environment, make_environment, run_episode
+from async_rl.config import EnvConfig
+from async_rl.envs import EnvPool, load_environment, make_environment, run_episode
 from async_rl.envs.builtin import NOT_A_NUMBER
 
 ROW = {"problem": "What is 12+30?", "answer": "42"}
 
 
 def _play(replies: list[str], max_turns: int = 4, **kwargs):
-    env = make_environment(load_environment("addition_feedback"), kwargs)
     said = iter(replies)
 
     async def act(messages):
         return next(said)
 
-    return asyncio.run(run_episode(env, act, max_turns=max_turns, step_timeout_s=5.0, row=ROW))
+    async def go():
+        async with EnvPool(EnvConfig(name="addition_feedback", kwargs=kwargs, num_workers=1)) as pool:
+            env = pool.open()
+            try:
+                return await run_episode(env, act, max_turns=max_turns, row=ROW)
+            finally:
+                env.close()
+
+    return asyncio.run(go())
 
 
 def test_addition_feedback_says_higher_or_lower_and_rewards_an_early_win():

@@ -1,62 +1,28 @@
 """The environment interface, registry, episode runner and token-exact conversations.
 
-Environments are real user-style classes; the model is a scripted ``act`` (this tests the
-runner and the token bookkeeping, not generation). The tokenizer is the tiny assets' real
-byte-level BPE with its ChatML template.
+Environments are real user-style classes (``sample_envs.py``), run in real environment
+processes; the model is a scripted ``act`` (this tests the runner and the token bookkeeping,
+not generation; ``test_env_processes.py`` tests the containment of faulty environments).
+The tokenizer is the tiny assets' real byte-level BPE with its ChatML template.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 
 import pytest
 
-from async_rl.envs import (
-    BaseEnvironment,
-    EnvironmentConfig,
-    EnvTimeout,
-    Trajectory,
-    load_environment,
-    make_environment,
-    run_episode,
-)
+from async_rl.config import EnvConfig
+from async_rl.envs import EnvPool, Trajectory, load_environment, make_environment, run_episode
 from async_rl.envs.conversation import ChatEncoder, TokenTrajectory
 
-GUESS_ENV = '''
-from async_rl.envs import BaseEnvironment, EnvironmentConfig
-
-
-class GuessEnv(BaseEnvironment):
-    """Written exactly in the users' form: synchronous, reset() without arguments."""
-
-    def __init__(self, config: EnvironmentConfig):
-        super().__init__(config)
-        self.secret = config.secret
-
-    def reset(self) -> str:
-        return "Guess my number."
-
-    def step(self, action: str) -> tuple[str, float, bool, dict]:
-        guess = int(action)
-        if guess == self.secret:
-            return "Correct!", 1.0, True, {"success": True}
-        return ("higher" if guess < self.secret else "lower"), 0.0, False, {}
-
-    def get_state_description(self) -> str:
-        return f"secret {self.secret}"
-
-    def get_prompt_prefix(self) -> str:
-        return "Play the game."
-'''
+SAMPLES = Path(__file__).with_name("sample_envs.py")
 
 
 @pytest.fixture()
-def guess_env_file(tmp_path: Path) -> Path:
-    path = tmp_path / "guess.py"
-    path.write_text(GUESS_ENV)
-    return path
+def guess_env_file() -> Path:
+    return SAMPLES
 
 
 def _scripted(replies: list[str]):
@@ -69,96 +35,43 @@ def _scripted(replies: list[str]):
     return act, seen
 
 
-def test_an_environment_in_the_users_form_runs_unchanged(guess_env_file: Path):
-    cls = load_environment(f"{guess_env_file}:GuessEnv")
-    env = make_environment(cls, {"secret": 7})
-    assert env.config.secret == 7 and env.config.get("missing", 3) == 3 and env.get_state_description() == "secret 7"
+def _episode(cls: str, act, max_turns: int, row: dict | None = None, **kwargs) -> Trajectory:
+    """One episode in a real environment process."""
+
+    async def go() -> Trajectory:
+        async with EnvPool(EnvConfig(name=f"{SAMPLES}:{cls}", kwargs=kwargs, num_workers=1)) as pool:
+            env = pool.open()
+            try:
+                return await run_episode(env, act, max_turns=max_turns, row=row)
+            finally:
+                env.close()
+
+    return asyncio.run(go())
+
+
+def test_an_environment_in_the_users_form_runs_unchanged():
+    env = make_environment(load_environment(f"{SAMPLES}:GuessEnv"), {"secret": 7})
+    assert env.config.secret == 7 and env.config.get("missing", 3) == 3
     act, seen = _scripted(["3", "9", "7", "1"])
-    traj = asyncio.run(run_episode(env, act, max_turns=5, step_timeout_s=5.0))
+    traj = _episode("GuessEnv", act, 5, secret=7)
     assert traj.actions == ["3", "9", "7"] and traj.states == ["Guess my number.", "higher", "lower"]
-    assert traj.rewards == [0.0, 0.0, 1.0] and traj.dones == [False, False, True] and traj.done and traj.error is None
+    assert traj.rewards == [0.0, 0.0, 1.0] and traj.dones == [False, False, True] and traj.done and traj.failure is None
     assert traj.total_reward() == 1.0 and traj.total_reward("final") == 1.0 and traj.success and traj.num_turns == 3
     # the model sees the system prompt and the first observation, then each observation alone
     assert seen[0] == [{"role": "system", "content": "Play the game."}, {"role": "user", "content": "Guess my number."}]
     assert seen[1:] == [[{"role": "user", "content": "higher"}], [{"role": "user", "content": "lower"}]]
 
 
-def test_the_turn_limit_ends_an_episode(guess_env_file: Path):
-    env = make_environment(load_environment(f"{guess_env_file}:GuessEnv"), {"secret": 7})
-    traj = asyncio.run(run_episode(env, _scripted(["1", "2", "3"])[0], max_turns=2, step_timeout_s=5.0))
-    assert traj.num_turns == 2 and not traj.done and not traj.success and traj.error is None
-
-
-class RowEnv(BaseEnvironment):
-    """``async`` methods and ``reset(row)``: the episode's dataset row."""
-
-    async def reset(self, row: dict) -> str:
-        self.answer = row["answer"]
-        return row["problem"]
-
-    async def step(self, action: str) -> tuple[str, float, bool, dict]:
-        return "", float(action == self.answer), True, {}
+def test_the_turn_limit_ends_an_episode():
+    traj = _episode("GuessEnv", _scripted(["1", "2", "3"])[0], 2, secret=7)
+    assert traj.num_turns == 2 and not traj.done and not traj.success and traj.failure is None
 
 
 def test_async_methods_and_reset_with_the_row():
-    env = RowEnv(EnvironmentConfig())
-    traj = asyncio.run(run_episode(env, _scripted(["5"])[0], max_turns=3, step_timeout_s=5.0, row={"problem": "2+3?", "answer": "5"}))
+    traj = _episode("RowEnv", _scripted(["5"])[0], 3, row={"problem": "2+3?", "answer": "5"})
     assert traj.states == ["2+3?"] and traj.rewards == [1.0] and traj.success
-    # an empty prompt prefix is no system message
-    assert make_environment(RowEnv, {}).get_prompt_prefix() == "You are a helpful assistant."
-
-
-class Broken(BaseEnvironment):
-    def __init__(self, config: EnvironmentConfig):
-        super().__init__(config)
-        self.mode = config.mode
-
-    def reset(self) -> str:
-        if self.mode == "reset":
-            raise KeyError("no such level")
-        return "start"
-
-    def step(self, action: str):
-        if self.mode == "hang":
-            time.sleep(3)
-        if self.mode == "shape":
-            return "obs", 1.0
-        raise RuntimeError("boom")
-
-
-@pytest.mark.parametrize("mode, message", [
-    ("reset", "Broken.reset: KeyError: 'no such level'"),
-    ("step", "Broken.step: RuntimeError: boom"),
-    ("shape", "step must return (observation, reward, done, info)"),
-    ("hang", "Broken.step took longer than 0.3 s"),
-])
-def test_a_failing_environment_ends_its_episode_with_the_error(mode: str, message: str):
-    start = time.monotonic()
-    traj = asyncio.run(run_episode(Broken(EnvironmentConfig(mode=mode)), _scripted(["x"])[0], max_turns=3, step_timeout_s=0.3))
-    assert traj.error is not None and message in traj.error, traj.error
-    assert time.monotonic() - start < 2.0  # a hung step is abandoned at its timeout
-    assert traj.rewards == [] and not traj.success
-
-
-def test_a_hung_environment_does_not_hold_up_the_event_loop():
-    async def go() -> float:
-        ticks = 0
-
-        async def tick() -> None:
-            nonlocal ticks
-            while True:
-                await asyncio.sleep(0.01)
-                ticks += 1
-
-        ticker = asyncio.create_task(tick())
-        with pytest.raises(EnvTimeout):
-            from async_rl.envs import call_env
-
-            await call_env(time.sleep, 2, timeout_s=0.3)
-        ticker.cancel()
-        return ticks
-
-    assert asyncio.run(go()) >= 10
+    # the base class's prompt prefix becomes the system message
+    assert make_environment(load_environment(f"{SAMPLES}:RowEnv"), {}).get_prompt_prefix() == "You are a helpful assistant."
 
 
 def test_registry_errors_name_the_key(guess_env_file: Path, tmp_path: Path):

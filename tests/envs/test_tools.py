@@ -8,7 +8,8 @@ import copy
 
 import pytest
 
-from async_rl.envs import run_episode
+from async_rl.config import EnvConfig
+from async_rl.envs import EnvPool, run_episode
 from async_rl.envs.conversation import ChatEncoder, TokenTrajectory
 from async_rl.envs.tools import Tool, ToolCall, ToolDefinitionError, ToolEnvironment, parse_tool_calls
 
@@ -148,7 +149,7 @@ def test_a_tool_episode_is_token_exact_and_its_tools_are_in_the_prompt(tokenizer
 
     tokenizer = tokenizers[template]
     encoder = ChatEncoder(tokenizer)
-    env = Calculator(EnvironmentConfig())
+    schemas = Calculator(EnvironmentConfig()).tool_schemas()
     replies = [call("add", a=12, b=30) + call("divide", a=84, b=2), "42"]
     rendered: list[dict[str, str]] = []
     traj: TokenTrajectory | None = None
@@ -157,7 +158,8 @@ def test_a_tool_episode_is_token_exact_and_its_tools_are_in_the_prompt(tokenizer
         nonlocal traj
         rendered.extend(new)
         if traj is None:
-            traj = TokenTrajectory(encoder.start(new, env.tool_schemas()))
+            assert env.tools == schemas  # what the environment process sent with the first observation
+            traj = TokenTrajectory(encoder.start(new, env.tools))
         else:
             traj.add_context(encoder.append(new))
         reply = replies[sum(m["role"] == "assistant" for m in rendered)]
@@ -167,10 +169,19 @@ def test_a_tool_episode_is_token_exact_and_its_tools_are_in_the_prompt(tokenizer
         rendered.append({"role": "assistant", "content": reply})
         return reply
 
-    trajectory = asyncio.run(run_episode(env, act, max_turns=4, step_timeout_s=5.0))
+    async def go():
+        nonlocal env
+        async with EnvPool(EnvConfig(name=f"{__file__}:Calculator", num_workers=1)) as pool:
+            env = pool.open()
+            try:
+                return await run_episode(env, act, max_turns=4)
+            finally:
+                env.close()
+
+    env = None
+    trajectory = asyncio.run(go())
     assert trajectory.success and trajectory.info_total("tool_calls") == 2 and trajectory.info_total("tool_errors") == 0
     assert rendered[0]['role'] == 'system' and rendered[3:5] == [{"role": "tool", "content": "42"}, {"role": "tool", "content": "42.0"}]
-    schemas = env.tool_schemas()
     if template == "qwen":
         full = tokenizer.apply_chat_template(rendered, tools=schemas, tokenize=False)
     else:  # the template takes no tools: their description follows the system prompt

@@ -334,7 +334,20 @@ def test_heal_replaces_a_server_that_lags_the_learner(cfg, pool):
     assert loop.run_until_complete(pool_.handle(0).health.remote()).pid != before.pid
 
 
-def test_a_five_turn_episode_on_the_server_trains_exactly_its_tokens(cfg, pool):
+ECHO_ENV = """
+from async_rl.envs import BaseEnvironment
+
+
+class Echo(BaseEnvironment):
+    def reset(self) -> str:
+        return "What is 12+30?"
+
+    def step(self, action: str):
+        return f"you said {action.strip()[:8]!r}", 0.0, False, {}
+"""
+
+
+def test_a_five_turn_episode_on_the_server_trains_exactly_its_tokens(cfg, pool, tmp_path):
     """Token exactness against a real vLLM server: every turn is generated after the episode's
     exact context, and the trained tokens are the served ones, token by token; no turn asks
     the engine for more than its ``max_model_len`` (first prompt bound + episode budget)."""
@@ -342,16 +355,9 @@ def test_a_five_turn_episode_on_the_server_trains_exactly_its_tokens(cfg, pool):
 
     from async_rl.config import EnvConfig
     from async_rl.data.prompts import PromptRow
-    from async_rl.envs import BaseEnvironment
+    from async_rl.envs import EnvPool
     from async_rl.envs.conversation import ChatEncoder
     from async_rl.rollout.episodes import EpisodeSampler
-
-    class Echo(BaseEnvironment):
-        def reset(self) -> str:
-            return "What is 12+30?"
-
-        def step(self, action: str):
-            return f"you said {action.strip()[:8]!r}", 0.0, False, {}
 
     pool_, loop = pool
     served = []
@@ -362,11 +368,17 @@ def test_a_five_turn_episode_on_the_server_trains_exactly_its_tokens(cfg, pool):
         return out
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.learner.model_path)
-    env = EnvConfig(name="echo", max_turns=5, max_turn_tokens=8)
-    sampler = EpisodeSampler(Echo, env, ChatEncoder(tokenizer), Sampling(temperature=1.0, max_tokens=192), max_prompt_length=64)
-    episode = loop.run_until_complete(sampler.episode(PromptRow(1, "", ""), recording))
+    (tmp_path / "echo.py").write_text(ECHO_ENV)
+    env = EnvConfig(name=f"{tmp_path / 'echo.py'}:Echo", max_turns=5, max_turn_tokens=8, num_workers=1)
+
+    async def play():
+        async with EnvPool(env) as envs:
+            sampler = EpisodeSampler(envs, env, ChatEncoder(tokenizer), Sampling(temperature=1.0, max_tokens=192), max_prompt_length=64)
+            return await sampler.episode(PromptRow(1, "", ""), recording)
+
+    episode = loop.run_until_complete(play())
     tokens = episode.tokens
-    assert episode.trajectory.num_turns == 5 and episode.trajectory.error is None and len(served) == 5
+    assert episode.trajectory.num_turns == 5 and episode.trajectory.failure is None and len(served) == 5
     for prompt, _ in served:
         assert prompt == tokens.context()[: len(prompt)]
     assert [t for t, m in zip(tokens.token_ids, tokens.mask) if m] == [t for _, c in served for t in c.token_ids]
