@@ -81,8 +81,17 @@ def test_train_runs_the_whole_pipeline(tiny_assets, tmp_path):
 
 def test_the_multiturn_quickstart_trains_on_episodes(tiny_assets, tmp_path):
     """configs/multiturn_quickstart.yaml for 2 steps: groups of 3-turn episodes of the built-in
-    environment reach the learner, and validation plays greedy episodes before and after."""
-    config = write_config(tiny_assets, tmp_path, steps=2, base="multiturn_quickstart.yaml")
+    environment reach the learner, and validation plays greedy episodes before and after. The
+    environment (the seed's BaseEnvironment form) raises on about a third of second turns: those
+    episodes fail alone, as env_error, named once on the console; their groups train on the rest."""
+    env = tmp_path / "flaky_env.py"
+    env.write_text("from async_rl.envs.builtin import AdditionFeedback\n\n\n"
+                   "class Flaky(AdditionFeedback):\n"
+                   "    def step(self, action):\n"
+                   "        if self.turns == 1 and action.strip()[-1:] in ('1', '4', '7'):\n"
+                   "            raise KeyError('no feedback for ' + action.strip())\n"
+                   "        return super().step(action)\n")
+    config = write_config(tiny_assets, tmp_path, steps=2, base="multiturn_quickstart.yaml", rollout={"env": {"name": f"{env}:Flaky"}})
     run_dir = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "async_rl.cli", "train", str(config)], cwd=ROOT, capture_output=True, text=True, timeout=900)
     (tmp_path / "train.log").write_text(proc.stdout + proc.stderr)
@@ -93,13 +102,17 @@ def test_the_multiturn_quickstart_trains_on_episodes(tiny_assets, tmp_path):
     # env/* are deltas of the servers' counters, flushed once a second: a 2-step run may log only
     # the first few episodes, so these hold for what was logged ...
     episodes = [r for r in records if "env/turns_mean" in r]
-    assert all(1.0 <= r["env/turns_mean"] <= 3.0 and r["env/errors"] == 0 for r in episodes)
+    assert all(1.0 <= r["env/turns_mean"] <= 3.0 and r["env/timeouts"] == 0 for r in episodes)
     # ... and the trained samples show the feedback turns: one turn is at most max_turn_tokens (8)
     # plus the template's closing tokens; a second adds the feedback message and another reply.
     assert any(r["batch/response_length_max"] > 8 + 4 for r in steps), [r["batch/response_length_max"] for r in steps]
     assert [r["version"] for r in records if "val/greedy_accuracy" in r] == [0, 2]
+    failures = [json.loads(line) for line in (run_dir / "env_errors.jsonl").read_text().splitlines()]
+    assert failures and all(f["kind"] == "env_error" and f["where"] == f"{env}:7 in step" for f in failures), failures[:2]
+    named = [line for line in proc.stdout.splitlines() if line.startswith("the environment raised (env_error)")]
+    assert len(named) == 1 and f"at {env}:7 in step: KeyError" in named[0], proc.stdout[-3000:]
+    assert not (run_dir / "reward_errors.jsonl").exists() and "reward_error" not in proc.stdout
     assert wait_gone(run_dir) == []
-
 
 def test_the_vlm_quickstart_trains_on_images_with_vppo(tiny_vlm_assets, tmp_path):
     """configs/vlm_quickstart.yaml for 3 steps: prompts with images go through the servers, the

@@ -21,7 +21,7 @@ import os
 import signal
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,7 @@ import ray
 from async_rl.config import Config, save_resolved
 from async_rl.data.images import load_image
 from async_rl.data.prompts import ImageFields, PromptFormatter, read_prompt_rows, write_rejected
-from async_rl.envs import load_environment
+from async_rl.envs import EnvPool, EnvStartupError
 from async_rl.envs.conversation import ChatEncoder
 from async_rl.launch.cores import cpu_layout, pinned_to, set_process_cores, support_cores
 from async_rl.launch.failures import FailureLog
@@ -172,12 +172,14 @@ class _Run:
             ValPrompt(self.formatter.token_ids(r.prompt, len(r.images)), r.answer, [load_image(ref, bounds) for ref in r.images] or None)
             for r in val_rows
         ]
-        self.env_cls = None
+        self.envs: EnvPool | None = None
         if cfg.rollout.env.name is not None:
+            self.envs = EnvPool(replace(cfg.rollout.env, num_workers=1))  # validation episodes only
             try:
-                self.env_cls = load_environment(cfg.rollout.env.name)
-            except (ValueError, ImportError, OSError, AttributeError) as exc:
-                raise StartupError(f"rollout.env.name={cfg.rollout.env.name!r}: {type(exc).__name__}: {exc}") from None
+                await self.envs.start()
+            except EnvStartupError as exc:
+                raise StartupError(str(exc)) from None
+            stack.callback(self.envs.close)
             if any(r.images for r in (*self.rows, *val_rows)):
                 raise StartupError(f"rollout.env.name={cfg.rollout.env.name!r}: multi-turn environments take text prompts only; "
                                    f"the dataset has rows with images ({cfg.data.image_key!r}): train them without rollout.env")
@@ -420,7 +422,8 @@ class _Run:
         self.tracker.log(metrics, heartbeat=True)
         dropped = ", ".join(f"{k.removeprefix('queue/dropped/')} {v:.0f}" for k, v in metrics.items() if k.startswith("queue/dropped/") and v)
         errors = ", ".join(f"{label} {metrics[key]:.0f}" for label, key in (
-            ("reward errors", "rollout/reward_errors"), ("of them timeouts", "rollout/reward_timeouts"), ("environment errors", "env/errors"))
+            ("reward errors", "rollout/reward_errors"), ("of them timeouts", "rollout/reward_timeouts"), ("environment errors", "env/errors"),
+            ("environment timeouts", "env/timeouts"))
             if metrics.get(key))
         self._say(f"no learner step for {waited_s:.0f} s: {metrics.get('rollout/groups_put', 0):.0f} groups generated, "
                   f"{metrics.get('rollout/tokens_per_s', 0):.0f} tokens/s; dropped: {dropped or 'none'}; {errors or 'no reward or environment errors'}. "
@@ -466,7 +469,8 @@ class _Run:
         out.update({f"rollout/{name}": rollout.get(name, 0.0) for name in COUNTERS})
         if episodes := rollout.get("env_episodes", 0.0):
             out["env/turns_mean"] = rollout.get("env_turns", 0.0) / episodes
-            out["env/errors"] = rollout.get("env_errors", 0.0)
+            for name in ("errors", "timeouts", "blocked", "restarts", "reruns"):
+                out[f"env/{name}"] = rollout.get(f"env_{name}", 0.0)
             out["env/overlong_prompts"] = rollout.get("env_overlong_prompts", 0.0)
             out["env/success_rate"] = rollout.get("env_successes", 0.0) / episodes
             out["env/reward_mean"] = rollout.get("env_reward", 0.0) / episodes
@@ -490,9 +494,9 @@ class _Run:
     async def _validate(self, final: bool) -> None:
         cfg, r = self.cfg, self.cfg.rollout
         generate = self.pool.generate_fn(0)()
-        if self.env_cls is not None:  # success rate of environment episodes
+        if self.envs is not None:  # success rate of environment episodes
             encoder = ChatEncoder(self.formatter.tokenizer)
-            greedy, sampled = (EpisodeSampler(self.env_cls, r.env, encoder, Sampling(temperature=t, max_tokens=r.max_response_length),
+            greedy, sampled = (EpisodeSampler(self.envs, r.env, encoder, Sampling(temperature=t, max_tokens=r.max_response_length),
                                               cfg.data.max_prompt_length) for t in (0.0, r.temperature))
             result = await validate_episodes(generate, self.val_rows, greedy, sampled, n=cfg.trainer.val_n)
         else:

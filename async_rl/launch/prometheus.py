@@ -56,7 +56,8 @@ COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("rollout/reward_timeouts", "reward_timeouts", "Samples among reward_errors whose scoring exceeded rollout.reward.timeout_s."),
     ("rollout/reward_killed", "reward_workers_killed", "Reward worker process groups killed because a timed-out call did not stop when interrupted."),
     ("rollout/generate_failures", "generate_failures", "Generation calls that failed."),
-    ("env/errors", "environment_errors", "Environment steps that raised or timed out."),
+    ("env/errors", "environment_errors", "Episodes the environment failed (it raised, returned something unusable or blocked its loop)."),
+    ("env/timeouts", "environment_timeouts", "Episodes ended by an environment call longer than rollout.env.step_timeout_s."),
     ("rollout/server_restarts", "server_restarts", "Inference servers replaced (dead, broken or lagging)."),
 )
 # Phases of a learner step (``time/<phase>`` keys), as the ``phase`` label of one gauge.

@@ -168,7 +168,7 @@ class Tracker:
             ("groups dropped as stale", f"{self.latest.get('queue/dropped_stale', 0):.0f}"),
             ("reward errors (of them timeouts)",
              f"{self.latest.get('rollout/reward_errors', 0):.0f} ({self.latest.get('rollout/reward_timeouts', 0):.0f})"),
-            ("environment errors", f"{self.latest.get('env/errors', 0):.0f}"),
+            ("environment errors (timeouts)", f"{self.latest.get('env/errors', 0):.0f} ({self.latest.get('env/timeouts', 0):.0f})"),
             ("run directory", str(self.run_dir)),
             ("plots", ", ".join(p.name for p in self.plots) or "-"),
         ]

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from async_rl.data.prompts import ImageFields, PromptFormatter, PromptRow
-from async_rl.envs import load_environment
+from async_rl.envs import EnvPool
 from async_rl.envs.conversation import ChatEncoder
 from async_rl.queue import ReplayQueue
 from async_rl.records import FailureReport
@@ -118,6 +118,7 @@ class WorkerHost:
         self.owner = owner
         self.workers: list[RolloutWorker] = []
         self.rewards: RewardPool | None = None
+        self.envs: EnvPool | None = None
         self.queue: ReplayQueue | None = None
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -133,7 +134,9 @@ class WorkerHost:
         spec = self.spec
         try:
             formatter = PromptFormatter(self.tokenizer, spec.system_prompt, spec.format_prompt)
-            env_cls = load_environment(spec.env.name) if spec.env is not None and spec.env.name else None
+            if spec.env is not None and spec.env.name:
+                self.envs = EnvPool(spec.env)
+                await self.envs.start()  # EnvStartupError names rollout.env.name and the import error
             self.queue = await asyncio.to_thread(ReplayQueue, spec.redis_url, spec.run_name, spec.max_depth, op_timeout_s=spec.op_timeout_s)
             self.rewards = RewardPool(spec.reward)
             self.rewards.start()
@@ -143,8 +146,8 @@ class WorkerHost:
         settings = dataclasses.replace(spec.settings, server_id=self.server_id, owner=self.owner)
         for _ in range(spec.workers):
             scorer = RewardScorer(self.rewards, spec.reward, spec.max_response_length)
-            episodes = None if env_cls is None else EpisodeSampler(
-                env_cls, spec.env, ChatEncoder(self.tokenizer), settings.sampling, settings.max_prompt_length)  # type: ignore[arg-type]
+            episodes = None if self.envs is None else EpisodeSampler(
+                self.envs, spec.env, ChatEncoder(self.tokenizer), settings.sampling, settings.max_prompt_length)  # type: ignore[arg-type]
             self.workers.append(RolloutWorker(settings, self.queue, self.rows, formatter.token_ids, scorer, lambda: self.generate, episodes,
                                               report=self._failures.extend))
         self._tasks = [asyncio.create_task(w.run(self._stop)) for w in self.workers]
@@ -216,6 +219,8 @@ class WorkerHost:
             self._flushed = totals
 
     def _close(self) -> None:
+        if self.envs is not None:
+            self.envs.close()
         if self.rewards is not None:
             self.rewards.close()
         if self.queue is not None:

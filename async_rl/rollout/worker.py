@@ -298,9 +298,8 @@ class RolloutWorker:
         made = await self.episodes.group(row, self.s.n, self.server())  # type: ignore[union-attr]
         if made is None:
             return None
-        prompt_ids, samples = made
-        self._report(f"{self.s.run_id}:{index}",
-                     [Failure(s.error_kind or "env_error", s.error) if s.error is not None else None for s in samples])
+        prompt_ids, samples, failures = made  # failures[i]: sample i's records.Failure, or None
+        self._report(f"{self.s.run_id}:{index}", failures)
         self.counters.tokens_generated += sum(sum(s.token_mask()) for s in samples)
         return RolloutGroup.from_lists(
             run_id=self.s.run_id, group_id=f"{self.s.run_id}:{index}", prompt_id=index, prompt_token_ids=prompt_ids,
