@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
-from collections.abc import Callable
+import os
+import sysconfig
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
@@ -120,3 +122,38 @@ def load_from_file(spec: str, key: str, what: str) -> Any:
     if not hasattr(module, name):
         raise AttributeError(f"{file} has no {name!r} (from {key}={spec!r})")
     return getattr(module, name)
+
+
+Frame = tuple[str, int, str]
+"""``(filename, line, function name)`` of one stack frame."""
+
+_PACKAGE_DIR = str(Path(__file__).resolve().parent) + os.sep
+_STDLIB_DIRS = tuple({str(Path(p).resolve()) + os.sep for k in ("stdlib", "platstdlib") if (p := sysconfig.get_paths().get(k))})
+_INSTALLED_DIRS = tuple({str(Path(p).resolve()) + os.sep for k in ("purelib", "platlib") if (p := sysconfig.get_paths().get(k))})
+
+
+def _resolved(filename: str) -> str:
+    return filename if filename.startswith("<") else str(Path(filename).resolve())
+
+
+def _library(filename: str) -> bool:
+    return filename.startswith("<") or _resolved(filename).startswith(_STDLIB_DIRS)
+
+
+def is_user_file(filename: str) -> bool:
+    """Whether ``filename`` is the user's own code: not the standard library, an installed
+    package or async_rl (nor ``<string>``-like pseudo files)."""
+    return not _library(filename) and not _resolved(filename).startswith(_INSTALLED_DIRS + (_PACKAGE_DIR,))
+
+
+def where_in_user_code(frames: Iterable[Frame]) -> str:
+    """``path/file.py:LINE in name`` of the innermost of ``frames`` (outermost first) in the
+    user's own code (:func:`is_user_file`); failing that (a built-in plugin), the innermost
+    outside the standard library; else the innermost; "" for no frame. The one rule for
+    where a reward function or environment failed."""
+    frames = list(frames)
+    for own in (is_user_file, lambda f: not _library(f), lambda f: True):
+        for filename, line, name in reversed(frames):
+            if own(filename):
+                return f"{filename}:{line} in {name}"
+    return ""

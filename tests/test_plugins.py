@@ -57,3 +57,17 @@ def test_load_from_file_needs_the_form(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="is not of the form path/to/file.py:name"):
         load_from_file(f"{tmp_path}/x.py:", "demo.key", "thing")
 
+
+
+def test_where_in_user_code_is_the_innermost_frame_of_the_users_own_file(tmp_path) -> None:
+    import json
+    import os
+
+    import async_rl.plugins as plugins
+
+    user, ours, stdlib = str(tmp_path / "my_reward.py"), plugins.__file__, json.__file__
+    assert plugins.where_in_user_code([(ours, 10, "call"), (user, 7, "score"), (stdlib, 99, "loads")]) == f"{user}:7 in score"
+    assert plugins.where_in_user_code([(stdlib, 1, "x"), (ours, 12, "exact_match"), (stdlib, 99, "loads")]) == f"{ours}:12 in exact_match"
+    assert plugins.where_in_user_code([(stdlib, 99, "loads")]) == f"{stdlib}:99 in loads"
+    assert plugins.where_in_user_code([]) == ""
+    assert plugins.is_user_file(user) and not plugins.is_user_file(os.__file__) and not plugins.is_user_file("<string>")

@@ -23,7 +23,6 @@ import signal
 import socket
 import struct
 import sys
-import sysconfig
 import threading
 import time
 import traceback
@@ -35,6 +34,7 @@ from typing import Any
 import msgspec
 
 from async_rl.envs.base import BaseEnvironment
+from async_rl.plugins import is_user_file, where_in_user_code
 from async_rl.envs.registry import load_environment, make_environment
 from async_rl.records import Failure
 
@@ -181,33 +181,12 @@ TO_PARENT = msgspec.msgpack.Decoder(ToParent)  # type: ignore[arg-type]
 
 # -- where the user's code is -----------------------------------------------------------
 
-_LIBRARY_DIRS = tuple({os.path.realpath(p) + os.sep for k in ("stdlib", "platstdlib", "purelib", "platlib")
-                       if (p := sysconfig.get_paths().get(k))})
 _THIS_FILE = os.path.realpath(__file__)
 
 
-def _is_user_file(filename: str) -> bool:
-    path = os.path.realpath(filename)
-    return path != _THIS_FILE and not path.startswith(_LIBRARY_DIRS) and not filename.startswith("<")
-
-
 def _where(frames: list[tuple[str, int, str]]) -> str:
-    """``path/file.py:LINE in name`` of the innermost of ``frames`` (outermost first) in the
-    user's own code (not the standard library, installed packages or this module); the
-    innermost outside this module when none is."""
-    for filename, line, name in reversed(frames):
-        if _is_user_file(filename):
-            return f"{_short(filename)}:{line} in {name}"
-    for filename, line, name in reversed(frames):
-        if os.path.realpath(filename) != _THIS_FILE:
-            return f"{_short(filename)}:{line} in {name}"
-    return ""
-
-
-def _short(filename: str) -> str:
-    """``filename`` relative to the working directory when it lies below it."""
-    rel = os.path.relpath(filename)
-    return filename if rel.startswith("..") else rel
+    """Where the user's code is among ``frames`` (outermost first), this module's own frames left out."""
+    return where_in_user_code(f for f in frames if os.path.realpath(f[0]) != _THIS_FILE)
 
 
 def _frames_of_traceback(tb: TracebackType | None) -> list[tuple[str, int, str]]:
@@ -226,7 +205,7 @@ def _frames_of_stack(frame: FrameType | None) -> list[tuple[str, int, str]]:
 def _user_traceback(exc: BaseException) -> str:
     """``exc``'s traceback from the first frame outside this module (the user's call on)."""
     tb = exc.__traceback__
-    while tb is not None and tb.tb_next is not None and not _is_user_file(tb.tb_frame.f_code.co_filename):
+    while tb is not None and tb.tb_next is not None and not is_user_file(tb.tb_frame.f_code.co_filename):
         tb = tb.tb_next
     return "".join(traceback.format_exception(type(exc), exc, tb))
 
@@ -244,7 +223,7 @@ def _frames_of_coroutine(coro: Any) -> list[tuple[str, int, str]]:
 def _definition(fn: Callable[..., Any]) -> str:
     """``path/file.py:LINE in name`` of a function's ``def`` (for a wrong return value: no traceback)."""
     code = getattr(fn, "__code__", None)
-    return "" if code is None else f"{_short(code.co_filename)}:{code.co_firstlineno} in {code.co_name}"
+    return "" if code is None else f"{code.co_filename}:{code.co_firstlineno} in {code.co_name}"
 
 
 class _BadReturn(Exception):

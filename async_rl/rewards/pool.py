@@ -38,16 +38,15 @@ import os
 import pickle
 import signal
 import sys
-import sysconfig
 import threading
 import time
 import traceback
 from collections import deque
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from async_rl.plugins import where_in_user_code
 from async_rl.rewards.registry import load_reward_function
 
 if TYPE_CHECKING:
@@ -612,33 +611,15 @@ def _error_reply(exc: BaseException) -> bytes:
     return pickle.dumps(("error", f"{type(exc).__name__}: {exc}"[:2000], "".join(te.format()), where))
 
 
+def _where(stack: traceback.StackSummary) -> str:
+    return where_in_user_code((f.filename, f.lineno or 0, f.name) for f in stack)
+
+
 def _user_frames(stack: traceback.StackSummary) -> traceback.StackSummary:
     """The frames of ``stack`` below this module's (the process start-up and the worker
     loop around the function), the function's own first."""
     last = max((i for i, f in enumerate(stack) if f.filename == __file__), default=-1)
     return traceback.StackSummary.from_list(list(stack)[last + 1:])
-
-
-_PACKAGE = str(Path(__file__).resolve().parents[1]) + os.sep
-_STDLIB = tuple({str(Path(sysconfig.get_paths()[k]).resolve()) + os.sep for k in ("stdlib", "platstdlib")})
-_INSTALLED = tuple({str(Path(sysconfig.get_paths()[k]).resolve()) + os.sep for k in ("purelib", "platlib")})
-
-
-def _where(frames: traceback.StackSummary) -> str:
-    """``path/file.py:LINE in name`` of the innermost frame of the user's own code: outside
-    the standard library, installed packages and async_rl; failing that (a built-in
-    reward), outside the standard library; else the innermost frame."""
-    def path(f: traceback.FrameSummary) -> str:
-        return f.filename if f.filename.startswith("<") else str(Path(f.filename).resolve())
-
-    def library(f: traceback.FrameSummary) -> bool:
-        return path(f).startswith(_STDLIB) or f.filename.startswith("<")
-
-    for own in (lambda f: not library(f) and not path(f).startswith(_INSTALLED + (_PACKAGE,)), lambda f: not library(f), lambda f: True):
-        for f in reversed(frames):
-            if own(f):
-                return f"{f.filename}:{f.lineno} in {f.name}"
-    return ""
 
 
 def _die_with_parent(parent_pid: int) -> None:
