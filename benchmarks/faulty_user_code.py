@@ -120,8 +120,9 @@ def measure(lines: list[tuple[float, str]], run_dir: Path, exit_code: int) -> di
     trained = sum(r.get("batch/samples", 0.0) for r in step_records)
     last = step_records[-1] if step_records else {}
     n = 8  # rollout.n of the quickstart
+    # samples left out of trained groups, and whole groups dropped for any reason (stale included)
     dropped = sum(v for k, v in last.items() if k.startswith("counters/dropped/")) + n * sum(
-        v for k, v in last.items() if k.startswith("queue/dropped/") and k != "queue/dropped/stale")
+        v for k, v in last.items() if k.startswith("queue/dropped/"))
     out["samples_kept_fraction"] = trained / (trained + dropped) if trained + dropped else None
     errors = run_dir / "reward_errors.jsonl"
     rows = [json.loads(x) for x in errors.read_text().splitlines()] if errors.exists() else []
