@@ -172,7 +172,8 @@ async def check_reward_function(scorer: RewardScorer, answers: list[str]) -> Non
     (another ground truth, or :data:`WRONG_RESPONSE`), each in a call of its own, all at
     once (a hang costs ``timeout_s`` once).
 
-    Returns if at least one input scores. Raises :class:`RewardStartupError` if every input
+    Returns as soon as one input scores (the calls still running are cancelled, so a
+    function that hangs on some inputs costs no start-up time). Raises :class:`RewardStartupError` if every input
     fails (raised, timed out, died, unusable output), naming each input and its error, with
     a hint and the reward process's traceback of each distinct error.
     """
@@ -184,10 +185,16 @@ async def check_reward_function(scorer: RewardScorer, answers: list[str]) -> Non
             item = {"response": response, "response_length": min(len(response), scorer.max_response_length), "ground_truth": truth}
             if item not in probe:
                 probe.append(item)
-    outcomes = await scorer.attempt_each(probe)
-    if not all(isinstance(o, RewardError) for o in outcomes):
-        return
-    errors: list[RewardError] = [o for o in outcomes if isinstance(o, RewardError)]
+    calls = [asyncio.ensure_future(scorer.attempt([item])) for item in probe]
+    try:
+        for finished in asyncio.as_completed(calls):
+            if not isinstance((await finished)[0], RewardError):
+                return
+    finally:
+        for call in calls:
+            call.cancel()
+        await asyncio.gather(*calls, return_exceptions=True)
+    errors = [o for call in calls if isinstance(o := call.result()[0], RewardError)]  # every one, by now
     cfg = scorer.cfg
     lines = [f"  response {item['response']!r:.60} for ground truth {item['ground_truth']!r:.60}: {exc.signature:.300}"
              + (f" (at {exc.where})" if exc.where else "") for item, exc in zip(probe, errors)]

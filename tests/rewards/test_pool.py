@@ -389,13 +389,14 @@ def test_the_probe_accepts_a_function_that_fails_on_some_inputs_only(rewards):
 
 def test_the_probe_accepts_a_function_that_hangs_on_the_empty_response_at_default_settings(rewards):
     """The issue's case: refused at start before, because every probe sent the empty
-    response. The hangs run at once, so the probe costs the default timeout_s once."""
+    response. The probe returns on the first input that scores, cancelling the hung calls,
+    so it costs less than the default timeout_s."""
     async def go():
         with RewardPool(_cfg(rewards, "hangs_on_empty")) as pool:
             t0 = time.monotonic()
             await check_reward_function(RewardScorer(pool, pool.cfg, 16), ["1", "2", "3", "4"])
-            assert time.monotonic() - t0 < pool.cfg.timeout_s + 3.0
-            assert pool.interrupted == 4 and pool.killed == 0
+            assert time.monotonic() - t0 < pool.cfg.timeout_s
+            assert pool.interrupted == 0 and pool.killed == 0
 
     asyncio.run(go())
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import pytest
 
@@ -150,3 +151,21 @@ def test_dynamic_sampling_filter_counts():
     assert not scorer.keep_group([0.0, 0.0])
     assert scorer.keep_group([1.0])  # a group of one has nothing to compare
     assert scorer.counters.groups_filtered == 2
+
+
+def test_the_probe_returns_as_soon_as_one_input_scores(tmp_path) -> None:
+    """A function that hangs on every non-empty response (here for 600 s) is accepted at once:
+    the probe's empty response scores, and the hung calls are cancelled."""
+    from async_rl.rewards.scoring import check_reward_function
+
+    path = tmp_path / "slow.py"
+    path.write_text("import time\n\ndef compute_score(items):\n"
+                    "    return [{'overall': time.sleep(600) if i['response'] else 0.0} for i in items]\n")
+
+    async def probe() -> float:
+        with RewardPool(RewardConfig(function=f"{path}:compute_score", timeout_s=600.0)) as pool:
+            start = time.monotonic()
+            await check_reward_function(RewardScorer(pool, pool.cfg, 16), ["12", "7"])
+            return time.monotonic() - start
+
+    assert asyncio.run(probe()) < 60  # the workers' start-up, not the 600 s hang
