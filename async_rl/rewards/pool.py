@@ -22,8 +22,8 @@ later: the worker's whole process group is SIGKILLed (the subprocesses the funct
 started die with it) and a fresh process replaces it.
 
 The pool is elastic: it keeps ``num_workers`` processes, and while a call has waited
-``grow_after_s`` for a worker (all of them busy: slow or hung calls) it starts one more, up
-to ``max_workers``; a process beyond ``num_workers`` idle for ``extra_idle_s`` is stopped.
+``grow_after_s`` for a worker and every worker has been on its call for ``grow_after_s`` (slow
+or hung calls, not a queue of fast ones) it starts one more, up to ``max_workers``; a process beyond ``num_workers`` idle for ``extra_idle_s`` is stopped.
 
 :meth:`RewardPool.call` awaits replies on the event loop (``add_reader`` on the pipe, no
 thread), so a slow or hung function never blocks generation. Worker processes die with
@@ -129,6 +129,8 @@ class _Slot:
         """Whether the process has reported that it is waiting for inputs."""
         self.idle_since = 0.0
         """``time.monotonic()`` when the slot last became idle."""
+        self.busy_since = 0.0
+        """``time.monotonic()`` when the slot's current call began (0.0 while idle)."""
 
 
 class RewardPool:
@@ -239,6 +241,7 @@ class RewardPool:
         while not sequential or len(outcomes) < len(inputs):
             rest = inputs[len(outcomes):]
             slot = await self._acquire()
+            slot.busy_since = time.monotonic()
             if slot.process is None or not slot.process.is_alive():  # exited while idle (e.g. the OOM killer)
                 self._replace(slot)
                 continue
@@ -263,7 +266,8 @@ class RewardPool:
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[_Slot] = loop.create_future()
         self._waiters.append(waiter)
-        grow = loop.call_later(self.grow_after_s, self._grow, waiter)
+        grow: list[asyncio.TimerHandle] = []  # the pending growth check (_grow replaces it)
+        grow.append(loop.call_later(self.grow_after_s, self._grow, waiter, grow))
         try:
             return await waiter
         except asyncio.CancelledError:
@@ -271,7 +275,7 @@ class RewardPool:
                 self._release(waiter.result())
             raise
         finally:
-            grow.cancel()
+            grow[0].cancel()
             if waiter in self._waiters:
                 self._waiters.remove(waiter)
 
@@ -283,13 +287,21 @@ class RewardPool:
                 return self._idle.pop(i)
         return self._idle.pop()
 
-    def _grow(self, waiter: asyncio.Future[_Slot]) -> None:
-        """``waiter`` has waited ``grow_after_s``: start one more process, if the pool may grow."""
+    def _grow(self, waiter: asyncio.Future[_Slot], check: list[asyncio.TimerHandle]) -> None:
+        """``waiter`` has waited ``grow_after_s``: start one more process if the pool may grow
+        and every worker is held by a call older than ``grow_after_s`` (slow or hung). While a
+        worker is on a fresh call the queue is moving (many fast calls, a busy CPU): check again
+        later instead, since a new interpreter costs seconds of CPU that generation needs."""
         if waiter.done() or self._closed or len(self._slots) >= self.cfg.max_workers:
+            return
+        now = time.monotonic()
+        if any(slot.busy_since and now - slot.busy_since < self.grow_after_s for slot in self._slots):
+            check[0] = asyncio.get_running_loop().call_later(self.grow_after_s, self._grow, waiter, check)
             return
         self._release(self._new_slot())
 
     def _release(self, slot: _Slot) -> None:
+        slot.busy_since = 0.0
         if self._closed:
             if slot.conn is not None:
                 slot.conn.close()

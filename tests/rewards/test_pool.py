@@ -308,6 +308,18 @@ def test_the_pool_grows_while_calls_wait_and_retires_idle_extras(rewards):
     asyncio.run(go())
 
 
+def test_a_queue_of_fast_calls_does_not_grow_the_pool(rewards):
+    """Many groups in flight wait in line for fast calls (longer than grow_after_s in all), but
+    each call is short: new interpreters would only take CPU from generation."""
+    async def go():
+        with RewardPool(_cfg(rewards, "slow", num_workers=2, kwargs={"delay_s": 0.02})) as pool:
+            await pool.call(_inputs(("a", "a")))  # both workers started
+            await asyncio.gather(*(pool.call(_inputs(("a", "a"))) for _ in range(150)))  # ~1.5 s of queue
+            assert pool.peak_workers == 2
+
+    asyncio.run(go())
+
+
 def test_worker_death_is_reported_and_replaced(rewards):
     async def go():
         with RewardPool(_cfg(rewards, "exit_on_request")) as pool:
