@@ -112,3 +112,12 @@ def queue_state(run_dir: Path, config: Path) -> dict[str, Any]:
         returned = [int(i) for i in client.lrange(q.keys.returned, 0, -1)]
         images = len(list(client.scan_iter(q.keys.image("*"))))
         return {"stats": q.stats(), "queued": queued, "returned": returned, "images": images}
+
+
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie awaiting its reaper counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

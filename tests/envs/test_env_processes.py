@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Self
 
 import pytest
+from run_helpers import process_alive
 
 from async_rl.config import EnvConfig
 from async_rl.envs import EnvLost, EnvPool, EnvStartupError, Trajectory, run_episode
@@ -79,15 +80,6 @@ class LoopLag:
         self._task.cancel()
 
 
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie awaiting its reaper counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def test_a_sync_step_that_raises_fails_only_its_episodes():
     async def go(pool: EnvPool) -> list[Trajectory]:
         return await asyncio.gather(*(_play(pool, ["ok", "raise" if i % 3 == 0 else "ok"]) for i in range(6)))
@@ -143,7 +135,7 @@ def test_a_hung_sync_step_fails_alone_at_the_timeout_without_leaking_a_thread():
     assert all(t.failure is None and t.success and t.num_turns == 5 for t, _ in others)  # the others finished on the old process
     assert all(s > hung_s for _, s in others)
     assert new_threads <= 0  # no thread left behind in this (the server's) process
-    assert first[0] not in now and len(now) == 1 and not _alive(first[0])  # retired and killed once its episodes ended
+    assert first[0] not in now and len(now) == 1 and not process_alive(first[0])  # retired and killed once its episodes ended
 
 
 def test_a_killed_process_takes_its_process_group(tmp_path: Path):
@@ -157,9 +149,9 @@ def test_a_killed_process_takes_its_process_group(tmp_path: Path):
     assert trajectory.failure.kind == "env_timeout" and restarts == 1
     child = int(pid_file.read_text())
     deadline = time.monotonic() + 5
-    while _alive(child) and time.monotonic() < deadline:
+    while process_alive(child) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _alive(child)  # the environment's own subprocess died with its process group
+    assert not process_alive(child)  # the environment's own subprocess died with its process group
 
 
 def test_a_blocking_async_step_is_named_and_the_callers_loop_stays_responsive():
@@ -206,7 +198,7 @@ def test_an_async_step_blocked_past_the_timeout_kills_the_process_and_the_others
     assert f.kind == "env_timeout" and "AsyncFaulty.step blocked the event loop for" in f.signature
     assert "longer than rollout.env.step_timeout_s=1.5 s" in f.signature and f.where.endswith(_at('time.sleep(float(self.config.get("block_s"'))
     assert all(isinstance(o, EnvLost) and "restarted because AsyncFaulty.step blocked the event loop" in str(o) for o in others)
-    assert lag < 0.25 and restarts == 1 and first != now and not _alive(first[0])
+    assert lag < 0.25 and restarts == 1 and first != now and not process_alive(first[0])
     assert after.failure is None and after.success
 
 

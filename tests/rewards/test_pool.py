@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from run_helpers import process_alive
 
 from async_rl.config import RewardConfig
 from async_rl.rewards import (
@@ -150,15 +151,6 @@ def _inputs(*pairs: tuple[str, str], length: int = 4) -> list[dict]:
     return [{"response": r, "response_length": length, "ground_truth": g} for r, g in pairs]
 
 
-def _alive(pid: int) -> bool:
-    """True while ``pid`` exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def _line(path: Path, text: str) -> int:
     """The line number of the first line of ``path`` that contains ``text``."""
     return next(i for i, line in enumerate(path.read_text().splitlines(), 1) if text in line)
@@ -229,9 +221,9 @@ def test_sequential_hangs_are_timed_per_input_and_c_code_is_killed_with_its_proc
             assert (pool.interrupted, pool.killed, pool.restarts) == (1, 2, 2)
             child = int(pid_file.read_text())
             deadline = time.monotonic() + 2.0
-            while _alive(child) and time.monotonic() < deadline:
+            while process_alive(child) and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
-            assert not _alive(child)  # the function's subprocess died with the process group
+            assert not process_alive(child)  # the function's subprocess died with the process group
             assert [s.reward for s in await scorer.score(_inputs(("g", "g")))] == [1.0]
 
     asyncio.run(go())
@@ -303,7 +295,7 @@ def test_the_pool_grows_while_calls_wait_and_retires_idle_extras(rewards):
             watcher.cancel()
             assert pool.workers == 1 and pool.restarts == 0
             await asyncio.sleep(0.2)
-            assert [pid for pid in seen if _alive(pid)] == pool.pids()
+            assert [pid for pid in seen if process_alive(pid)] == pool.pids()
 
     asyncio.run(go())
 
@@ -453,13 +445,13 @@ def test_close_kills_the_process_groups(rewards, tmp_path):
     pool = asyncio.run(go())
     pids = pool.pids()
     child = int(pid_file.read_text())
-    assert len(pids) == 2 and _alive(child)
+    assert len(pids) == 2 and process_alive(child)
     pool.close()
-    assert not any(_alive(pid) for pid in pids)
+    assert not any(process_alive(pid) for pid in pids)
     deadline = time.monotonic() + 2.0
-    while _alive(child) and time.monotonic() < deadline:
+    while process_alive(child) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _alive(child)
+    assert not process_alive(child)
 
 
 DRIVER = """
@@ -485,11 +477,11 @@ def test_workers_die_with_a_sigkilled_parent(rewards):
     parent = subprocess.Popen([sys.executable, "-c", DRIVER, f"{rewards}:hang_on_request"], stdout=subprocess.PIPE, text=True)
     try:
         pids = [int(p) for p in parent.stdout.readline().split()]
-        assert len(pids) == 2 and all(_alive(p) for p in pids)
+        assert len(pids) == 2 and all(process_alive(p) for p in pids)
     finally:
         os.kill(parent.pid, signal.SIGKILL)
         parent.wait()
     deadline = time.monotonic() + 5.0
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(process_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not any(_alive(p) for p in pids)
+    assert not any(process_alive(p) for p in pids)
