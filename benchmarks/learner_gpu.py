@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import os
 import random
 import statistics
@@ -152,6 +153,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2, help="timed steps of each (after one warm-up each)")
     parser.add_argument("--micro-tokens", type=int, default=16384, help="learner.max_tokens_per_microbatch")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="more config overrides (learner.kernels.attention=sdpa, ...)")
+    parser.add_argument("--sequential", action="store_true", help="all learner steps, then free the learner and run the plain loop's "
+                        "(when both do not fit in memory at once); default: interleaved")
     parser.add_argument("--matrix", action="store_true", help="instead: one learner step per loss x updates x KL combination "
                         "(the NCCL device check; 4 prompts of the batch), each reported as ok or its error")
     args = parser.parse_args()
@@ -176,19 +179,11 @@ def main() -> None:
         policy = load_sharded(str(model_dir), lrn, info.device, trainable=True)
         checkpointing = bool(policy.is_gradient_checkpointing)
         params = sum(p.numel() for p in policy.parameters())
+        attention = policy.config._attn_implementation
         trainer = Trainer(policy, None, lrn, cfg.algorithm, info, args.steps + 2, 1)
         batch = prepare([screen(g, Limits(args.micro_tokens, VOCAB)) for g in make_groups(PROMPTS[args.shape], 8, seed=0)]).batch
         tokens = int(batch.lengths.sum())
         plan = plan_micro_batches(batch.lengths.tolist(), range(batch.size), 1, args.micro_tokens)[0]
-
-        from transformers import AutoModelForCausalLM
-
-        dtype = compute_dtype(lrn.fsdp, info.device)
-        plain_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                           attn_implementation="flex_attention" if cuda else "sdpa").to(info.device)
-        if checkpointing:
-            plain_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        plain = plain_packed_step(plain_model, batch, plan, info.device, 4096, dtype)
 
         times: dict[str, list[float]] = {"learner": [], "plain": []}
         peaks: dict[str, float] = {"learner": 0.0, "plain": 0.0}
@@ -200,19 +195,43 @@ def main() -> None:
             splits.append(result.times)
             return result.tokens
 
-        runs: dict[str, Callable[[], int]] = {"learner": learner, "plain": plain}
-        for round_ in range(args.steps + 1):  # round 0 warms up
-            for name, fn in runs.items():
-                with PeakMemory(info.device) as peak:
-                    start = time.perf_counter()
-                    fn()
-                    if cuda:
-                        torch.cuda.synchronize()
-                    elapsed = time.perf_counter() - start
-                peaks[name] = max(peaks[name], peak.peak_gb)
-                if round_:
-                    times[name].append(elapsed)
-                print(f"{name:8s} round {round_}: {elapsed:7.2f} s, peak {peak.peak_gb:6.2f} GB", flush=True)
+        def build_plain() -> Callable[[], int]:
+            from transformers import AutoModelForCausalLM
+
+            plain_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                               attn_implementation="flex_attention" if cuda else "sdpa").to(info.device)
+            if checkpointing:
+                plain_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            return plain_packed_step(plain_model, batch, plan, info.device, 4096, dtype)
+
+        def timed(name: str, fn: Callable[[], int], round_: int) -> None:
+            with PeakMemory(info.device) as peak:
+                start = time.perf_counter()
+                fn()
+                if cuda:
+                    torch.cuda.synchronize()
+                elapsed = time.perf_counter() - start
+            peaks[name] = max(peaks[name], peak.peak_gb)
+            if round_:
+                times[name].append(elapsed)
+            print(f"{name:8s} round {round_}: {elapsed:7.2f} s, peak {peak.peak_gb:6.2f} GB", flush=True)
+
+        dtype = compute_dtype(lrn.fsdp, info.device)
+        if args.sequential:  # both models and optimizers do not fit at once (1.5B on 80 GB): all learner steps, then the plain loop's
+            for round_ in range(args.steps + 1):
+                timed("learner", learner, round_)
+            del trainer, policy
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+            plain = build_plain()
+            for round_ in range(args.steps + 1):
+                timed("plain", plain, round_)
+        else:
+            plain = build_plain()
+            for round_ in range(args.steps + 1):  # round 0 warms up
+                timed("learner", learner, round_)
+                timed("plain", plain, round_)
 
     rate = {name: tokens / statistics.median(t) for name, t in times.items()}
     name = torch.cuda.get_device_name() if cuda else "cpu"
@@ -226,11 +245,11 @@ def main() -> None:
         "step_time_split_s": {k: statistics.median(getattr(t, k) for t in timed) for k in ("prox", "fwd_bwd", "optim")},
         "setup": {"shape": args.shape, "device": name, "params": params, "tokens_per_step": tokens, "samples": batch.size,
                   "micro_batches": len(plan), "max_tokens_per_microbatch": args.micro_tokens, "gradient_checkpointing": checkpointing,
-                  "logprob_chunk_tokens": lrn.logprob_chunk_tokens, "attention": policy.config._attn_implementation,
+                  "logprob_chunk_tokens": lrn.logprob_chunk_tokens, "attention": attention,
                   "compute_dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(), "steps": args.steps,
                   "overrides": args.set, "plain": "HF model, packed rows, flex_attention (GPU) / sdpa (CPU), autocast, "
                   "LM head + log-softmax in checkpointed 4096-token chunks, AdamW",
-                  "method": "median of interleaved steps after one warm-up each", "date": datetime.date.today().isoformat()},
+                  "method": f"median of {'sequential' if args.sequential else 'interleaved'} steps after one warm-up each", "date": datetime.date.today().isoformat()},
     }
     report(result, args.json)
     dist.destroy_process_group()

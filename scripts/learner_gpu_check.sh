@@ -29,6 +29,6 @@ nvidia-smi --query-gpu=name,memory.total --format=csv
 results=benchmarks/results
 python3 benchmarks/learner_gpu.py --shape qwen2.5-0.5b --matrix --json $results/learner_gpu_matrix_h100.json
 python3 benchmarks/learner_gpu.py --shape qwen2.5-0.5b --json $results/learner_gpu_qwen2.5-0.5b_h100.json
-python3 benchmarks/learner_gpu.py --shape qwen2.5-1.5b --set learner.fsdp.gradient_checkpointing=on \
+python3 benchmarks/learner_gpu.py --shape qwen2.5-1.5b --sequential --set learner.fsdp.gradient_checkpointing=on \
     --json $results/learner_gpu_qwen2.5-1.5b_h100.json
 if [[ -n "${OUT:-}" ]]; then cp $results/learner_gpu_*h100.json "$OUT"/; fi
