@@ -159,7 +159,7 @@ class RolloutConfig:
     num_servers: int = 1
     """Number of persistent vLLM inference servers (independent of the learner's size)."""
     workers_per_server: int = 1
-    """Rollout worker loops in each server's process (each keeps up to ``rollout.max_inflight`` groups in flight)."""
+    """Rollout worker loops in each server's process (each keeps up to ``rollout.max_inflight`` groups generating)."""
     n: int = 8
     """Samples per prompt (the group size)."""
     temperature: float = 1.0
@@ -171,7 +171,7 @@ class RolloutConfig:
     max_response_length: int = 256
     """Longest response in tokens."""
     max_inflight: int = 32
-    """Groups each worker keeps in flight to fill vLLM's continuous batching."""
+    """Groups each worker keeps generating at once to fill vLLM's continuous batching (groups being scored or put do not count; admission bounds all groups in flight)."""
     cpus_per_server: float = 1.0
     """CPU cores reserved for each server's Ray actor."""
     gpus_per_server: float = 0.0

@@ -1,7 +1,9 @@
 """The rollout worker loop: admission -> prompt -> vLLM -> reward -> replay queue.
 
-One worker keeps up to ``max_inflight`` groups in flight against one inference server so
-that vLLM's continuous batching stays full. Each group:
+One worker keeps up to ``max_inflight`` groups generating against one inference server so
+that vLLM's continuous batching stays full; a group that is being scored or put no longer
+counts (a slow or hanging reward function must not hold generation back: admission's
+staleness bound still limits how many groups are in flight in all). Each group:
 
 1. waits for admission under the staleness bound (AReaL's rule): the queue hands out a
    :class:`~async_rl.queue.Ticket` holding the slot and a claimed prompt index (a
@@ -148,17 +150,19 @@ class RolloutWorker:
     async def run(self, stop: asyncio.Event, max_groups: int | None = None) -> WorkerCounters:
         """Generate until ``stop`` is set (or ``max_groups`` were started); waits for groups in flight."""
         inflight: dict[asyncio.Task, Ticket] = {}
+        slots = asyncio.Semaphore(self.s.max_inflight)
         started = 0
         try:
             while not stop.is_set() and (max_groups is None or started < max_groups):
-                if len(inflight) >= self.s.max_inflight:
-                    await asyncio.wait(inflight, return_when=asyncio.FIRST_COMPLETED)
-                else:
-                    ticket = await self._admit(stop)
-                    if ticket is None:
-                        break
-                    started += 1
-                    inflight[asyncio.create_task(self._group(ticket))] = ticket
+                slot = await _GenerationSlot.take(slots, stop)
+                if slot is None:
+                    break
+                ticket = await self._admit(stop)
+                if ticket is None:
+                    slot.release()
+                    break
+                started += 1
+                inflight[asyncio.create_task(self._group(ticket, slot))] = ticket
                 inflight = {t: ticket for t, ticket in inflight.items() if not t.done()}
             if inflight:
                 await asyncio.gather(*inflight)
@@ -202,8 +206,10 @@ class RolloutWorker:
         finally:
             self.counters.admission_wait_s += time.monotonic() - t0
 
-    async def _group(self, ticket: Ticket) -> None:
-        """Generate, score and enqueue the group of ``ticket``; end the ticket exactly once."""
+    async def _group(self, ticket: Ticket, slot: _GenerationSlot) -> None:
+        """Generate, score and enqueue the group of ``ticket``; end the ticket exactly once.
+        ``slot`` (a generation slot) is given back once the responses are sampled (episodes:
+        once the group ends, their environment steps are part of generating)."""
         enqueued = False
         return_prompt = True  # unless it is done: skipped or filtered
         try:
@@ -212,7 +218,7 @@ class RolloutWorker:
                 group = await self._episode_group(ticket.index, row)
             else:
                 prompt_ids = self._prompt_ids(row)
-                group = None if prompt_ids is None else await self._generate_group(ticket.index, row, prompt_ids)
+                group = None if prompt_ids is None else await self._generate_group(ticket.index, row, prompt_ids, slot)
             if group is None:  # skipped (overlong), filtered (dynamic sampling) or untrainable: this prompt is done
                 return_prompt = False
                 return
@@ -228,6 +234,7 @@ class RolloutWorker:
         except Exception:  # noqa: BLE001 - one group's failure must not stop the worker
             log.exception("group for prompt index %d failed; its prompt goes back to the queue", ticket.index)
         finally:
+            slot.release()
             # Synchronous, so it runs even while this task is being cancelled. The put script
             # and the abandon script each end the ticket only if it is still open: a put
             # cancelled mid-flight either won (the group is queued) or fails after this.
@@ -235,8 +242,9 @@ class RolloutWorker:
                 enqueued = True
             self.counters.groups_put += enqueued
 
-    async def _generate_group(self, index: int, row: PromptRow, prompt_ids: list[int]) -> RolloutGroup | None:
-        """The scored group, or None when dynamic sampling filtered it (or an image no longer loads)."""
+    async def _generate_group(self, index: int, row: PromptRow, prompt_ids: list[int], slot: _GenerationSlot) -> RolloutGroup | None:
+        """The scored group, or None when dynamic sampling filtered it (or an image no
+        longer loads); ``slot`` is released once the responses are sampled."""
         t0 = time.monotonic()
         images = None
         if row.images:
@@ -247,6 +255,7 @@ class RolloutWorker:
                 log.warning("skipped prompt of line %d: %s", row.line, exc)
                 return None
         completions = await self._sample(prompt_ids, images)
+        slot.release()
         expanded = completions[0].prompt_token_ids if completions else None
         if expanded is not None and len(expanded) > self.s.max_prompt_length:  # image tokens counted; never truncated
             self.counters.prompts_skipped_overlong += 1
@@ -321,3 +330,34 @@ class RolloutWorker:
         self.counters.groups_returned_after_failures += 1
         raise GenerationFailed(f"{self.s.generate_retries} attempts on {self.s.server_id} failed; last: {error}")
 
+
+
+class _GenerationSlot:
+    """One of a worker's ``max_inflight`` generation slots: taken by the worker loop, handed
+    to the group's task, which gives it back once (after sampling, or when it ends)."""
+
+    def __init__(self, slots: asyncio.Semaphore) -> None:
+        self._slots: asyncio.Semaphore | None = slots
+
+    @classmethod
+    async def take(cls, slots: asyncio.Semaphore, stop: asyncio.Event) -> _GenerationSlot | None:
+        """A free slot, or None once ``stop`` is set first."""
+        if not slots.locked():
+            await slots.acquire()
+            return cls(slots)
+        acquire, stopped = asyncio.ensure_future(slots.acquire()), asyncio.ensure_future(stop.wait())
+        await asyncio.wait({acquire, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if acquire.done() and not acquire.cancelled():
+            if stop.is_set():
+                slots.release()
+                return None
+            return cls(slots)
+        acquire.cancel()
+        return None
+
+    def release(self) -> None:
+        """Give the slot back (once; later calls do nothing)."""
+        if self._slots is not None:
+            self._slots.release()
+            self._slots = None

@@ -49,3 +49,35 @@ def test_a_stop_at_any_moment_leaves_no_open_ticket(seed: int) -> None:
         returned = [int(i) for i in queue._client.lrange(queue.keys.returned, 0, -1)]
         assert len(queued) == put
         assert sorted(queued + returned) == list(range(queue.stats()["prompt_cursor"]))  # none skipped, none twice
+
+
+def test_groups_being_scored_do_not_hold_generation_back(tmp_path) -> None:
+    """``max_inflight`` bounds the groups *generating*: while a slow reward function scores
+    two groups, the worker (max_inflight=2) goes on sampling new ones; admission still
+    bounds every group in flight."""
+    reward = tmp_path / "slow_reward.py"
+    reward.write_text("import time\n\ndef compute_score(inputs):\n    time.sleep(1.5)\n    return [{'overall': 0.0} for _ in inputs]\n")
+    calls = 0
+
+    async def generate(prompt_token_ids: list[int], n: int, sampling: Sampling) -> list[Completion]:
+        nonlocal calls
+        calls += 1
+        return [Completion([5, 6], [-0.5, -0.7], [0, 0], "stop", "11") for _ in range(n)]
+
+    rows = [PromptRow(i + 1, f"{i}+1", str(i + 1)) for i in range(50)]
+    with EmbeddedRedis() as url, ReplayQueue(url, run="slots", max_depth=10_000) as queue, \
+            RewardPool(RewardConfig(function=f"{reward}:compute_score", num_workers=8, max_workers=8)) as rewards:
+        settings = WorkerSettings(run_id="slots", server_id="server-0", n=2, sampling=Sampling(max_tokens=4),
+                                  batch_size=3, max_staleness=0, max_inflight=2, shuffle=False)
+
+        async def run() -> None:
+            worker = RolloutWorker(settings, queue, rows, lambda text: [1, 2, 3], RewardScorer(rewards, rewards.cfg, 4), lambda: generate)
+            stop = asyncio.Event()
+            task = asyncio.create_task(worker.run(stop))
+            await asyncio.sleep(1.0)  # no group has finished scoring yet
+            stop.set()
+            await task
+
+        asyncio.run(run())
+        assert calls == 3  # admission's bound ((0 + 0 + 1) x batch 3), not max_inflight's 2
+        assert queue.stats()["inflight"] == 0
