@@ -114,6 +114,20 @@ def queue_state(run_dir: Path, config: Path) -> dict[str, Any]:
         return {"stats": q.stats(), "queued": queued, "returned": returned, "images": images}
 
 
+def redis_pid(run_dir: Path) -> int:
+    """The process id of the run's embedded redis-server, asked of the server itself (its
+    port and password are in ``redis/redis.conf``)."""
+    from async_rl.queue.client import connect
+
+    conf = dict(line.split(" ", 1) for line in (run_dir / "redis" / "redis.conf").read_text().splitlines() if " " in line)
+    password = conf["requirepass"].strip('"')
+    client = connect(f"redis://:{password}@{conf['bind']}:{conf['port']}/0", socket_timeout_s=5.0)
+    try:
+        return int(client.info("server")["process_id"])
+    finally:
+        client.close()
+
+
 def process_alive(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie awaiting its reaper counts as gone)."""
     try:

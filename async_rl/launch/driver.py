@@ -40,7 +40,7 @@ from async_rl.launch.ray_cluster import init_ray
 from async_rl.launch.reaper import reap_on_exit
 from async_rl.launch.tracking import Tracker
 from async_rl.learner.actor import start_learners
-from async_rl.queue import EmbeddedRedis, ReplayQueue
+from async_rl.queue import EmbeddedRedis, QueueUnavailableError, RedisExit, ReplayQueue
 from async_rl.rewards.pool import RewardPool
 from async_rl.rewards.scoring import RewardScorer, RewardStartupError, check_reward_function
 from async_rl.rollout.engine_args import engine_kwargs, on_gpu, openai_api_settings
@@ -120,6 +120,8 @@ class _Run:
         self._last_step = time.monotonic()
         """When the learner's last step was logged (or the rollout workers started)."""
         self._generated = RateMeter(RATE_WINDOW_S)
+        self.redis_restarts = 0
+        """Times the embedded Redis was restarted after it exited on its own."""
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -194,11 +196,14 @@ class _Run:
         else:
             embedded = EmbeddedRedis(self.run_dir / "redis")
             redis_url = stack.enter_context(embedded)
-            if layout:
-                # Redis answers every admission, put and read. On the rollout cores, which vLLM
-                # keeps busy, it waited seconds for the CPU and held generation and the learner
-                # back with it (20 steps: 30-190 s instead of 8 s); it is light, so it runs anywhere.
-                set_process_cores(embedded.pid, all_cores)
+            # Redis answers every admission, put and read. On the rollout cores, which vLLM
+            # keeps busy, it waited seconds for the CPU and held generation and the learner
+            # back with it (20 steps: 30-190 s instead of 8 s); it is light, so it runs anywhere.
+            redis_cores = all_cores if layout else None
+            if redis_cores:
+                set_process_cores(embedded.pid, redis_cores)
+            loop = asyncio.get_running_loop()
+            embedded.watch(lambda event: _call_soon(loop, self._on_redis_exit, event, redis_cores))
         self.queue = stack.enter_context(ReplayQueue(redis_url, cfg.trainer.run_name, cfg.queue.max_depth, op_timeout_s=cfg.queue.timeout_s))
         self._failure_cursor = self.queue.last_failure_id()  # a resumed run's older failure reports are on file already
 
@@ -237,6 +242,17 @@ class _Run:
             if cfg.logging.console:
                 self.tracker.console.print(f"Prometheus metrics: {self.tracker.prometheus.url}", highlight=False)
         self._write_servers()
+
+    def _on_redis_exit(self, event: RedisExit, cores: set[int] | None) -> None:
+        """The embedded Redis exited on its own: restarted on its AOF (clients retry), or the run ends."""
+        if event.error is not None:
+            self._fail(f"{event.describe()} (its data and redis.log are in {self.run_dir / 'redis'})")
+            return
+        self.redis_restarts = event.restarts
+        if cores and event.new_pid is not None:
+            with contextlib.suppress(OSError):  # it may have died again; the watcher restarts it
+                set_process_cores(event.new_pid, cores)
+        self._say(event.describe())
 
     def _scorer(self) -> RewardScorer:
         return RewardScorer(self.rewards, self.cfg.rollout.reward, self.cfg.rollout.max_response_length)
@@ -374,7 +390,11 @@ class _Run:
         marker, last_progress = None, time.monotonic()
         while not self.stop.is_set():
             await asyncio.sleep(period_s)
-            rollout = self.queue.rollout_stats()
+            try:
+                rollout = await asyncio.to_thread(self.queue.rollout_stats)
+            except QueueUnavailableError as exc:  # Redis stayed down for queue.timeout_s: nothing can go on
+                self._fail(f"the queue's Redis did not answer for queue.timeout_s={cfg.queue.timeout_s:g} s: {exc}")
+                return
             version = self.version
             healths = await self.pool.health()
             self.tracker.servers = server_states(healths, version)
@@ -431,7 +451,7 @@ class _Run:
 
     def _say(self, line: str) -> None:
         """A line the user must see: on the console (or in the log when the console is off)."""
-        if self.cfg.logging.console:
+        if self.cfg.logging.console and hasattr(self, "tracker"):  # the tracker starts after Redis and Ray
             self.tracker.console.print(line, highlight=False, soft_wrap=True, markup=False)
         else:
             log.warning("%s", line)
@@ -464,6 +484,7 @@ class _Run:
             "queue/oldest_age_s": float(stats["oldest_age_s"]),
             "queue/returned_prompts": float(stats["returned_prompts"]),
             "rollout/server_restarts": float(self.pool.restarts),
+            "queue/redis_restarts": float(self.redis_restarts),
             "rollout/failure_reports_undecodable": float(self.failures.undecodable),
         }
         out.update({f"rollout/{name}": rollout.get(name, 0.0) for name in COUNTERS})
@@ -508,6 +529,12 @@ class _Run:
             "val/pass_at_n": result.pass_at_n, "val/seconds": result.seconds, "val/final": float(final),
             "val/max_version": float(result.max_version),
         })
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> None:
+    """Run ``fn(*args)`` on ``loop`` from another thread; nothing once the loop has closed."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(fn, *args)
 
 
 async def _until(task: asyncio.Task, stop: asyncio.Event) -> None:

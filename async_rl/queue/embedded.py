@@ -21,7 +21,10 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 from urllib.parse import quote
@@ -30,7 +33,7 @@ import redis
 
 from async_rl.queue.client import connect
 
-__all__ = ["EmbeddedRedis", "RedisNotInstalledError"]
+__all__ = ["EmbeddedRedis", "RedisExit", "RedisNotInstalledError"]
 
 _INSTALL_HINT = (
     "redis-server was not found. Install it (Debian/Ubuntu: `apt-get install redis-server`; "
@@ -46,6 +49,32 @@ moment it is found free and the moment redis-server binds it."""
 
 class RedisNotInstalledError(FileNotFoundError):
     """No ``redis-server`` executable to start."""
+
+
+@dataclass(frozen=True)
+class RedisExit:
+    """What :meth:`EmbeddedRedis.watch` reports when the server exited on its own."""
+
+    pid: int
+    """The process that exited."""
+    returncode: int
+    """Its exit status (negative: killed by that signal)."""
+    restarts: int
+    """Restarts so far, this one included when it succeeded."""
+    new_pid: int | None
+    """The restarted server's process, or None when the restart failed."""
+    restart_s: float
+    """Seconds from noticing the exit to the restarted server answering (or failing)."""
+    error: str | None = None
+    """Why the restart failed (the log's tail), or None."""
+
+    def describe(self) -> str:
+        """One line for the console."""
+        how = f"killed by {signal.Signals(-self.returncode).name}" if self.returncode < 0 else f"exit status {self.returncode}"
+        if self.error is not None:
+            return f"the embedded Redis (pid {self.pid}) stopped ({how}) and could not be restarted: {self.error}"
+        return (f"the embedded Redis (pid {self.pid}) stopped ({how}); restarted on its append-only file in {self.restart_s:.1f} s "
+                f"(pid {self.new_pid}, restart {self.restarts}); clients reconnect and retry")
 
 
 class _PortTaken(RuntimeError):
@@ -103,6 +132,12 @@ class EmbeddedRedis:
         self._data_dir = Path(data_dir) if data_dir is not None else None
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self._proc: subprocess.Popen[bytes] | None = None
+        self._lock = threading.Lock()
+        """Held while the process is swapped: by a restart, and by :meth:`stop` to end watching."""
+        self._stopping = False
+        self._watcher: threading.Thread | None = None
+        self.restarts = 0
+        """Times :meth:`watch` restarted the server."""
 
     @property
     def url(self) -> str:
@@ -126,9 +161,8 @@ class EmbeddedRedis:
 
     def start(self) -> str:
         """Start the server and wait until it answers; returns :attr:`url`."""
-        binary = shutil.which(self.executable)
-        if binary is None:
-            raise RedisNotInstalledError(_INSTALL_HINT)
+        binary = self._binary()
+        self._stopping = False
         if self._data_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="async-rl-redis-")
             self._data_dir = Path(self._tmp.name)
@@ -150,6 +184,50 @@ class EmbeddedRedis:
         except BaseException:
             self.stop()
             raise
+
+    def _binary(self) -> str:
+        binary = shutil.which(self.executable)
+        if binary is None:
+            raise RedisNotInstalledError(_INSTALL_HINT)
+        return binary
+
+    def watch(self, on_exit: Callable[[RedisExit], None]) -> None:
+        """Restart the server whenever it exits on its own (killed, crashed), on the same port,
+        password and AOF, so every client's URL stays valid and nothing acknowledged is lost
+        (``appendfsync always``); clients see a connection loss and retry (queue.client).
+
+        ``on_exit`` is called from the watching thread after each restart, or once when a
+        restart fails (then watching ends). The watching thread starts the new process and
+        lives until :meth:`stop`, so the new server still dies with its owner (PR_SET_PDEATHSIG
+        follows the thread that started it).
+        """
+        if self._proc is None:
+            raise RuntimeError("EmbeddedRedis is not running")
+        if self._watcher is not None:
+            raise RuntimeError("EmbeddedRedis is already watched")
+        self._watcher = threading.Thread(target=self._watch, args=(on_exit,), name="embedded-redis-watch", daemon=True)
+        self._watcher.start()
+
+    def _watch(self, on_exit: Callable[[RedisExit], None]) -> None:
+        while True:
+            with self._lock:
+                proc = self._proc
+            if proc is None:
+                return
+            returncode = proc.wait()
+            with self._lock:
+                if self._stopping or self._proc is not proc:
+                    return
+                started = time.monotonic()
+                try:
+                    self._launch(self._binary())  # the same port: the clients' URL
+                except Exception as exc:  # noqa: BLE001 - reported to the owner, who ends the run
+                    self._terminate()  # a server that never answered must not linger
+                    on_exit(RedisExit(proc.pid, returncode, self.restarts, None, time.monotonic() - started, f"{type(exc).__name__}: {exc}"))
+                    return
+                self.restarts += 1
+                event = RedisExit(proc.pid, returncode, self.restarts, self._proc.pid if self._proc else None, time.monotonic() - started)
+            on_exit(event)
 
     def _launch(self, binary: str) -> None:
         """Start redis-server on :attr:`port` and wait until it answers."""
@@ -228,7 +306,12 @@ class EmbeddedRedis:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM (Redis flushes the AOF and exits), SIGKILL after ``timeout_s``."""
+        with self._lock:  # a restart under way finishes first, then is stopped
+            self._stopping = True
         self._terminate(timeout_s)
+        if self._watcher is not None:
+            self._watcher.join(timeout_s)
+            self._watcher = None
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None

@@ -2,7 +2,8 @@
 `async-rl train` in a subprocess on the tiny assets, with real Redis, Ray, vLLM and learner.
 
 - a run SIGKILLed twice and resumed reaches its last step, training every group once and
-  neither skipping nor repeating a prompt (the ledger is reconciled at each start);
+  neither skipping nor repeating a prompt (the ledger is reconciled at each start); its
+  embedded Redis, SIGKILLed during the last run, is restarted on its AOF and the run goes on;
 - a reward function that fails on every probe stops the run before anything starts;
 - a reward function that hangs on some samples costs those samples, not the run (the
   resumed run above uses one, at the default timeout);
@@ -14,12 +15,14 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import time
 from pathlib import Path
 
 import pytest
-from run_helpers import queue_state, start_train, train_cli, wait_for_version, wait_gone, write_config
+from run_helpers import queue_state, redis_pid, start_train, train_cli, wait_for_version, wait_gone, write_config
 
 pytestmark = pytest.mark.integration
 
@@ -57,8 +60,16 @@ def test_sigkill_and_resume_reach_the_last_step_every_time(tiny_assets, tmp_path
         proc.kill()
         proc.wait(30)
         assert wait_gone(run_dir) == [], "the killed run left processes behind"
-    done = train_cli(config, timeout_s=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    proc = start_train(config)
+    wait_for_version(proc, run_dir, 9)
+    killed = redis_pid(run_dir)
+    os.kill(killed, signal.SIGKILL)  # the queue's server dies mid-run: the driver restarts it on its AOF
+    output = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 0, output[-3000:]
+    assert f"the embedded Redis (pid {killed}) stopped (killed by SIGKILL); restarted on its append-only file" in output, output[-3000:]
+    redis_restarts = [r["queue/redis_restarts"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+                      if "queue/redis_restarts" in r]
+    assert redis_restarts[-1] == 1.0
 
     final = sorted((run_dir / "checkpoints").iterdir())[-1]
     assert json.loads((final / "state.json").read_text())["version"] == steps

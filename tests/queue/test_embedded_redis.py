@@ -176,6 +176,52 @@ def test_sigkilled_redis_restarted_on_its_aof_keeps_every_put(tmp_path: Path) ->
 
 
 @pytest.mark.integration
+def test_a_watched_redis_restarts_itself_on_its_aof_and_keeps_every_put(tmp_path: Path) -> None:
+    """The driver's case: the same URL keeps working across a SIGKILL, with no manual restart."""
+    exits: list[embedded.RedisExit] = []
+    server = EmbeddedRedis(tmp_path)
+    with server as url:
+        server.watch(exits.append)
+        run, total = "healing", 400
+        returned = SPAWN.Queue()
+        producer = SPAWN.Process(target=produce, args=(url, run, range(total), returned, total), daemon=True)
+        producer.start()
+        acknowledged = _take(returned, producer, 100, "before the kill")
+        killed = server.pid
+        os.kill(killed, signal.SIGKILL)
+        acknowledged += _take(returned, producer, total - 100, "after the restart")
+        producer.join(30.0)
+        assert producer.exitcode == 0
+        with ReplayQueue(url, run) as q:
+            stored = [group.group_id for _, group in q.get(2 * total, timeout=1.0)]
+        assert [(e.pid, e.returncode, e.restarts, e.error) for e in exits] == [(killed, -signal.SIGKILL, 1, None)]
+        assert exits[0].new_pid == server.pid != killed and exits[0].restart_s < 10
+        assert "(killed by SIGKILL); restarted on its append-only file" in exits[0].describe()
+    assert sorted(acknowledged) == sorted(stored)
+    assert len(acknowledged) == total
+
+
+@pytest.mark.integration
+def test_a_restart_that_fails_is_reported_once_with_the_reason(tmp_path: Path) -> None:
+    exits: list[embedded.RedisExit] = []
+    server = EmbeddedRedis(tmp_path)
+    with server as url:
+        server.watch(exits.append)
+        with ReplayQueue(url, "broken") as q:
+            q.publish_version(1)
+        for manifest in (tmp_path / "appendonlydir").glob("*.manifest"):
+            manifest.write_text("not a manifest\n")  # the restart cannot load its AOF
+        killed = server.pid
+        os.kill(killed, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while not exits and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)  # no second report comes
+        assert len(exits) == 1 and exits[0].pid == killed and exits[0].new_pid is None
+        assert exits[0].error is not None and "could not be restarted" in exits[0].describe()
+
+
+@pytest.mark.integration
 def test_rediss_url_with_password(tmp_path: Path) -> None:
     """A TLS-only Redis (started by hand: EmbeddedRedis is plain TCP) via a rediss:// URL."""
     key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
