@@ -447,6 +447,8 @@ class TrainerConfig:
     """Seed of the learner and samplers."""
     stall_timeout_s: float = 900.0
     """Exit 1, saying what each side waits for, when neither a group is generated nor a learner step taken for this long (seconds)."""
+    max_restarts: int = 3
+    """Times a learner group with a dead rank is restarted from the last checkpoint before the run exits 1 (0: never)."""
 
 
 @dataclass
@@ -750,6 +752,7 @@ def validate(cfg: Config) -> None:
     need(cfg.data.max_pixels >= cfg.data.min_pixels,
          f"data.max_pixels={cfg.data.max_pixels} must be >= data.min_pixels={cfg.data.min_pixels}")
     need(cfg.trainer.stall_timeout_s > 0, f"trainer.stall_timeout_s={cfg.trainer.stall_timeout_s} must be > 0")
+    need(cfg.trainer.max_restarts >= 0, f"trainer.max_restarts={cfg.trainer.max_restarts} must be >= 0")
     port = cfg.logging.prometheus_port
     need(port is None or 0 <= port <= 65535, f"logging.prometheus_port={port} must be null (off), 0 (a free port) or in [1, 65535]")
 

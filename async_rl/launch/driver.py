@@ -122,6 +122,11 @@ class _Run:
         self._generated = RateMeter(RATE_WINDOW_S)
         self.redis_restarts = 0
         """Times the embedded Redis was restarted after it exited on its own."""
+        self.learner_restarts = 0
+        """Times the learner group was restarted from its checkpoint after a rank died."""
+        self._sender_address: str | None = None
+        """The learner's weight sender (rank 0), which the servers register with."""
+        self._learner_pids: list[int] = []
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -213,17 +218,10 @@ class _Run:
             raise StartupError(str(exc)) from None
         stack.callback(ray.shutdown)
         self._install_signal_handlers()
-        self.learners = await asyncio.to_thread(start_learners, cfg, redis_url, layout.ranks if layout else None)
+        self._redis_url, self._rank_cores = redis_url, layout.ranks if layout else None
+        await self._start_learners(cfg)
         stack.callback(self._kill_learners)
-        starts = await asyncio.gather(*(a.run.remote(0) for a in self.learners))
-        self.version = starts[0]["version"]  # > 0 after a resume
-        # The learner resumed (its checkpoint's entries are committed): rebuild the ledger from
-        # what is really there, so slots and prompts of groups lost with a killed run come back.
-        found = self.queue.reconcile(self.version, cfg.learner.batch_size)
-        if found.returned or found.groups_started != found.groups_started_before:
-            log.info("ledger reconciled at version %d: %d prompts returned (claimed, never enqueued), %d groups queued, "
-                     "groups_started %d -> %d", self.version, found.returned, found.queued, found.groups_started_before, found.groups_started)
-        sender_address = await self.learners[0].sync_address.remote()
+        sender_address = self._sender_address
 
         env = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, round(cfg.rollout.vllm.kv_cache_space_gb)))} if not on_gpu() else {}
         spec = ServerSpec(engine_kwargs(cfg), cfg.rollout.cpus_per_server, cfg.rollout.gpus_per_server, env, sender_address=sender_address,
@@ -266,12 +264,58 @@ class _Run:
             raise StartupError(f"{path} has no usable rows ({len(rejected)} rejected)")
         return rows
 
-    def _kill_learners(self) -> None:
+    async def _start_learners(self, cfg: Config, live: bool = False) -> None:
+        """Start the learner ranks, which load the latest checkpoint (or the model), and
+        reconcile the ledger at their version. ``live``: a restart while the rollout workers
+        run (their open tickets stay; the new weight sender takes the old one's port)."""
+        previous = self._sender_address if live else None
+        self.learners = await asyncio.to_thread(start_learners, cfg, self._redis_url, self._rank_cores, previous)
+        starts = await asyncio.gather(*(a.run.remote(0) for a in self.learners))
+        self.version = starts[0]["version"]  # > 0 after a resume
+        self._sender_address = await self.learners[0].sync_address.remote()
+        self._learner_pids = await asyncio.gather(*(a.pid.remote() for a in self.learners))
+        # The learner resumed (its checkpoint's entries are committed): rebuild the ledger from
+        # what is really there, so slots and prompts of groups lost with a killed run come back.
+        found = await asyncio.to_thread(self.queue.reconcile, self.version, cfg.learner.batch_size, live=live)
+        if found.returned or found.groups_started != found.groups_started_before:
+            log.info("ledger reconciled at version %d: %d prompts returned (claimed, never enqueued), %d groups queued, "
+                     "groups_started %d -> %d", self.version, found.returned, found.queued, found.groups_started_before, found.groups_started)
+
+    async def _restart_learners(self, why: str) -> bool:
+        """A learner rank died: restart the whole group from the last checkpoint, as a resume
+        does, while the servers keep generating within the staleness bound; False (the run
+        ends) once ``trainer.max_restarts`` restarts are spent or the restart failed."""
+        limit = self.cfg.trainer.max_restarts
+        if self.learner_restarts >= limit:
+            self._fail(f"{why}; not restarted: trainer.max_restarts={limit} restarts spent")
+            return False
+        self.learner_restarts += 1
+        before = self.version
+        self._say(f"{why}; restarting the learner from its last checkpoint (restart {self.learner_restarts} of "
+                  f"trainer.max_restarts={limit})")
+        self._kill_learners(graceful=False)
+        try:  # the same load path as a resume: the newest checkpoint of this run, on learner.world_size ranks
+            await self._start_learners(replace(self.cfg, trainer=replace(self.cfg.trainer, resume="auto")), live=True)
+        except (ray.exceptions.RayError, TimeoutError) as exc:
+            self._fail(f"{why}; the learner's restart failed: {_cause(exc)}")
+            return False
+        if self._sender_address != self.pool.spec.sender_address:  # rank 0 landed on another node: servers must re-register
+            self._say(f"the weight sender moved to {self._sender_address}: replacing the servers")
+            self.pool.spec.sender_address = self._sender_address
+            for i in range(self.pool.num_servers):
+                await self.pool.restart(i, self.pool.handle(i))
+        self._write_servers()
+        self._say(f"learner restarted at version {self.version} (it was at {before}); steps {self.version + 1}-{before} are redone")
+        return True
+
+    def _kill_learners(self, graceful: bool = True) -> None:
+        """Close (``graceful``: checkpoint-free, leave the process group) and kill every learner rank."""
         for rank, actor in enumerate(self.learners):
-            try:
-                ray.get(actor.close.remote(), timeout=30)
-            except ray.exceptions.RayError as exc:  # it died, its close raised or hung: it is killed below either way
-                log.warning("learner rank %d did not close cleanly (%s); killing it", rank, _cause(exc))
+            if graceful:
+                try:
+                    ray.get(actor.close.remote(), timeout=30)
+                except ray.exceptions.RayError as exc:  # it died, its close raised or hung: it is killed below either way
+                    log.warning("learner rank %d did not close cleanly (%s); killing it", rank, _cause(exc))
             ray.kill(actor, no_restart=True)
 
     async def _on_server_start(self, index: int, handle: Any) -> None:
@@ -279,12 +323,13 @@ class _Run:
         self._write_servers()
 
     def _write_servers(self) -> None:
-        """(Re)write ``servers.json``: the driver's Prometheus URL, and the id, pid, OpenAI API
-        URL and vLLM metrics URL of every started server."""
+        """(Re)write ``servers.json``: the driver's Prometheus URL, the id, pid, OpenAI API
+        URL and vLLM metrics URL of every started server, and each learner rank's pid."""
         servers = [{"server_id": h.server_id, "pid": h.pid, "openai_url": h.openai_url, "metrics_url": vllm_metrics_url(h.openai_url)}
                    for h in self.pool.started if h is not None]
         prometheus = self.tracker.prometheus
-        doc = {"prometheus_url": prometheus.url if prometheus is not None else None, "servers": servers}
+        learners = [{"rank": rank, "pid": pid} for rank, pid in enumerate(self._learner_pids)]
+        doc = {"prometheus_url": prometheus.url if prometheus is not None else None, "servers": servers, "learners": learners}
         (self.run_dir / "servers.json").write_text(json.dumps(doc, indent=1) + "\n")
 
     async def _await_current_weights(self, index: int, handle: Any) -> None:
@@ -357,17 +402,23 @@ class _Run:
 
     async def _drive_learner(self) -> None:
         total = self.cfg.trainer.total_steps
-        try:
-            while self.version < total and not self.stop.is_set():
-                results = await asyncio.gather(*(a.run.remote(1, LEARNER_WAIT_S) for a in self.learners))
-                self.version = results[0]["version"]
-                for metrics in results[0]["steps"]:
-                    metrics.update(self._rollout_now())
-                    self.tracker.log(metrics)
-                    self._last_step = time.monotonic()
-                    self._maybe_validate()
-        except ray.exceptions.RayTaskError as exc:
-            self._fail(f"the learner stopped: {_cause(exc)}")
+        while self.version < total and not self.stop.is_set():
+            try:
+                results = await _all_ranks([a.run.remote(1, LEARNER_WAIT_S) for a in self.learners])
+            except _RankDied as exc:
+                if await self._restart_learners(str(exc)):
+                    continue
+                return
+            except ray.exceptions.RayTaskError as exc:
+                self._fail(f"the learner stopped: {_cause(exc)}")
+                break
+            self.version = results[0]["version"]
+            for metrics in results[0]["steps"]:
+                metrics.update(self._rollout_now())
+                metrics["learner/restarts"] = float(self.learner_restarts)
+                self.tracker.log(metrics)
+                self._last_step = time.monotonic()
+                self._maybe_validate()
         try:
             self.version = (await asyncio.gather(*(a.finish.remote() for a in self.learners)))[0]
         except ray.exceptions.RayError as exc:
@@ -529,6 +580,35 @@ class _Run:
             "val/pass_at_n": result.pass_at_n, "val/seconds": result.seconds, "val/final": float(final),
             "val/max_version": float(result.max_version),
         })
+
+
+class _RankDied(RuntimeError):
+    """A learner rank's process died (the message names the rank and Ray's cause)."""
+
+
+RANK_DEATH_GRACE_S = 10.0
+"""After one rank's call failed, how long the driver waits for the others' outcome (a rank
+blocked in a collective with a dead peer fails within seconds), seconds."""
+
+
+async def _all_ranks(calls: list[Any]) -> list[Any]:
+    """The results of one call per learner rank. Raises :class:`_RankDied` when a rank's
+    process died (the others then fail in a collective, or hang in one: they are killed and
+    restarted anyway), else the first rank's error."""
+    futures = [asyncio.ensure_future(c) for c in calls]
+    done, _ = await asyncio.wait(futures, return_when=asyncio.FIRST_EXCEPTION)
+    if all(f in done and f.exception() is None for f in futures):
+        return [f.result() for f in futures]
+    await asyncio.wait(futures, timeout=RANK_DEATH_GRACE_S)
+    errors = [(rank, f.exception()) for rank, f in enumerate(futures) if f.done() and f.exception() is not None]
+    for f in futures:
+        if not f.done():
+            f.cancel()
+    dead = [(rank, exc) for rank, exc in errors if isinstance(exc, ray.exceptions.RayActorError)]
+    if dead:
+        rank, exc = dead[0]
+        raise _RankDied(f"learner rank {rank} died ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
+    raise errors[0][1]
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> None:

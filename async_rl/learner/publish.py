@@ -56,6 +56,8 @@ class _Sending:
     """The version every server should hold (the last one sent to all of them)."""
     announced: int
     """The last version published for admission."""
+    sent: int
+    """The newest version this process sent (to all servers or in a catch-up)."""
     pending: PendingSend | None = None
     """The update the servers may still be loading."""
     metrics: dict[str, float] = field(default_factory=dict)
@@ -76,7 +78,7 @@ class Publication:
         if sender is not None and announce is None:
             raise ValueError("a weight sender needs the queue's version announcement (rank 0)")
         self.rank, self.device, self.policy, self.bucket_bytes, self.counters = rank, device, policy, bucket_mb << 20, counters
-        self._rank0 = _Sending(sender, announce, version, version) if sender is not None and announce is not None else None
+        self._rank0 = _Sending(sender, announce, version, version, version) if sender is not None and announce is not None else None
         # Every rank must know whether rank 0 publishes: the gathers are collective.
         self.active = bool(collectives.broadcast_bytes(b"1" if self._rank0 is not None else b"", device, rank))
 
@@ -98,6 +100,7 @@ class Publication:
                 self.settle(wait=True)
                 if servers is None:
                     state.served = version
+                state.sent = max(state.sent, version)
                 named = (item for bucket in buckets for item in bucket)
                 state.pending = state.sender.begin(named, version, specs=tensor_specs(self.policy.named_parameters()), servers=servers)
         finally:
@@ -146,12 +149,13 @@ class Publication:
 
     def _lagging(self) -> list[str]:
         """Rank 0: registered servers older than the served version (a catch-up sends the
-        current weights, which may be newer: with ``sync.every > 1`` that is fine)."""
+        current weights, which may be newer: with ``sync.every > 1`` that is fine), or newer
+        than any version this learner sent: weights of the line a restarted learner abandoned."""
         state = self._rank0
         if state is None:
             return []
         held = state.sender.servers
-        return [sid for sid in state.sender.behind(state.served) if (v := held.get(sid)) is None or v < state.served]
+        return [sid for sid in state.sender.behind(state.served) if (v := held.get(sid)) is None or not state.served <= v <= state.sent]
 
 
 def _sync_timings(result: SendResult) -> dict[str, float]:

@@ -16,7 +16,8 @@ prompt bookkeeping (``inflight`` hash, ``returned`` list). A group's life, as se
    slot back, in one transaction.
 4. On every start, :meth:`reconcile` rebuilds the ledger from what is really there: prompts
    still recorded in flight (their worker is gone) are returned, and ``groups_started``
-   becomes ``version * B + entries in the stream``.
+   becomes ``version * B + entries in the stream``. A learner restarted while the workers
+   run reconciles ``live``: the open tickets stay and count.
 
 So ``groups_started = trained groups (version * B) + groups in the stream + groups in
 flight`` at all times, and a crash or stop neither skips nor repeats a prompt.
@@ -103,17 +104,22 @@ end
 return #released
 """
 
-# KEYS: counters, inflight, returned, rollouts. ARGV: version, B.
+# KEYS: counters, inflight, returned, rollouts. ARGV: version, B, live (1/0).
+# Live (producers running, e.g. a restarted learner): the open tickets are theirs, so they
+# stay and count as started; else they are orphans of a killed run and their prompts return.
 _RECONCILE_LUA = """
-local orphans = redis.call('HKEYS', KEYS[2])
-table.sort(orphans, function(a, b) return tonumber(a) < tonumber(b) end)
-for _, index in ipairs(orphans) do
-  redis.call('RPUSH', KEYS[3], index)
+local orphans = {}
+if ARGV[3] ~= '1' then
+  orphans = redis.call('HKEYS', KEYS[2])
+  table.sort(orphans, function(a, b) return tonumber(a) < tonumber(b) end)
+  for _, index in ipairs(orphans) do
+    redis.call('RPUSH', KEYS[3], index)
+  end
+  redis.call('DEL', KEYS[2])
 end
-redis.call('DEL', KEYS[2])
 local before = tonumber(redis.call('HGET', KEYS[1], 'groups_started') or '0')
 local queued = redis.call('XLEN', KEYS[4])
-local started = tonumber(ARGV[1]) * tonumber(ARGV[2]) + queued
+local started = tonumber(ARGV[1]) * tonumber(ARGV[2]) + queued + redis.call('HLEN', KEYS[2])
 redis.call('HSET', KEYS[1], 'groups_started', started, 'version', ARGV[1])
 return {#orphans, queued, before, started, redis.call('LLEN', KEYS[3])}
 """
@@ -200,12 +206,14 @@ class AdmissionLedger:
         groups read that will never be trained."""
         pipe.hincrby(self._keys.counters, "groups_started", -count)
 
-    def reconcile(self, version: int, batch_size: int) -> Reconciled:
-        """Rebuild the ledger at a start (no producer may be running): return every prompt
-        still recorded in flight, set ``version`` and ``groups_started = version * B +
-        stream length``. Call after the learner resumed (its checkpoint's entries are then
-        committed and gone from the stream)."""
+    def reconcile(self, version: int, batch_size: int, *, live: bool = False) -> Reconciled:
+        """Rebuild the ledger after the learner resumed at ``version`` (its checkpoint's
+        entries are then committed and gone from the stream): set ``version`` and
+        ``groups_started = version * B + stream length + open tickets``. At a start (no
+        producer running, ``live=False``) every prompt still recorded in flight is an orphan
+        and is returned first; with ``live=True`` (a learner restarted while the rollout
+        workers run) the open tickets are theirs and stay."""
         if version < 0 or batch_size <= 0:
             raise ValueError("need version >= 0 and batch_size > 0")
-        found = self._reconcile(keys=[*self._claim_keys, self._keys.rollouts], args=[version, batch_size])
+        found = self._reconcile(keys=[*self._claim_keys, self._keys.rollouts], args=[version, batch_size, int(live)])
         return Reconciled(*(int(x) for x in found))

@@ -262,9 +262,10 @@ class ReplayQueue:
         """End the open tickets of a producer that is gone (:meth:`AdmissionLedger.release_owner`)."""
         return self._call("release_owner", lambda: self._ledger.release_owner(owner))
 
-    def reconcile(self, version: int, batch_size: int) -> Reconciled:
-        """Rebuild the ledger at a start, before any producer runs (:meth:`AdmissionLedger.reconcile`)."""
-        return self._call("reconcile", lambda: self._ledger.reconcile(version, batch_size))
+    def reconcile(self, version: int, batch_size: int, *, live: bool = False) -> Reconciled:
+        """Rebuild the ledger after the learner resumed: at a start, before any producer runs,
+        or ``live`` while they run (:meth:`AdmissionLedger.reconcile`)."""
+        return self._call("reconcile", lambda: self._ledger.reconcile(version, batch_size, live=live))
 
     # -- consumer side -------------------------------------------------------------
 

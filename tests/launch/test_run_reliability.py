@@ -3,7 +3,8 @@
 
 - a run SIGKILLed twice and resumed reaches its last step, training every group once and
   neither skipping nor repeating a prompt (the ledger is reconciled at each start); its
-  embedded Redis, SIGKILLed during the last run, is restarted on its AOF and the run goes on;
+  embedded Redis and then its learner rank, SIGKILLed during the last run, are restarted
+  (Redis on its AOF, the learner from its checkpoint) and the run goes on;
 - a reward function that fails on every probe stops the run before anything starts;
 - a reward function that hangs on some samples costs those samples, not the run (the
   resumed run above uses one, at the default timeout);
@@ -64,12 +65,16 @@ def test_sigkill_and_resume_reach_the_last_step_every_time(tiny_assets, tmp_path
     wait_for_version(proc, run_dir, 9)
     killed = redis_pid(run_dir)
     os.kill(killed, signal.SIGKILL)  # the queue's server dies mid-run: the driver restarts it on its AOF
+    wait_for_version(proc, run_dir, 10)
+    rank0 = json.loads((run_dir / "servers.json").read_text())["learners"][0]["pid"]
+    os.kill(rank0, signal.SIGKILL)  # a learner rank dies: the learner restarts from the step-9 checkpoint
     output = proc.communicate(timeout=600)[0]
     assert proc.returncode == 0, output[-3000:]
     assert f"the embedded Redis (pid {killed}) stopped (killed by SIGKILL); restarted on its append-only file" in output, output[-3000:]
-    redis_restarts = [r["queue/redis_restarts"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
-                      if "queue/redis_restarts" in r]
-    assert redis_restarts[-1] == 1.0
+    assert "learner rank 0 died" in output and "restarting the learner from its last checkpoint (restart 1 of trainer.max_restarts=3)" in output
+    assert "learner restarted at version 9" in output, output[-3000:]
+    last = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "perf/tokens_per_s" in r][-1]
+    assert last["queue/redis_restarts"] == 1.0 and last["learner/restarts"] == 1.0
 
     final = sorted((run_dir / "checkpoints").iterdir())[-1]
     assert json.loads((final / "state.json").read_text())["version"] == steps

@@ -93,3 +93,17 @@ def test_without_a_sender_nothing_is_gathered_or_sent(tiny_model, one_rank: Dist
     policy = load_sharded(str(tiny_model), cfg.learner, one_rank.device, trainable=True)
     publication = Publication(0, one_rank.device, policy, 1, Counter(), None, None, 0)
     assert not publication.active and publication.publish(1) == 0.0 and publication.take_metrics() == {}
+
+
+def test_a_restarted_learner_catches_up_servers_ahead_of_it(tiny_model, one_rank: DistInfo) -> None:
+    """A learner restarted from its version-3 checkpoint: a server holding version 5 (sent by
+    the dead learner, a line now abandoned) gets version 3 back; one holding 3 is left alone."""
+    cfg = learner_config(tiny_model, "/tmp", "pub")
+    policy = load_sharded(str(tiny_model), cfg.learner, one_rank.device, trainable=True)
+    sender, announced = RecordingSender({"a": 5, "b": 3}, ok={"a", "b"}), []
+    publication = Publication(0, one_rank.device, policy, 1, Counter(), sender, announced.append, 3)
+    publication.catch_up(3)
+    assert sender.sent == [(3, ["a"], True)]
+    publication.settle(wait=True)
+    publication.catch_up(3)
+    assert len(sender.sent) == 1  # both hold 3 now

@@ -172,6 +172,20 @@ def test_reconcile_returns_orphaned_prompts_and_recounts_started_groups(queue: R
         queue.put(make_group(3, run=run), tickets[3])
 
 
+def test_a_live_reconcile_keeps_the_running_producers_tickets(queue: ReplayQueue, run: str) -> None:
+    """A learner restarted from its checkpoint while the workers run: their tickets stay open and count."""
+    tickets = _admit_all(queue, batch_size=4, max_staleness=1)  # 8 admitted
+    for t in tickets[:3]:
+        queue.put(make_group(t.index, run=run), t)
+    found = queue.reconcile(version=0, batch_size=4, live=True)
+    assert (found.returned, found.queued, found.groups_started_before, found.groups_started) == (0, 3, 8, 0 * 4 + 3 + 5)
+    stats = queue.stats()
+    assert stats["version"] == 0 and stats["inflight"] == 5 and stats["returned_prompts"] == 0
+    for t in tickets[3:]:  # the running producers' puts still land
+        queue.put(make_group(t.index, run=run), t)
+    assert queue.stats()["groups_started"] == 8
+
+
 def test_release_owner_ends_only_the_dead_producers_tickets(queue: ReplayQueue, run: str) -> None:
     dead = [queue.admit(10, 0, "server-0#1") for _ in range(3)]
     alive = queue.admit(10, 0, "server-0#10")  # a name that starts like the dead one's is not matched
