@@ -524,7 +524,7 @@ def _child_main(conn: Connection, function: str, kind: str, kwargs: dict[str, An
     while True:
         try:
             inputs = conn.recv()
-        except EOFError:
+        except (EOFError, ConnectionResetError):  # the parent closed the pipe or went away: nothing more to do
             return
         for arg in [inputs] if kind == "batch" else inputs:
             conn.send_bytes(load_error or timer.run(fn, arg, kwargs))
