@@ -218,6 +218,11 @@ class _Run:
         stack.callback(self._kill_learners)
         starts = await asyncio.gather(*(a.run.remote(0) for a in self.learners))
         self.version = starts[0]["version"]  # > 0 after a resume
+        started = await self.learners[0].started_from.remote()
+        for line in started["swept"]:  # a checkpoint save was killed in an earlier run
+            log.warning("checkpoints: %s", line)
+        if started["checkpoint"] is not None:
+            log.info("the learner resumed from %s (version %d)", started["checkpoint"], self.version)
         # The learner resumed (its checkpoint's entries are committed): rebuild the ledger from
         # what is really there, so slots and prompts of groups lost with a killed run come back.
         found = await self._redis(self.queue.reconcile, self.version, cfg.learner.batch_size)
