@@ -130,7 +130,7 @@ def start(resume: str, output_dir: str | Path) -> Start:
     path = None if resume == "off" else Path(resume)
     if path is not None and not (path / _STATE).is_file():
         raise FileNotFoundError(f"trainer.resume={resume!r} is not a complete checkpoint (no {_STATE})")
-    if path is not None or list_checkpoints(output_dir):
+    if path is not None or root.is_dir():
         _write_head(root, path)
     return Start(path, swept)
 
