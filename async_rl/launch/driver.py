@@ -198,7 +198,7 @@ class _Run:
             redis_url = cfg.queue.redis_url
         else:
             embedded = EmbeddedRedis(self.run_dir / "redis")
-            redis_url = stack.enter_context(embedded)
+            redis_url = await asyncio.to_thread(stack.enter_context, embedded)  # replaying a long AOF takes a while
             if layout:
                 # Redis answers every admission, put and read. On the rollout cores, which vLLM
                 # keeps busy, it waited seconds for the CPU and held generation and the learner
