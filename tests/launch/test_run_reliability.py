@@ -2,7 +2,8 @@
 `async-rl train` in a subprocess on the tiny assets, with real Redis, Ray, vLLM and learner.
 
 - a run SIGKILLed twice and resumed reaches its last step, training every group once and
-  neither skipping nor repeating a prompt (the ledger is reconciled at each start);
+  neither skipping nor repeating a prompt (the ledger is reconciled at each start), and the
+  resume sweeps what a killed checkpoint save left, naming it on the console;
 - a reward function that fails on every probe stops the run before anything starts;
 - a reward function that hangs on some samples costs those samples, not the run (the
   resumed run above uses one, at the default timeout);
@@ -57,8 +58,15 @@ def test_sigkill_and_resume_reach_the_last_step_every_time(tiny_assets, tmp_path
         proc.kill()
         proc.wait(30)
         assert wait_gone(run_dir) == [], "the killed run left processes behind"
+    # What a save SIGKILLed before its commit leaves (tests/learner/test_checkpoint.py makes it
+    # for real): the resume sweeps it and says so on the driver's console.
+    debris = run_dir / "checkpoints" / ".tmp-step_00000009"
+    (debris / "model").mkdir(parents=True)
+    (debris / "model" / "__0_0.distcp").write_bytes(b"half a shard")
     done = train_cli(config, timeout_s=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"checkpoints: removed {debris}: a checkpoint save that did not complete" in done.stderr, done.stderr[-3000:]
+    assert not debris.exists()
 
     final = sorted((run_dir / "checkpoints").iterdir())[-1]
     assert json.loads((final / "state.json").read_text())["version"] == steps
