@@ -146,9 +146,9 @@ def failed_reward_groups(count: int, seed: int, run: str) -> list[RolloutGroup]:
 def save_killed_main(port: int, model_dir: str, out: str, kill_at: str, ready: str) -> None:
     """One rank: resume explicitly from ``step_1`` of ``out`` (leaving the line whose head is
     ``step_2``), then save a new ``step_2`` over the old one and stop at ``kill_at`` for the
-    test to SIGKILL it: ``shards`` (every shard of the new checkpoint is written, nothing is
-    committed) or ``moved_aside`` (the old ``step_2`` was moved aside, the new one not yet
-    renamed into place). Touches ``ready`` there."""
+    test to SIGKILL it: ``shards`` (the model's shards of the new checkpoint are written, the
+    optimizer's not yet) or ``moved_aside`` (the new checkpoint is complete, the old ``step_2``
+    was moved aside, the new one not yet renamed into place). Touches ``ready`` there."""
     import os as _os
 
     from async_rl.learner import checkpoint
@@ -167,7 +167,14 @@ def save_killed_main(port: int, model_dir: str, out: str, kill_at: str, ready: s
         time.sleep(3600)
 
     if kill_at == "shards":
-        checkpoint._commit = lambda tmp, path: stop_here()  # type: ignore[assignment]
+        real_save = checkpoint.dcp.save
+
+        def save(state_dict: dict, checkpoint_id: Path) -> None:
+            if checkpoint_id.name == "optim":
+                stop_here()
+            real_save(state_dict, checkpoint_id=checkpoint_id)
+
+        checkpoint.dcp.save = save  # type: ignore[assignment]
     else:
         real_replace = _os.replace
 

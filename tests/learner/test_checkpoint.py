@@ -120,7 +120,7 @@ def test_a_sigkill_during_a_save_leaves_the_previous_checkpoint(trainer: Trainer
     debris = sorted(p.name for p in root.iterdir() if p.name.startswith("."))
     assert debris == ([".tmp-step_00000002"] if kill_at == "shards" else [".old-step_00000002", ".tmp-step_00000002"])
     assert (root / ".tmp-step_00000002" / "state.json").is_file() == (kill_at == "moved_aside")  # complete, never committed
-    assert any((root / ".tmp-step_00000002" / "optim").iterdir())  # real shards were written
+    assert any((root / ".tmp-step_00000002" / "model").iterdir())  # real shards were written
 
     start = checkpoint.start("auto", out)
     assert start.path == root / "step_00000001"
