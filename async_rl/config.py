@@ -436,9 +436,11 @@ class TrainerConfig:
     save_every: int = 10
     """Write a checkpoint (and commit the queue entries it covers) every this many steps."""
     keep_checkpoints: int = 2
-    """Checkpoints kept on disk (older ones are deleted)."""
+    """Checkpoints of the line being trained kept on disk (its older ones are deleted; other
+    lines' are left alone)."""
     resume: str = "auto"
-    """``auto`` (latest checkpoint in output_dir if any), ``off``, or a checkpoint path."""
+    """``auto`` (the head of the line in output_dir, if any), ``off`` (a new line from the base
+    model), or a checkpoint path (a new line from it)."""
     val_every: int = 10
     """Validate every this many steps; 0 disables validation."""
     val_n: int = 4

@@ -1,7 +1,8 @@
 """`async-rl train` end to end on the tiny setup: real Redis, Ray, vLLM, FSDP2 learner, W&B offline.
 
 Runs the CLI in a subprocess (as a user would) and checks that the pipeline really ran,
-then that SIGTERM shuts everything down with a final checkpoint and no process left behind.
+then that SIGTERM shuts everything down with a final checkpoint and no process left behind,
+also while Redis does not answer.
 """
 
 from __future__ import annotations
@@ -11,11 +12,13 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
+import redis
 from prometheus_client.parser import text_string_to_metric_families
 from run_helpers import ROOT, queue_state, train_cli, wait_gone, write_config
 from wandb_records import history
@@ -167,8 +170,18 @@ def _export_serves_in_vllm(checkpoint: Path, out: Path) -> None:
     torch.testing.assert_close(served, expected, rtol=0, atol=1e-3)
 
 
+def _pause_embedded_redis(run_dir: Path, seconds: float) -> None:
+    """``CLIENT PAUSE`` (every command of every client) on the run's embedded Redis."""
+    conf = dict(line.split(" ", 1) for line in (run_dir / "redis" / "redis.conf").read_text().splitlines() if " " in line)
+    client = redis.Redis(port=int(conf["port"]), password=conf["requirepass"].strip('"'))
+    client.execute_command("CLIENT", "PAUSE", int(seconds * 1000), "ALL")
+    client.close()
+
+
 def test_sigterm_checkpoints_and_leaves_nothing_running(tiny_assets, tmp_path):
-    # A reward function that hangs on some samples: the signal is acted on all the same.
+    """SIGTERM while Redis is paused for 30 s: acknowledged on the console within 2 s (no Redis
+    call blocks the driver's event loop), and the stop completes once Redis answers again.
+    A reward function that hangs on some samples: the signal is acted on all the same."""
     reward = tmp_path / "reward.py"
     reward.write_text("import time\n\ndef compute_score(items):\n"
                       "    return [{'overall': time.sleep(3600) if i['response'].strip().endswith('3') else 0.0} for i in items]\n")
@@ -184,9 +197,24 @@ def test_sigterm_checkpoints_and_leaves_nothing_running(tiny_assets, tmp_path):
         assert time.monotonic() < deadline, "no learner step within 10 minutes"
         time.sleep(1.0)
     _scrape_while_running(json.loads((run_dir / "servers.json").read_text()))
+    lines: list[tuple[float, str]] = []  # (when read, line) of the driver's console
+    reader = threading.Thread(target=lambda: lines.extend((time.monotonic(), line) for line in proc.stdout), daemon=True)
+    reader.start()
+    pause_s = 30.0
+    _pause_embedded_redis(run_dir, pause_s)
+    paused = time.monotonic()
+    time.sleep(12.0)  # the driver's periodic reads (health every 10 s, failure reports every 1 s) now wait on Redis
+    signalled = time.monotonic()
     proc.send_signal(signal.SIGTERM)
-    output, _ = proc.communicate(timeout=300)
+    proc.wait(timeout=300)
+    reader.join(30)
+    output = "".join(line for _, line in lines)
     assert proc.returncode == 130, output[-3000:]
+    acknowledged = next((t for t, line in lines if "SIGTERM: stopping generation" in line), None)
+    print(f"SIGTERM acknowledged after {acknowledged and acknowledged - signalled:.2f} s; stopped {time.monotonic() - paused:.0f} s "
+          f"after the {pause_s:.0f} s Redis pause began")
+    assert acknowledged is not None and acknowledged - signalled < 2.0, output[-3000:]
+    assert time.monotonic() - paused > pause_s, "the run stopped before Redis answered: its final commit cannot have landed"
     assert "interrupted at version" in output and "Traceback" not in output, output[-3000:]
     assert sorted(p.name for p in run_dir.glob("*.png")) == sorted(PLOTS)  # the plots are drawn on SIGTERM too
     checkpoints = sorted((run_dir / "checkpoints").iterdir())

@@ -9,6 +9,9 @@ one step at a time with a bounded wait, so it can log progress (rollout counters
 Redis), start validation and react to Ctrl-C / SIGTERM. Shutdown (normal end or signal)
 runs in reverse: workers stop, the learner writes a final checkpoint and commits its queue
 entries, servers and learner actors stop, Ray stops, the embedded Redis stops.
+
+Every Redis call runs in a thread (:meth:`_Run._redis`): with Redis away one retries for
+``queue.timeout_s``, and the event loop must stay free to take a signal meanwhile.
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ import os
 import signal
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import ray
 
@@ -51,6 +55,7 @@ from async_rl.rollout.types import Sampling
 from async_rl.rollout.validation import ValidationResult, ValPrompt, validate, validate_episodes
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 LEARNER_WAIT_S = 2.0
 """Longest one learner call waits for a batch before control returns to the driver, seconds."""
@@ -200,7 +205,7 @@ class _Run:
             redis_url = cfg.queue.redis_url
         else:
             embedded = EmbeddedRedis(self.run_dir / "redis")
-            redis_url = stack.enter_context(embedded)
+            redis_url = await asyncio.to_thread(stack.enter_context, embedded)  # replaying a long AOF takes a while
             # Redis answers every admission, put and read. On the rollout cores, which vLLM
             # keeps busy, it waited seconds for the CPU and held generation and the learner
             # back with it (20 steps: 30-190 s instead of 8 s); it is light, so it runs anywhere.
@@ -209,8 +214,9 @@ class _Run:
                 set_process_cores(embedded.pid, redis_cores)
             loop = asyncio.get_running_loop()
             embedded.watch(lambda event: _call_soon(loop, self._on_redis_exit, event, redis_cores))
-        self.queue = stack.enter_context(ReplayQueue(redis_url, cfg.trainer.run_name, cfg.queue.max_depth, op_timeout_s=cfg.queue.timeout_s))
-        self._failure_cursor = self.queue.last_failure_id()  # a resumed run's older failure reports are on file already
+        self.queue = stack.enter_context(await self._redis(lambda: ReplayQueue(redis_url, cfg.trainer.run_name, cfg.queue.max_depth,
+                                                                               op_timeout_s=cfg.queue.timeout_s)))
+        self._failure_cursor = await self._redis(self.queue.last_failure_id)  # a resumed run's older failure reports are on file already
 
         try:
             init_ray(cfg.ray.address, cfg.ray.num_cpus, configure_logging=False)
@@ -274,9 +280,14 @@ class _Run:
         self.version = starts[0]["version"]  # > 0 after a resume
         self._sender_address = await self.learners[0].sync_address.remote()
         self._learner_pids = await asyncio.gather(*(a.pid.remote() for a in self.learners))
+        started = await self.learners[0].started_from.remote()
+        for line in started["swept"]:  # a checkpoint save was killed in an earlier run
+            log.warning("checkpoints: %s", line)
+        if started["checkpoint"] is not None:
+            log.info("the learner resumed from %s (version %d)", started["checkpoint"], self.version)
         # The learner resumed (its checkpoint's entries are committed): rebuild the ledger from
         # what is really there, so slots and prompts of groups lost with a killed run come back.
-        found = await asyncio.to_thread(self.queue.reconcile, self.version, cfg.learner.batch_size, live=live)
+        found = await self._redis(lambda: self.queue.reconcile(self.version, cfg.learner.batch_size, live=live))
         if found.returned or found.groups_started != found.groups_started_before:
             log.info("ledger reconciled at version %d: %d prompts returned (claimed, never enqueued), %d groups queued, "
                      "groups_started %d -> %d", self.version, found.returned, found.queued, found.groups_started_before, found.groups_started)
@@ -386,7 +397,7 @@ class _Run:
                 await asyncio.gather(relay, return_exceptions=True)
                 await self._relay_once()  # what the workers reported as they stopped
             with contextlib.suppress(Exception):  # the summary's counters; the queue may be gone after a failure
-                self.tracker.latest.update(self._rollout_metrics(self.queue.rollout_stats(), 0.0))
+                self.tracker.latest.update(self._rollout_metrics(*await self._queue_now(), 0.0))
         self.server_busy_s = [h.busy_s for h in await self.pool.health() if not isinstance(h, str)]
         if self._validating is not None:
             await self._validating
@@ -397,7 +408,12 @@ class _Run:
 
     async def _stop_workers(self) -> None:
         await self.pool.stop_workers(WORKER_GRACE_S)
-        if open_tickets := self.queue.stats()["inflight"]:  # each group ends its ticket: a bug if not
+        try:
+            open_tickets = (await self._redis(self.queue.stats))["inflight"]
+        except QueueUnavailableError as exc:  # the stop goes on: the next start reconciles the ledger
+            log.error("open admission tickets not checked: %s", exc)
+            return
+        if open_tickets:  # each group ends its ticket: a bug if not
             log.error("%d admission tickets are still open after the workers stopped; the next start returns their prompts", open_tickets)
 
     async def _drive_learner(self) -> None:
@@ -414,7 +430,7 @@ class _Run:
                 break
             self.version = results[0]["version"]
             for metrics in results[0]["steps"]:
-                metrics.update(self._rollout_now())
+                metrics.update(await self._rollout_now())
                 metrics["learner/restarts"] = float(self.learner_restarts)
                 self.tracker.log(metrics)
                 self._last_step = time.monotonic()
@@ -442,7 +458,7 @@ class _Run:
         while not self.stop.is_set():
             await asyncio.sleep(period_s)
             try:
-                rollout = await asyncio.to_thread(self.queue.rollout_stats)
+                rollout = await self._redis(self.queue.rollout_stats)
             except QueueUnavailableError as exc:  # Redis stayed down for queue.timeout_s: nothing can go on
                 self._fail(f"the queue's Redis did not answer for queue.timeout_s={cfg.queue.timeout_s:g} s: {exc}")
                 return
@@ -461,10 +477,18 @@ class _Run:
             for line in await self.pool.heal(self.version, cfg.sync.max_lag_s, healths):
                 log.warning("%s", line)
 
-    def _rollout_now(self) -> dict[str, float]:
+    async def _redis(self, call: Callable[..., T], *args: Any) -> T:
+        """``call(*args)``, a queue call, in a thread: it may retry for ``queue.timeout_s``."""
+        return await asyncio.to_thread(call, *args)
+
+    async def _queue_now(self) -> tuple[dict[str, float], dict[str, Any]]:
+        """The rollout workers' counters and the queue's stats (:meth:`ReplayQueue.stats`)."""
+        return await self._redis(lambda: (self.queue.rollout_stats(), self.queue.stats()))
+
+    async def _rollout_now(self) -> dict[str, float]:
         """The rollout side's metrics now (counters from Redis, generation rate)."""
-        rollout = self.queue.rollout_stats()
-        return self._rollout_metrics(rollout, self._generated.rate(rollout.get("tokens_generated", 0.0), time.monotonic()))
+        rollout, stats = await self._queue_now()
+        return self._rollout_metrics(rollout, stats, self._generated.rate(rollout.get("tokens_generated", 0.0), time.monotonic()))
 
     async def _relay_failures(self) -> None:
         """About once a second: the servers' failure reports to the console and the run's
@@ -482,14 +506,14 @@ class _Run:
                 log.warning("failure reports not read: %s: %s", type(exc).__name__, exc)
 
     async def _relay_once(self) -> None:
-        self._failure_cursor, reports, bad = await asyncio.to_thread(self.queue.read_failures, self._failure_cursor)
+        self._failure_cursor, reports, bad = await self._redis(self.queue.read_failures, self._failure_cursor)
         self.failures.undecodable += bad
         for line in self.failures.ingest(reports, time.monotonic()):
             self._say(line)
 
     async def _heartbeat(self, waited_s: float) -> None:
         """Log the rollout side's counters to every sink, and say on the console what each side is doing."""
-        metrics = {"version": float(self.version), **self._rollout_now()}
+        metrics = {"version": float(self.version), **(await self._rollout_now())}
         self.tracker.log(metrics, heartbeat=True)
         dropped = ", ".join(f"{k.removeprefix('queue/dropped/')} {v:.0f}" for k, v in metrics.items() if k.startswith("queue/dropped/") and v)
         errors = ", ".join(f"{label} {metrics[key]:.0f}" for label, key in (
@@ -509,7 +533,7 @@ class _Run:
 
     async def _diagnose(self) -> str:
         """What each side of a stalled run waits for, in one paragraph."""
-        cfg, stats = self.cfg, self.queue.stats()
+        cfg, stats = self.cfg, await self._redis(self.queue.stats)
         limit = (stats["version"] + cfg.algorithm.max_staleness + 1) * cfg.learner.batch_size
         admission = (f"admission closed: groups_started={stats['groups_started']} >= (published version {stats['version']} + "
                      f"max_staleness {cfg.algorithm.max_staleness} + 1) x batch {cfg.learner.batch_size} = {limit}"
@@ -522,10 +546,9 @@ class _Run:
                 f"pending {stats['pending']}); rollout: {admission}, {stats['inflight']} groups in flight, "
                 f"{stats['returned_prompts']} returned prompts waiting; servers: {servers}")
 
-    def _rollout_metrics(self, rollout: dict[str, float], tokens_per_s: float) -> dict[str, float]:
+    def _rollout_metrics(self, rollout: dict[str, float], stats: dict[str, Any], tokens_per_s: float) -> dict[str, float]:
         """Console and tracker metrics of the rollout side: the workers' counters (``rollout``,
-        from Redis, cumulative over the run) and the queue's state."""
-        stats = self.queue.stats()
+        from Redis, cumulative over the run) and the queue's state (``stats``)."""
         out = {
             "rollout/tokens_per_s": tokens_per_s,
             "queue/depth": float(stats["depth"]),

@@ -66,6 +66,12 @@ class LearnerActor:
         summary = self._loop().run(max_steps, wait_s)
         return {"version": summary.version, "steps": summary.steps}
 
+    def started_from(self) -> dict[str, Any]:
+        """``{"checkpoint": the checkpoint loaded (None: the base model), "swept": what the
+        start's sweep of killed checkpoint saves did}`` (rank 0; elsewhere the sweep is empty)."""
+        loop = self._loop()
+        return {"checkpoint": None if loop.head is None else str(loop.head), "swept": loop.swept}
+
     def finish(self) -> int:
         """Checkpoint and commit what the last checkpoint does not hold (collective); the version."""
         return self._loop().finish()

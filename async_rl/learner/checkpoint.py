@@ -1,6 +1,15 @@
 """Sharded checkpoints (torch.distributed.checkpoint), retention, resume and Hugging Face export.
 
-Layout of ``{output_dir}/checkpoints/step_{version:08d}/``::
+Layout of ``{output_dir}/checkpoints/``::
+
+    step_{version:08d}/      a committed checkpoint (below)
+    head.json               {"checkpoint": "<name or path>" | null}: the head of the line being
+                            trained (what ``trainer.resume=auto`` loads); null: a line started
+                            from the base model that has not saved yet
+    .tmp-step_{version:08d}/ a save in progress (or killed: swept at the next start)
+    .old-step_{version:08d}/ a checkpoint being replaced by a save of the same version
+
+Layout of ``step_{version:08d}/``::
 
     model/            DCP shards of the policy (one file per rank + .metadata)
     optim/            DCP shards of the AdamW state
@@ -9,11 +18,26 @@ Layout of ``{output_dir}/checkpoints/step_{version:08d}/``::
     critic_hf/        and its config.json (a one-label token classifier, for export)
     rng/rank_{r}.pt   Python, torch (and CUDA) RNG states of rank r
     hf/               config.json, generation config and tokenizer files of the base model (for export)
-    state.json        version, scheduler state, uncommitted queue entry ids, counters; written
-                      last, atomically: a directory without it is incomplete and ignored
+    state.json        version, scheduler state, uncommitted queue entry ids, counters, parent;
+                      written last: a directory without it is incomplete and ignored
 
-A checkpoint is durable when :func:`save` returns on any rank (files fsynced, directory
-entries fsynced); only then may the queue entries it covers be committed (docs/architecture.md).
+**Saving is atomic.** Every rank writes its shards into ``.tmp-step_N``; rank 0 then writes
+``state.json``, fsyncs every file and directory, and commits: an existing ``step_N`` (of an
+abandoned line, after an explicit resume from an older checkpoint) is renamed to
+``.old-step_N``, ``.tmp-step_N`` is renamed to ``step_N``, ``head.json`` is replaced, and only
+then is the old one removed. A crash at any point leaves the previous head complete and the
+head pointer on it; :func:`start` sweeps the debris at the next start (a temporary directory
+is removed, an ``.old-`` one whose ``step_N`` is missing is put back). A checkpoint is durable
+when :func:`save` returns on any rank; only then may the queue entries it covers be committed
+(docs/architecture.md).
+
+**Lines.** ``state.json`` names its ``parent``: the checkpoint the run continued from (its
+previous save, or the checkpoint it resumed from; None for a line started from the base
+model). ``trainer.resume=auto`` loads the head of the line (``head.json``), never a newer
+step of a line the user left by resuming from an older checkpoint; retention keeps the
+``keep`` newest checkpoints of the line being trained and leaves other lines' alone.
+Checkpoints written before lines existed have no ``parent`` key and their directory no
+``head.json``: they are legacy, one line in step order, and ``auto`` loads the highest step.
 """
 
 from __future__ import annotations
@@ -36,6 +60,9 @@ from async_rl.learner import collectives
 
 _PREFIX = "step_"
 _STATE = "state.json"
+_HEAD = "head.json"
+_TMP = ".tmp-"
+_OLD = ".old-"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
 
 
@@ -56,6 +83,22 @@ class TrainingState:
     """The KL-in-reward controller's state (its coefficient); empty without ``algorithm.kl_in_reward``."""
     critic_scheduler: dict[str, Any] = field(default_factory=dict)
     """The critic's ``LambdaLR.state_dict()``; empty without a critic."""
+    parent: str | None = None
+    """The checkpoint this one continues from (the run's previous save, or the checkpoint it
+    resumed from): a directory name under the same ``checkpoints/``, or an absolute path
+    elsewhere; None for a line started from the base model."""
+    run_id: str | None = None
+    """Id of the run that wrote it (None: not recorded)."""
+
+
+@dataclass(frozen=True)
+class Start:
+    """Where a run starts (:func:`start`)."""
+
+    path: Path | None
+    """The checkpoint to load; None: the base model."""
+    swept: list[str]
+    """What the sweep did, one line each (for the driver's console)."""
 
 
 def checkpoint_dir(output_dir: str | Path, version: int) -> Path:
@@ -72,18 +115,95 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: p.name)
 
 
-def resolve_resume(resume: str, output_dir: str | Path) -> Path | None:
-    """``trainer.resume`` -> the checkpoint to load: ``off`` none, ``auto`` the latest complete
-    one in ``output_dir`` (none if there is none), otherwise the given path, which must be complete."""
-    if resume == "off":
-        return None
+def start(resume: str, output_dir: str | Path) -> Start:
+    """At a start, on rank 0 before anything is saved: sweep what a killed save left
+    (:func:`sweep`), resolve ``trainer.resume`` and make it the head of the line.
+
+    ``off``: the base model (a new line; the old checkpoints stay). ``auto``: the head of the
+    line (``head.json``; legacy directories without one: the highest complete step; none if
+    there is none). Otherwise the given checkpoint, which must be complete; a later ``auto``
+    continues from it, not from a newer step of the line it leaves."""
+    root = Path(output_dir) / "checkpoints"
+    swept = sweep(output_dir)
     if resume == "auto":
-        found = list_checkpoints(output_dir)
-        return found[-1] if found else None
-    path = Path(resume)
-    if not (path / _STATE).is_file():
+        return Start(_head(root), swept)
+    path = None if resume == "off" else Path(resume)
+    if path is not None and not (path / _STATE).is_file():
         raise FileNotFoundError(f"trainer.resume={resume!r} is not a complete checkpoint (no {_STATE})")
+    if path is not None or root.is_dir():
+        _write_head(root, path)
+    return Start(path, swept)
+
+
+def sweep(output_dir: str | Path) -> list[str]:
+    """Clean up after saves that were killed: remove every temporary directory (an
+    uncommitted save) and restore or remove every replaced one. Returns a line per action."""
+    root = Path(output_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    done = []
+    for tmp in sorted(root.glob(f"{_TMP}{_PREFIX}*")):
+        shutil.rmtree(tmp)
+        done.append(f"removed {tmp}: a checkpoint save that did not complete")
+    for old in sorted(root.glob(f"{_OLD}{_PREFIX}*")):
+        final = root / old.name.removeprefix(_OLD)
+        if (final / _STATE).is_file():
+            shutil.rmtree(old)
+            done.append(f"removed {old}: replaced by {final.name}")
+        else:  # killed between moving it aside and committing the new one: it is still the one
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(old, final)
+            done.append(f"restored {final} from {old.name}: the save that was replacing it did not complete")
+    if done:
+        _fsync_dir(root)
+    return done
+
+
+def lineage(path: Path) -> list[Path]:
+    """``path`` and its ancestors under the same ``checkpoints/`` directory, newest first
+    (a legacy checkpoint's parent is the complete one of the next lower step)."""
+    root, chain, seen = path.parent, [], set()
+    current: Path | None = path
+    while current is not None and current.parent == root and current.name not in seen and (current / _STATE).is_file():
+        chain.append(current)
+        seen.add(current.name)
+        doc = json.loads((current / _STATE).read_text())
+        if "parent" in doc:
+            current = None if doc["parent"] is None else root / doc["parent"]
+        else:
+            lower = [p for p in list_checkpoints(root.parent) if p.name < current.name]
+            current = lower[-1] if lower else None
+    return chain
+
+
+def reference(path: Path, root: Path) -> str:
+    """How ``state.json`` and ``head.json`` name checkpoint ``path``: its directory name
+    when it is under ``root`` (``checkpoints/``), else its absolute path."""
+    path = path.absolute()
+    return path.name if path.parent == root.absolute() else str(path)
+
+
+def _head(root: Path) -> Path | None:
+    """The head of the line (``head.json``; legacy: the highest complete step)."""
+    head_file = root / _HEAD
+    if not head_file.is_file():
+        found = list_checkpoints(root.parent)
+        return found[-1] if found else None
+    ref = json.loads(head_file.read_text())["checkpoint"]
+    if ref is None:
+        return None
+    path = root / ref
+    if not (path / _STATE).is_file():
+        raise FileNotFoundError(f"{head_file} names {path}, which is not a complete checkpoint (no {_STATE}): "
+                                "set trainer.resume to a checkpoint to continue from, or trainer.resume=off")
     return path
+
+
+def _write_head(root: Path, path: Path | None) -> None:
+    """Make ``path`` (None: the base model) the head of the line, durably."""
+    doc = {"checkpoint": None if path is None else reference(path, root)}
+    _write_durable(root / _HEAD, lambda f: f.write(json.dumps(doc).encode()))
+    _fsync_dir(root)
 
 
 def save(
@@ -95,27 +215,33 @@ def save(
     keep: int,
     critic: tuple[nn.Module, torch.optim.Optimizer] | None = None,
 ) -> None:
-    """Write a checkpoint (collective: every rank calls it) and keep the ``keep`` newest;
-    ``critic`` is the value model and its optimizer, when there is one.
+    """Write checkpoint ``path`` (collective: every rank calls it) atomically (see the module),
+    make it the head of the line and keep the ``keep`` newest of the line (``state.parent``
+    names the previous one); ``critic`` is the value model and its optimizer, when there is one.
 
     Returns once the checkpoint is durable on every rank.
     """
     rank = dist.get_rank()
+    tmp = path.with_name(_TMP + path.name)
+    if rank == 0:  # a save of this version killed in this run's lifetime cannot exist, but be sure
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    collectives.barrier()
     for (m, o), prefix in (((model, optimizer), ""), *(((critic, "critic_"),) if critic is not None else ())):
         model_sd, optim_sd = get_state_dict(m, o)
-        dcp.save(model_sd, checkpoint_id=path / f"{prefix}model")
-        dcp.save(optim_sd, checkpoint_id=path / f"{prefix}optim")
-    _write_durable(path / "rng" / f"rank_{rank}.pt", lambda f: torch.save(_rng_state(), f))
+        dcp.save(model_sd, checkpoint_id=tmp / f"{prefix}model")
+        dcp.save(optim_sd, checkpoint_id=tmp / f"{prefix}optim")
+    _write_durable(tmp / "rng" / f"rank_{rank}.pt", lambda f: torch.save(_rng_state(), f))
     collectives.barrier()
     if rank == 0:
-        _copy_hf_files(Path(model_path), path / "hf")
+        _copy_hf_files(Path(model_path), tmp / "hf")
         if critic is not None:
             config = critic[0].config.to_json_string()
-            _write_durable(path / "critic_hf" / "config.json", lambda f: f.write(config.encode()))
-        _write_durable(path / _STATE, lambda f: f.write(json.dumps(asdict(state), indent=1).encode()))
-        _fsync_dir(path)
-        _fsync_dir(path.parent)
-        for old in list_checkpoints(path.parent.parent)[:-keep]:
+            _write_durable(tmp / "critic_hf" / "config.json", lambda f: f.write(config.encode()))
+        _write_durable(tmp / _STATE, lambda f: f.write(json.dumps(asdict(state), indent=1).encode()))
+        _fsync_tree(tmp)
+        _commit(tmp, path)
+        for old in lineage(path)[keep:]:
             shutil.rmtree(old, ignore_errors=True)
     collectives.barrier()
 
@@ -184,6 +310,33 @@ def _write_durable(path: Path, write: Any) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def _commit(tmp: Path, path: Path) -> None:
+    """Rename the complete ``tmp`` to ``path`` and make it the head; a ``path`` that exists is
+    moved aside first and removed only once the new one is in place."""
+    root = path.parent
+    old = path.with_name(_OLD + path.name)
+    if path.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(path, old)
+    os.replace(tmp, path)
+    _fsync_dir(root)
+    _write_head(root, path)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def _fsync_tree(path: Path) -> None:
+    """fsync every file and directory under ``path`` (DCP fsyncs its files, not the directories)."""
+    for dirpath, _, filenames in os.walk(path, topdown=False):
+        for name in filenames:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
 
 
 def _fsync_dir(path: Path) -> None:

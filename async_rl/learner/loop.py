@@ -99,6 +99,10 @@ class LearnerLoop:
         self.version = 0
         self.uncommitted: list[str] = []
         self.counters: Counter[str] = Counter()
+        self.head: Path | None = None
+        """The checkpoint the weights continue from: the one loaded, then each one saved."""
+        self.swept: list[str] = []
+        """What the start's sweep of killed checkpoint saves did (rank 0), for the driver's console."""
         self._resume()
         self.publication = Publication(self.info.rank, self.info.device, policy, cfg.sync.bucket_mb, self.counters, publisher,
                                        self.queue.publish_version if self.queue is not None else None, self.version)
@@ -111,9 +115,13 @@ class LearnerLoop:
         return (trainer.critic, trainer.critic_optimizer) if trainer.critic is not None and trainer.critic_optimizer is not None else None
 
     def _resume(self) -> None:
-        path = checkpoint.resolve_resume(self.cfg.trainer.resume, self.output_dir) if self.info.rank == 0 else None
+        path = None
+        if self.info.rank == 0:
+            start = checkpoint.start(self.cfg.trainer.resume, self.output_dir)
+            path, self.swept = start.path, start.swept
         chosen = collectives.broadcast_bytes(str(path).encode() if path else b"", self.info.device, self.info.rank).decode()
         if chosen:
+            self.head = Path(chosen)
             state = checkpoint.load(Path(chosen), self.trainer.policy, self.trainer.optimizer, self._critic())
             self.trainer.scheduler.load_state_dict(state.scheduler)
             if self.trainer.critic_scheduler is not None:
@@ -154,9 +162,10 @@ class LearnerLoop:
         """Checkpoint (and commit) whatever was trained or consumed since the last checkpoint;
         returns the version. Collective. Called at the end of a run and on shutdown."""
         self.publication.settle(wait=True)
-        if self.uncommitted or not checkpoint.checkpoint_dir(self.output_dir, self.version).exists():
-            if self.version > 0 or self.uncommitted:
-                self._save()
+        # The checkpoint of this version may exist on another line: only the head holds these weights.
+        saved = self.head is not None and self.head.absolute() == checkpoint.checkpoint_dir(self.output_dir, self.version).absolute()
+        if (self.uncommitted or not saved) and (self.version > 0 or self.uncommitted):
+            self._save()
         return self.version
 
     def close(self) -> None:
@@ -221,11 +230,13 @@ class LearnerLoop:
         trainer = self.trainer
         kl_ctrl = trainer.kl_ctrl.state_dict() if trainer.kl_ctrl is not None else {}
         critic_scheduler = trainer.critic_scheduler.state_dict() if trainer.critic_scheduler is not None else {}
-        state = checkpoint.TrainingState(self.version, trainer.scheduler.state_dict(), list(self.uncommitted), dict(self.counters), kl_ctrl,
-                                         critic_scheduler)
         path = checkpoint.checkpoint_dir(self.output_dir, self.version)
+        parent = None if self.head is None else checkpoint.reference(self.head, path.parent)
+        state = checkpoint.TrainingState(self.version, trainer.scheduler.state_dict(), list(self.uncommitted), dict(self.counters), kl_ctrl,
+                                         critic_scheduler, parent)
         checkpoint.save(path, trainer.policy, trainer.optimizer, state, self.cfg.learner.model_path, self.cfg.trainer.keep_checkpoints,
                         critic=self._critic())
+        self.head = path
         if self.queue is not None:
             self.queue.commit(self.uncommitted)
         self.uncommitted = []

@@ -12,8 +12,8 @@ prompt bookkeeping (``inflight`` hash, ``returned`` list). A group's life, as se
    A producer that died with tickets open has them all ended by :meth:`release_owner`
    (its replacement's supervisor calls it: every ticket names its owner).
 3. The learner drops a group it reads but will not train (stale, malformed, failed
-   reward): the queue acknowledges and counts it and :meth:`release_dropped` gives its
-   slot back, in one transaction.
+   reward): the queue's drop script acknowledges and counts it and gives its slot back
+   (``groups_started`` - 1), in one step.
 4. On every start, :meth:`reconcile` rebuilds the ledger from what is really there: prompts
    still recorded in flight (their worker is gone) are returned, and ``groups_started``
    becomes ``version * B + entries in the stream``. A learner restarted while the workers
@@ -21,35 +21,27 @@ prompt bookkeeping (``inflight`` hash, ``returned`` list). A group's life, as se
 
 So ``groups_started = trained groups (version * B) + groups in the stream + groups in
 flight`` at all times, and a crash or stop neither skips nor repeats a prompt.
+
+Every script here runs as a :class:`~async_rl.queue.client.OnceScript`: its caller retries
+it after a lost reply with the same ``call_id``, and the retry gets the first reply back
+instead of claiming, releasing or counting a second time.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
-
 import redis
 
+from async_rl.queue.client import OnceScript
 from async_rl.queue.keys import RunKeys
 
-__all__ = ["ADMIT_REPLY_TTL_S", "AdmissionLedger", "Reconciled", "Ticket"]
+__all__ = ["AdmissionLedger", "Reconciled", "Ticket"]
 
-ADMIT_REPLY_TTL_S = 300
-"""How long an admission's reply is kept for retries of the same call, seconds (longer
-than any ``op_timeout_s`` a producer retries for)."""
-
-# KEYS: counters, inflight, returned, this call's reply key. ARGV: B, eta, owner, ttl_s.
+# KEYS: counters, inflight, returned. ARGV: B, eta, owner.
 # AReaL's rule: start a group only while groups_started < (v + eta + 1) * B. Checking,
 # counting and claiming in one script makes it exact however many producers race, and
-# leaves no moment where a slot is counted without its prompt being recorded. The reply
-# is kept under the call's own key for a while: a call retried after its reply was lost
-# gets the same ticket back instead of claiming a second one that nobody would hold.
+# leaves no moment where a slot is counted without its prompt being recorded.
 _ADMIT_LUA = """
-local previous = redis.call('GET', KEYS[4])
-if previous then
-  local sep = string.find(previous, ' ', 1, true)
-  return {tonumber(string.sub(previous, 1, sep - 1)), string.sub(previous, sep + 1)}
-end
 local v = tonumber(redis.call('HGET', KEYS[1], 'version') or '0')
 local started = tonumber(redis.call('HGET', KEYS[1], 'groups_started') or '0')
 if started >= (v + tonumber(ARGV[2]) + 1) * tonumber(ARGV[1]) then
@@ -62,7 +54,6 @@ if not index then
 end
 local claim = redis.call('HINCRBY', KEYS[1], 'tickets', 1) .. ' ' .. ARGV[3]
 redis.call('HSET', KEYS[2], index, claim)
-redis.call('SET', KEYS[4], index .. ' ' .. claim, 'EX', ARGV[4])
 return {tonumber(index), claim}
 """
 
@@ -155,13 +146,14 @@ class Reconciled:
 class AdmissionLedger:
     """Shared counters and prompt claims of one run, read and updated atomically in Redis."""
 
-    def __init__(self, client: redis.Redis, keys: RunKeys) -> None:
+    def __init__(self, client: redis.Redis, keys: RunKeys, reply_ttl_s: int) -> None:
+        """``reply_ttl_s``: how long a call's reply is kept for its retries, seconds (longer
+        than any caller retries one call)."""
         self._client = client
         self._keys = keys
-        self._admit = client.register_script(_ADMIT_LUA)
-        self._abandon = client.register_script(_ABANDON_LUA)
-        self._release_owner = client.register_script(_RELEASE_OWNER_LUA)
-        self._reconcile = client.register_script(_RECONCILE_LUA)
+        self._admit, self._abandon, self._release_owner, self._reconcile = (
+            OnceScript(client, body, keys.reply, reply_ttl_s) for body in (_ADMIT_LUA, _ABANDON_LUA, _RELEASE_OWNER_LUA, _RECONCILE_LUA)
+        )
 
     @property
     def _claim_keys(self) -> list[str]:
@@ -177,36 +169,29 @@ class AdmissionLedger:
         """A :class:`Ticket` if AReaL's rule lets one more group start, else None.
 
         ``owner`` (e.g. ``server-0``) is recorded with the claimed prompt, for ``redis-cli``
-        readers and diagnostics. ``call_id`` is unique per admission attempt and the same
-        for its retries (a retry whose first try was admitted returns that ticket)."""
+        readers and diagnostics. ``call_id`` (here and below) is unique per call and the
+        same for its retries: a retry whose first try was admitted returns that ticket."""
         if batch_size <= 0 or max_staleness < 0:
             raise ValueError("need batch_size > 0 and max_staleness >= 0")
-        keys = [*self._claim_keys, self._keys.admit_reply(call_id)]
-        admitted = self._admit(keys=keys, args=[batch_size, max_staleness, owner, ADMIT_REPLY_TTL_S])
+        admitted = self._admit(self._claim_keys, [batch_size, max_staleness, owner], call_id)
         return None if admitted is None else Ticket(int(admitted[0]), admitted[1].decode())
 
-    def abandon(self, ticket: Ticket, *, return_prompt: bool) -> bool:
+    def abandon(self, ticket: Ticket, *, return_prompt: bool, call_id: str) -> bool:
         """End ``ticket`` without a group: release its slot; with ``return_prompt`` its prompt
         is served again before new ones (a stop, a failure), else it counts as done (a
         filtered or overlong prompt). Returns False if the ticket had already ended
         (nothing changes then)."""
-        done = self._abandon(keys=self._claim_keys, args=[ticket.index, ticket.claim, int(return_prompt)])
-        return bool(done)
+        return bool(self._abandon(self._claim_keys, [ticket.index, ticket.claim, int(return_prompt)], call_id))
 
-    def release_owner(self, owner: str) -> int:
+    def release_owner(self, owner: str, call_id: str) -> int:
         """End every open ticket of ``owner`` (a producer that is gone: its process was
         killed mid-group) as :meth:`abandon` with ``return_prompt`` would; returns how many.
         Owners must be unique per process, so a replacement's tickets are never touched."""
         if not owner or " " in owner:
             raise ValueError(f"owner must be a non-empty name without spaces, got {owner!r}")
-        return int(self._release_owner(keys=self._claim_keys, args=[owner]))
+        return int(self._release_owner(self._claim_keys, [owner], call_id))
 
-    def release_dropped(self, pipe: Any, count: int) -> None:
-        """Queue on ``pipe`` (the consumer's drop transaction) the release of ``count`` slots:
-        groups read that will never be trained."""
-        pipe.hincrby(self._keys.counters, "groups_started", -count)
-
-    def reconcile(self, version: int, batch_size: int, *, live: bool = False) -> Reconciled:
+    def reconcile(self, version: int, batch_size: int, call_id: str, *, live: bool = False) -> Reconciled:
         """Rebuild the ledger after the learner resumed at ``version`` (its checkpoint's
         entries are then committed and gone from the stream): set ``version`` and
         ``groups_started = version * B + stream length + open tickets``. At a start (no
@@ -215,5 +200,5 @@ class AdmissionLedger:
         workers run) the open tickets are theirs and stay."""
         if version < 0 or batch_size <= 0:
             raise ValueError("need version >= 0 and batch_size > 0")
-        found = self._reconcile(keys=[*self._claim_keys, self._keys.rollouts], args=[version, batch_size, int(live)])
+        found = self._reconcile([*self._claim_keys, self._keys.rollouts], [version, batch_size, int(live)], call_id)
         return Reconciled(*(int(x) for x in found))

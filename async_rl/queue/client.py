@@ -1,17 +1,18 @@
-"""Redis connections with bounded waits, and deadline-based retries on connection loss."""
+"""Redis connections with bounded waits, deadline-based retries on connection loss, and
+scripts that apply once however often a call is retried."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from typing import TypeVar
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-__all__ = ["QueueUnavailableError", "attempts", "connect", "redact", "retrying"]
+__all__ = ["OnceScript", "QueueUnavailableError", "attempts", "connect", "redact", "retrying"]
 
 T = TypeVar("T")
 
@@ -64,8 +65,8 @@ def retrying(op: Callable[[], T], deadline: float, what: str) -> T:
     """Run ``op``; on connection loss retry with exponential backoff until ``deadline``.
 
     ``deadline`` is a ``time.monotonic()`` value. Wrong credentials are not retried.
-    A reply lost in transit means the command may have run: retried non-idempotent
-    commands (XADD, INCR) can then apply twice.
+    A reply lost in transit means the command may have run: every write that is retried
+    is therefore idempotent (a :class:`OnceScript`, or the put's own sequence check).
     """
     failure: Exception | None = None
     for _ in attempts(deadline, first_s=0.01, cap_s=_MAX_BACKOFF_S):
@@ -79,3 +80,44 @@ def retrying(op: Callable[[], T], deadline: float, what: str) -> T:
     raise QueueUnavailableError(
         f"{what}: Redis unreachable until the deadline ({failure})"
     ) from failure
+
+
+# The reply key and its expiry travel as the last key and argument; the body sees the
+# call's own KEYS and ARGV. A body that returns false (nil) changed nothing: that reply is
+# not kept, so a retry runs it again.
+_ONCE_LUA = """
+local reply_key = table.remove(KEYS)
+local ttl_s = table.remove(ARGV)
+local previous = redis.call('GET', reply_key)
+if previous then
+  return cjson.decode(previous)
+end
+local reply = (function()
+%s
+end)()
+if reply then
+  redis.call('SET', reply_key, cjson.encode(reply), 'EX', ttl_s)
+end
+return reply
+"""
+
+
+class OnceScript:
+    """A Lua script that applies at most once per call id.
+
+    The first run keeps its reply (JSON) under ``reply_key(call_id)`` for ``ttl_s``
+    seconds; a retry of the same call (its reply was lost in transit: a dropped
+    connection, a socket timeout) returns that reply without running the body again. So a
+    script that decrements a counter or appends to a stream is safe to retry for as long
+    as its caller retries, which must be shorter than ``ttl_s``. ``body`` returns an
+    integer, a string, false (changed nothing, not kept), or an array of those.
+    """
+
+    def __init__(self, client: redis.Redis, body: str, reply_key: Callable[[str], str], ttl_s: int) -> None:
+        self._script = client.register_script(_ONCE_LUA % body)
+        self._reply_key = reply_key
+        self._ttl_s = ttl_s
+
+    def __call__(self, keys: Sequence[str], args: Sequence[Any], call_id: str) -> Any:
+        """Run (or replay) call ``call_id``: the same id for every retry of one call."""
+        return self._script(keys=[*keys, self._reply_key(call_id)], args=[*args, self._ttl_s])

@@ -30,8 +30,9 @@ class RunKeys:
     - ``failures``: stream of msgspec-encoded :class:`~async_rl.records.FailureReport`
       (field ``report``): every sample the user's reward function or environment failed
       on, from every server; capped at the newest ``FAILURES_MAXLEN`` entries.
-    - ``admit_reply(call)``: ``"<index> <claim>"`` of one admission, kept a few minutes
-      (makes retried admissions idempotent).
+    - ``reply(call)``: the JSON reply of one call of a script that writes (admit, abandon,
+      drop, commit, ...), kept a minute longer than the call's retries: a call retried
+      after its reply was lost gets it back instead of applying twice.
     - ``last_put(producer)``: ``"<seq> <entry id>"`` of a producer's last put, expiring
       a minute after its retries end (makes retried puts idempotent).
     - ``image(sha256)``: PNG bytes of one image of a vision-language prompt, stored once
@@ -69,8 +70,8 @@ class RunKeys:
     def failures(self) -> str:
         return f"{self.run}:failures"
 
-    def admit_reply(self, call_id: str) -> str:
-        return f"{self.run}:admit-reply:{call_id}"
+    def reply(self, call_id: str) -> str:
+        return f"{self.run}:reply:{call_id}"
 
     def last_put(self, producer: str) -> str:
         return f"{self.run}:last-put:{producer}"

@@ -9,6 +9,10 @@ it (XACK + XDEL). So the stream holds only unacknowledged entries, and
 Back-pressure blocks producers on *depth*, not on unacknowledged entries: the learner
 keeps what it read pending until its checkpoint is durable, and counting those would
 deadlock a learner that checkpoints less often than every ``max_depth`` groups.
+
+Every write that a lost reply may make a caller retry applies once: the put checks its
+producer's sequence number, every other write is a :class:`~async_rl.queue.client.OnceScript`
+called with one call id for all its retries.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import msgspec
 import redis
 
 from async_rl.queue.admission import AdmissionLedger, Reconciled, Ticket
-from async_rl.queue.client import attempts, connect, redact, retrying
+from async_rl.queue.client import OnceScript, attempts, connect, redact, retrying
 from async_rl.queue.keys import CONSUMER_GROUP, FAILURE_FIELD, FAILURES_MAXLEN, PAYLOAD_FIELD, RunKeys
 from async_rl.records import FailureReport, RecordDecodeError, RolloutGroup, decode, encode
 
@@ -67,6 +71,57 @@ if ARGV[7] ~= '' then
 end
 redis.call('SET', KEYS[2], ARGV[5] .. ' ' .. id, 'EX', ARGV[6])
 return id
+"""
+
+# KEYS: rollouts. ARGV: consumer group, entry ids. Acknowledge and delete; how many were pending.
+_COMMIT_LUA = """
+local acked = 0
+for i = 2, #ARGV do
+  acked = acked + redis.call('XACK', KEYS[1], ARGV[1], ARGV[i])
+  redis.call('XDEL', KEYS[1], ARGV[i])
+end
+return acked
+"""
+
+# KEYS: rollouts, dead, counters. ARGV: consumer group, dead_maxlen, d = how many are
+# dead-lettered, then d x (entry id, reason, record as read), then (entry id, reason) of
+# each dropped one. Acknowledges, counts and gives the admission slots back (the ledger's
+# groups_started: they will never be trained) together.
+_DROP_LUA = """
+local function remove(id)
+  redis.call('XACK', KEYS[1], ARGV[1], id)
+  redis.call('XDEL', KEYS[1], id)
+end
+local i, removed = 4, 0
+for _ = 1, tonumber(ARGV[3]) do
+  remove(ARGV[i])
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', 'id', ARGV[i], 'reason', ARGV[i + 1], 'raw', ARGV[i + 2])
+  redis.call('HINCRBY', KEYS[3], 'dead_lettered', 1)
+  i, removed = i + 3, removed + 1
+end
+while i <= #ARGV do
+  remove(ARGV[i])
+  redis.call('HINCRBY', KEYS[3], 'dropped_' .. ARGV[i + 1], 1)
+  i, removed = i + 2, removed + 1
+end
+redis.call('HINCRBY', KEYS[3], 'groups_started', -removed)
+return removed
+"""
+
+# KEYS: rollout stats. ARGV: (counter name, delta) pairs.
+_ADD_STATS_LUA = """
+for i = 1, #ARGV, 2 do
+  redis.call('HINCRBYFLOAT', KEYS[1], ARGV[i], ARGV[i + 1])
+end
+return 1
+"""
+
+# KEYS: failures. ARGV: maxlen, field, encoded reports.
+_REPORT_LUA = """
+for i = 3, #ARGV do
+  redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', ARGV[2], ARGV[i])
+end
+return #ARGV - 2
 """
 
 _CLAIM_BATCH = 100  # pending entries examined per round trip
@@ -156,8 +211,13 @@ class ReplayQueue:
         # XREADGROUP blocks in slices shorter than the socket timeout, which bounds each read.
         self._block_slice_s = min(1.0, socket_timeout_s / 2)
         self._client = connect(url, socket_timeout_s)
-        self._ledger = AdmissionLedger(self._client, self.keys)
+        # A call's reply is kept a minute longer than the call may retry (op_timeout_s).
+        reply_ttl_s = int(op_timeout_s) + 60
+        self._ledger = AdmissionLedger(self._client, self.keys, reply_ttl_s)
         self._put_script = self._client.register_script(_PUT_LUA)
+        self._commit, self._drop, self._add_stats, self._report = (
+            OnceScript(self._client, body, self.keys.reply, reply_ttl_s) for body in (_COMMIT_LUA, _DROP_LUA, _ADD_STATS_LUA, _REPORT_LUA)
+        )
         # Dedup state is per instance: a restart that reuses `consumer` starts afresh.
         self._last_put_key = self.keys.last_put(f"{self.consumer}.{secrets.token_hex(4)}")
         self._put_seq = itertools.count()
@@ -169,6 +229,12 @@ class ReplayQueue:
         if deadline is None:
             deadline = time.monotonic() + self.op_timeout_s
         return retrying(op, deadline, f"{what} on {self._url}")
+
+    def _once(self, what: str, op: Callable[[str], T]) -> T:
+        """:meth:`_call` of ``op(call_id)``, a :class:`OnceScript` call: one call id for
+        all its retries, so a retry after a lost reply does not apply it twice."""
+        call_id = secrets.token_hex(8)
+        return self._call(what, lambda: op(call_id))
 
     def _create_group(self) -> None:
         try:
@@ -251,21 +317,20 @@ class ReplayQueue:
     def admit(self, batch_size: int, max_staleness: int, owner: str) -> Ticket | None:
         """AReaL admission and a prompt claim (:meth:`AdmissionLedger.admit`): a ticket to
         end with :meth:`put` or :meth:`abandon`, or None while the rule holds producers back."""
-        call_id = secrets.token_hex(8)  # the same for this call's retries
-        return self._call("admit", lambda: self._ledger.admit(batch_size, max_staleness, owner, call_id))
+        return self._once("admit", lambda call_id: self._ledger.admit(batch_size, max_staleness, owner, call_id))
 
     def abandon(self, ticket: Ticket, *, return_prompt: bool) -> bool:
         """End ``ticket`` without a group (:meth:`AdmissionLedger.abandon`)."""
-        return bool(self._call("abandon", lambda: self._ledger.abandon(ticket, return_prompt=return_prompt)))
+        return self._once("abandon", lambda call_id: self._ledger.abandon(ticket, return_prompt=return_prompt, call_id=call_id))
 
     def release_owner(self, owner: str) -> int:
         """End the open tickets of a producer that is gone (:meth:`AdmissionLedger.release_owner`)."""
-        return self._call("release_owner", lambda: self._ledger.release_owner(owner))
+        return self._once("release_owner", lambda call_id: self._ledger.release_owner(owner, call_id))
 
     def reconcile(self, version: int, batch_size: int, *, live: bool = False) -> Reconciled:
         """Rebuild the ledger after the learner resumed: at a start, before any producer runs,
         or ``live`` while they run (:meth:`AdmissionLedger.reconcile`)."""
-        return self._call("reconcile", lambda: self._ledger.reconcile(version, batch_size, live=live))
+        return self._once("reconcile", lambda call_id: self._ledger.reconcile(version, batch_size, call_id, live=live))
 
     # -- consumer side -------------------------------------------------------------
 
@@ -307,18 +372,7 @@ class ReplayQueue:
         ids = list(entry_ids)
         if not ids:
             return 0
-
-        def ack() -> int:
-            pipe = self._client.pipeline()
-            self._ack_delete(pipe, ids)
-            return int(pipe.execute()[0])
-
-        return self._call("commit", ack)
-
-    def _ack_delete(self, pipe: Any, ids: Sequence[str | bytes]) -> None:
-        """Queue XACK + XDEL of ``ids`` on ``pipe`` (a MULTI/EXEC pipeline)."""
-        pipe.xack(self.keys.rollouts, CONSUMER_GROUP, *ids)
-        pipe.xdel(self.keys.rollouts, *ids)
+        return int(self._once("commit", lambda call_id: self._commit([self.keys.rollouts], [CONSUMER_GROUP, *ids], call_id)))
 
     def recover(
         self,
@@ -411,23 +465,14 @@ class ReplayQueue:
                 dropped.setdefault(drop.reason, []).append(entry_id)
                 report.note(drop.reason)
         if dead or dropped:
-            self._call("record screening", lambda: self._record(dead, dropped))
+            self._once("record screening", lambda call_id: self._record(dead, dropped, call_id))
         return keep
 
-    def _record(self, dead: list[tuple[bytes, str, bytes]], dropped: dict[str, list[bytes]]) -> None:
-        pipe = self._client.pipeline()  # MULTI/EXEC: counters, acks and releases apply together
-        for entry_id, reason, raw in dead:
-            pipe.xadd(self.keys.dead, {"id": entry_id, "reason": reason, "raw": raw},
-                      maxlen=self.dead_maxlen, approximate=True)
-        if dead:
-            pipe.hincrby(self.keys.counters, "dead_lettered", len(dead))
-        for reason, ids in dropped.items():
-            pipe.hincrby(self.keys.counters, f"dropped_{reason}", len(ids))
-        removed = [entry_id for entry_id, _, _ in dead] + [i for ids in dropped.values() for i in ids]
-        if removed:
-            self._ack_delete(pipe, removed)
-            self._ledger.release_dropped(pipe, len(removed))  # they will never be trained
-        pipe.execute()
+    def _record(self, dead: list[tuple[bytes, str, bytes]], dropped: dict[str, list[bytes]], call_id: str) -> None:
+        """Acknowledge, count and release the entries ``_screen`` will not return (:data:`_DROP_LUA`)."""
+        args = [CONSUMER_GROUP, self.dead_maxlen, len(dead), *itertools.chain.from_iterable(dead),
+                *itertools.chain.from_iterable((entry_id, reason) for reason, ids in dropped.items() for entry_id in ids)]
+        self._drop([self.keys.rollouts, self.keys.dead, self.keys.counters], args, call_id)
 
     # -- observability -------------------------------------------------------------
 
@@ -475,14 +520,8 @@ class ReplayQueue:
         """Add ``deltas`` to the run's shared rollout counters (one round trip)."""
         if not deltas:
             return
-
-        def add() -> None:
-            pipe = self._client.pipeline(transaction=True)
-            for name, delta in deltas.items():
-                pipe.hincrbyfloat(self.keys.rollout_stats, name, delta)
-            pipe.execute()
-
-        self._call("add_rollout_stats", add)
+        args = [x for name, delta in deltas.items() for x in (name, repr(float(delta)))]
+        self._once("add_rollout_stats", lambda call_id: self._add_stats([self.keys.rollout_stats], args, call_id))
 
     def rollout_stats(self) -> dict[str, float]:
         """The rollout workers' cumulative counters (see :class:`RunKeys`), summed over every
@@ -495,15 +534,8 @@ class ReplayQueue:
         entries beyond ``FAILURES_MAXLEN`` are trimmed)."""
         if not reports:
             return
-        encoded = [msgspec.msgpack.encode(r) for r in reports]
-
-        def add() -> None:
-            pipe = self._client.pipeline(transaction=False)
-            for data in encoded:
-                pipe.xadd(self.keys.failures, {FAILURE_FIELD: data}, maxlen=FAILURES_MAXLEN, approximate=True)
-            pipe.execute()
-
-        self._call("report_failures", add)
+        args = [FAILURES_MAXLEN, FAILURE_FIELD, *(msgspec.msgpack.encode(r) for r in reports)]
+        self._once("report_failures", lambda call_id: self._report([self.keys.failures], args, call_id))
 
     def last_failure_id(self) -> str:
         """The id of the newest failure report ("0-0" when there is none): where a reader

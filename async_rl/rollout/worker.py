@@ -172,9 +172,7 @@ class RolloutWorker:
             await asyncio.gather(*inflight, return_exceptions=True)
             # ...unless it was cancelled before its first step (its finally never ran); a
             # ticket that already ended is left as it is.
-            for task, ticket in inflight.items():
-                if task.cancelled():
-                    self.queue.abandon(ticket, return_prompt=True)
+            await asyncio.gather(*(self._abandon(ticket, return_prompt=True) for task, ticket in inflight.items() if task.cancelled()))
         return self.counters
 
     def _prompt_ids(self, row: PromptRow) -> list[int] | None:
@@ -197,7 +195,7 @@ class RolloutWorker:
                     ticket = await asyncio.shield(claim)
                 except asyncio.CancelledError:  # the claim may still succeed: end its ticket
                     if (late := await claim) is not None:
-                        self.queue.abandon(late, return_prompt=True)
+                        await self._abandon(late, return_prompt=True)
                     raise
                 if ticket is not None:
                     return ticket
@@ -235,12 +233,18 @@ class RolloutWorker:
             log.exception("group for prompt index %d failed; its prompt goes back to the queue", ticket.index)
         finally:
             slot.release()
-            # Synchronous, so it runs even while this task is being cancelled. The put script
-            # and the abandon script each end the ticket only if it is still open: a put
-            # cancelled mid-flight either won (the group is queued) or fails after this.
-            if not enqueued and not self.queue.abandon(ticket, return_prompt=return_prompt):
+            # The put script and the abandon script each end the ticket only if it is still
+            # open: a put cancelled mid-flight either won (the group is queued) or fails after this.
+            if not enqueued and not await self._abandon(ticket, return_prompt=return_prompt):
                 enqueued = True
             self.counters.groups_put += enqueued
+
+    async def _abandon(self, ticket: Ticket, *, return_prompt: bool) -> bool:
+        """End ``ticket`` without a group (:meth:`~async_rl.queue.ReplayQueue.abandon`) in a
+        thread: with Redis away the call retries for ``queue.timeout_s``, which must not stall
+        the server's event loop. Shielded, so it also runs while the calling task is being
+        cancelled: a cancellation ends the wait, never the release (the thread finishes it)."""
+        return await asyncio.shield(asyncio.to_thread(self.queue.abandon, ticket, return_prompt=return_prompt))
 
     async def _generate_group(self, index: int, row: PromptRow, prompt_ids: list[int], slot: _GenerationSlot) -> RolloutGroup | None:
         """The scored group, or None when dynamic sampling filtered it (or an image no

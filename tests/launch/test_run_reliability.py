@@ -2,9 +2,10 @@
 `async-rl train` in a subprocess on the tiny assets, with real Redis, Ray, vLLM and learner.
 
 - a run SIGKILLed twice and resumed reaches its last step, training every group once and
-  neither skipping nor repeating a prompt (the ledger is reconciled at each start); its
-  embedded Redis and then its learner rank, SIGKILLed during the last run, are restarted
-  (Redis on its AOF, the learner from its checkpoint) and the run goes on;
+  neither skipping nor repeating a prompt (the ledger is reconciled at each start), and the
+  resume sweeps what a killed checkpoint save left, naming it on the console; its embedded
+  Redis and then its learner rank, SIGKILLed during the last run, are restarted (Redis on
+  its AOF, the learner from its checkpoint) and the run goes on;
 - a reward function that fails on every probe stops the run before anything starts;
 - a reward function that hangs on some samples costs those samples, not the run (the
   resumed run above uses one, at the default timeout);
@@ -61,6 +62,11 @@ def test_sigkill_and_resume_reach_the_last_step_every_time(tiny_assets, tmp_path
         proc.kill()
         proc.wait(30)
         assert wait_gone(run_dir) == [], "the killed run left processes behind"
+    # What a save SIGKILLed before its commit leaves (tests/learner/test_checkpoint.py makes it
+    # for real): the resume sweeps it and says so on the driver's console.
+    debris = run_dir / "checkpoints" / ".tmp-step_00000009"
+    (debris / "model").mkdir(parents=True)
+    (debris / "model" / "__0_0.distcp").write_bytes(b"half a shard")
     proc = start_train(config)
     wait_for_version(proc, run_dir, 9)
     killed = redis_pid(run_dir)
@@ -70,6 +76,8 @@ def test_sigkill_and_resume_reach_the_last_step_every_time(tiny_assets, tmp_path
     os.kill(rank0, signal.SIGKILL)  # a learner rank dies: the learner restarts from the step-9 checkpoint
     output = proc.communicate(timeout=600)[0]
     assert proc.returncode == 0, output[-3000:]
+    assert f"checkpoints: removed {debris}: a checkpoint save that did not complete" in output, output[-3000:]
+    assert not debris.exists()
     assert f"the embedded Redis (pid {killed}) stopped (killed by SIGKILL); restarted on its append-only file" in output, output[-3000:]
     assert "learner rank 0 died" in output and "restarting the learner from its last checkpoint (restart 1 of trainer.max_restarts=3)" in output
     assert "learner restarted at version 9" in output, output[-3000:]

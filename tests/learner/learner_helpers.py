@@ -141,3 +141,49 @@ def failed_reward_groups(count: int, seed: int, run: str) -> list[RolloutGroup]:
                                  for s in g.samples], "srv", 0.0, created_at=0.0)
         for g in groups
     ]
+
+
+def save_killed_main(port: int, model_dir: str, out: str, kill_at: str, ready: str) -> None:
+    """One rank: resume explicitly from ``step_1`` of ``out`` (leaving the line whose head is
+    ``step_2``), then save a new ``step_2`` over the old one and stop at ``kill_at`` for the
+    test to SIGKILL it: ``shards`` (the model's shards of the new checkpoint are written, the
+    optimizer's not yet) or ``moved_aside`` (the new checkpoint is complete, the old ``step_2``
+    was moved aside, the new one not yet renamed into place). Touches ``ready`` there."""
+    import os as _os
+
+    from async_rl.learner import checkpoint
+    from async_rl.learner.model import init_distributed, load_sharded
+    from async_rl.learner.train_step import Trainer
+
+    cfg = learner_config(model_dir, out, "killed")
+    info = init_distributed(0, 1, "127.0.0.1", port, 60.0)
+    policy = load_sharded(model_dir, cfg.learner, info.device, trainable=True)
+    trainer = Trainer(policy, None, cfg.learner, cfg.algorithm, info, 4, 1)
+    start = checkpoint.start(str(checkpoint.checkpoint_dir(out, 1)), out)
+    checkpoint.load(start.path, policy, trainer.optimizer)  # type: ignore[arg-type]
+
+    def stop_here() -> None:
+        Path(ready).touch()
+        time.sleep(3600)
+
+    if kill_at == "shards":
+        real_save = checkpoint.dcp.save
+
+        def save(state_dict: dict, checkpoint_id: Path) -> None:
+            if checkpoint_id.name == "optim":
+                stop_here()
+            real_save(state_dict, checkpoint_id=checkpoint_id)
+
+        checkpoint.dcp.save = save  # type: ignore[assignment]
+    else:
+        real_replace = _os.replace
+
+        def replace(src: str, dst: str) -> None:
+            real_replace(src, dst)
+            if Path(dst).name.startswith(".old-"):
+                stop_here()
+
+        checkpoint.os.replace = replace  # type: ignore[attr-defined]
+    state = checkpoint.TrainingState(2, trainer.scheduler.state_dict(), counters={"line": 2}, parent="step_00000001")
+    checkpoint.save(checkpoint.checkpoint_dir(out, 2), policy, trainer.optimizer, state, model_dir, keep=5)
+    raise AssertionError(f"not stopped at {kill_at}")

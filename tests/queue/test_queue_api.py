@@ -9,6 +9,7 @@ import msgspec
 import pytest
 import redis
 from queue_workers import make_group
+from reply_cutter import ReplyCutter
 
 from async_rl.queue import Drop, EmbeddedRedis, QueueUnavailableError, ReplayQueue, Staleness, Ticket, TicketEndedError
 from async_rl.records import Failure, FailureReport, RolloutGroup, decode, encode
@@ -293,3 +294,52 @@ def test_failure_reports_round_trip_and_undecodable_entries_are_skipped(queue: R
     cursor, read, bad = queue.read_failures(cursor)
     assert read == reports[2:] and bad == 1
     assert queue.read_failures(cursor)[1:] == ([], 0) and queue.last_failure_id() == cursor
+
+
+def test_every_write_retried_after_a_lost_reply_applies_once(redis_url: str, run: str) -> None:
+    """Each script call's reply is lost once (a real proxy cuts the connection after Redis
+    ran it); the queue retries on a new connection with the same call id. The ledger, the
+    counters and the streams change once, and the retry returns the first reply."""
+    cutter = ReplyCutter(redis_url)
+    try:
+        with ReplayQueue(cutter.url, run, max_depth=64) as q:
+            def lost(op: Any) -> Any:
+                cutter.arm()
+                before = cutter.cuts
+                result = op()
+                assert cutter.cuts == before + 1  # the first reply really was lost
+                return result
+
+            tickets = [lost(lambda: q.admit(4, 0, "server-0#1")) for _ in range(4)]
+            assert [t.index for t in tickets] == [0, 1, 2, 3] and q.stats()["groups_started"] == 4
+            assert lost(lambda: q.abandon(tickets[3], return_prompt=True)) is True  # not "already ended"
+            assert q.stats()["groups_started"] == 3
+            for t, version in zip(tickets[:2], (0, 3)):
+                q.put(make_group(t.index, version=version, run=run), t)
+
+            # The learner drops both groups (one stale, one dead-lettered) in one script.
+            def check(group: RolloutGroup, payload: bytes) -> Drop | None:
+                return Drop("bad_token", "id 999", dead_letter=True) if group.group_id == "g1" else None
+
+            assert lost(lambda: q.get(2, Staleness(version=3, max_staleness=0), timeout=0.5, check=check)) == []
+            stats = q.stats()
+            assert stats["groups_started"] == 1 and stats["dropped_stale"] == 1 and stats["dead_lettered"] == 1
+            assert q._client.xlen(q.keys.dead) == 1 and stats["pending"] == 0
+
+            assert lost(lambda: q.release_owner("server-0#1")) == 1  # ticket 2 was still open
+            assert q.stats()["groups_started"] == 0 and q._client.lrange(q.keys.returned, 0, -1) == [b"3", b"2"]
+
+            q.put(make_group(9, run=run))
+            (entry_id, _), = q.get(1, timeout=0.5)
+            assert lost(lambda: q.commit([entry_id])) == 1 and q.stats()["pending"] == 0
+
+            lost(lambda: q.add_rollout_stats({"groups_put": 2.0}))
+            assert q.rollout_stats() == {"groups_put": 2.0}
+            report = FailureReport(Failure("reward_error", "ValueError: x", "r.py:1 in f", "1+1"), "server-0", f"{run}:1", 0, 1.0)
+            lost(lambda: q.report_failures([report]))
+            assert q.read_failures("0-0")[1] == [report]
+
+            found = lost(lambda: q.reconcile(version=0, batch_size=4))
+            assert (found.returned, found.groups_started_before, found.groups_started, found.returned_waiting) == (0, 0, 0, 2)
+    finally:
+        cutter.close()

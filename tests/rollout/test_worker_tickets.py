@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 
@@ -81,3 +82,42 @@ def test_groups_being_scored_do_not_hold_generation_back(tmp_path) -> None:
         asyncio.run(run())
         assert calls == 3  # admission's bound ((0 + 0 + 1) x batch 3), not max_inflight's 2
         assert queue.stats()["inflight"] == 0
+
+
+def test_a_stop_while_redis_is_paused_never_blocks_the_event_loop() -> None:
+    """The worker runs on its server's event loop: ending its tickets while Redis does not
+    answer (``CLIENT PAUSE``) happens off the loop, which keeps serving every few ms; once
+    Redis answers, every ticket is ended and its prompt returned."""
+    rows = [PromptRow(i + 1, f"{i}+1", str(i + 1)) for i in range(50)]
+    hang = asyncio.Event()  # never set: generation is in flight when the stop comes
+
+    async def generate(prompt_token_ids: list[int], n: int, sampling: Sampling) -> list[Completion]:
+        await hang.wait()
+        raise AssertionError("unreachable")
+
+    with EmbeddedRedis() as url, ReplayQueue(url, run="paused", max_depth=100) as queue, \
+            RewardPool(RewardConfig(num_workers=1)) as rewards:
+        settings = WorkerSettings(run_id="paused", server_id="server-0", n=2, sampling=Sampling(max_tokens=4),
+                                  batch_size=1000, max_staleness=0, max_inflight=4, shuffle=False)
+
+        async def stop_during_pause() -> float:
+            worker = RolloutWorker(settings, queue, rows, lambda text: [1, 2, 3], RewardScorer(rewards, rewards.cfg, 4), lambda: generate)
+            task = asyncio.create_task(worker.run(asyncio.Event()))
+            while (await asyncio.to_thread(queue.stats))["inflight"] < 4:
+                await asyncio.sleep(0.05)
+            await asyncio.to_thread(queue._client.execute_command, "CLIENT", "PAUSE", 3000, "ALL")
+            longest, last = 0.0, time.monotonic()
+            task.cancel()
+            while not task.done():  # the loop's heartbeat while the tickets end
+                await asyncio.sleep(0.01)
+                now = time.monotonic()
+                longest, last = max(longest, now - last), now
+            await asyncio.gather(task, return_exceptions=True)
+            return longest
+
+        paused_at = time.monotonic()
+        longest = asyncio.run(stop_during_pause())
+        assert time.monotonic() - paused_at > 2.5  # the tickets waited for Redis...
+        assert longest < 0.5, f"the event loop stalled for {longest:.1f} s"  # ...and the loop did not
+        stats = queue.stats()
+        assert stats["inflight"] == 0 and stats["groups_started"] == 0 and stats["returned_prompts"] == 4

@@ -1,0 +1,133 @@
+"""Checkpoints are atomic and form lines: real torch DCP shards of a tiny model, and a save
+SIGKILLed in a subprocess, midway."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from learner_helpers import SPAWN, learner_config, save_killed_main
+
+from async_rl.learner import checkpoint
+from async_rl.learner.model import DistInfo, free_port, load_sharded
+from async_rl.learner.train_step import Trainer
+
+
+@pytest.fixture
+def trainer(tiny_model: Path, one_rank: DistInfo, tmp_path: Path) -> Trainer:
+    cfg = learner_config(tiny_model, tmp_path, "ckpt")
+    return Trainer(load_sharded(str(tiny_model), cfg.learner, one_rank.device, trainable=True), None, cfg.learner, cfg.algorithm,
+                   one_rank, 4, 1)
+
+
+def _save(trainer: Trainer, tiny_model: Path, out: Path, version: int, parent: int | None, line: int, keep: int = 5) -> Path:
+    """Save ``step_{version}`` of line ``line`` (recorded in its counters) continuing from ``step_{parent}``."""
+    path = checkpoint.checkpoint_dir(out, version)
+    state = checkpoint.TrainingState(version, trainer.scheduler.state_dict(), counters={"line": line},
+                                     parent=None if parent is None else checkpoint.checkpoint_dir(out, parent).name)
+    checkpoint.save(path, trainer.policy, trainer.optimizer, state, tiny_model, keep)
+    return path
+
+
+def _line(path: Path) -> int:
+    return json.loads((path / "state.json").read_text())["counters"]["line"]
+
+
+def _names(out: Path) -> list[str]:
+    return [p.name.removeprefix("step_0000000") for p in checkpoint.list_checkpoints(out)]
+
+
+def test_auto_follows_the_line_and_retention_keeps_other_lines(trainer: Trainer, tiny_model: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    assert checkpoint.start("auto", out) == checkpoint.Start(None, [])
+    for version in (1, 2, 3, 4):  # line 1
+        _save(trainer, tiny_model, out, version, version - 1 if version > 1 else None, line=1)
+    assert checkpoint.start("auto", out).path == checkpoint.checkpoint_dir(out, 4)
+
+    # An explicit resume from step 1 starts line 2: auto continues it, before its first save too.
+    step_1 = checkpoint.checkpoint_dir(out, 1)
+    assert checkpoint.start(str(step_1), out).path == step_1
+    assert checkpoint.start("auto", out).path == step_1
+    _save(trainer, tiny_model, out, 2, 1, line=2, keep=2)  # replaces line 1's step 2
+    assert checkpoint.start("auto", out).path == checkpoint.checkpoint_dir(out, 2)
+    assert _names(out) == ["1", "2", "3", "4"] and _line(checkpoint.checkpoint_dir(out, 2)) == 2
+    _save(trainer, tiny_model, out, 3, 2, line=2, keep=2)  # line 2 keeps 3 and 2; line 1's step 4 stays
+    assert _names(out) == ["2", "3", "4"] and [_line(p) for p in checkpoint.list_checkpoints(out)] == [2, 2, 1]
+    assert checkpoint.start("auto", out).path == checkpoint.checkpoint_dir(out, 3)
+    assert checkpoint.lineage(checkpoint.checkpoint_dir(out, 3)) == [checkpoint.checkpoint_dir(out, v) for v in (3, 2)]
+
+    # resume=off starts a line from the base model: auto then starts from it too, until it saves.
+    assert checkpoint.start("off", out).path is None and checkpoint.start("auto", out).path is None
+    state = checkpoint.load(_save(trainer, tiny_model, out, 1, None, line=3), trainer.policy, trainer.optimizer)
+    assert (state.version, state.parent, state.run_id) == (1, None, None)
+    assert checkpoint.start("auto", out).path == checkpoint.checkpoint_dir(out, 1)
+
+
+def test_legacy_checkpoints_without_parents_are_one_line_in_step_order(trainer: Trainer, tiny_model: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    for version in (1, 2, 3):
+        path = _save(trainer, tiny_model, out, version, None, line=0)
+        doc = json.loads((path / "state.json").read_text())
+        del doc["parent"], doc["run_id"]  # as written before lines existed
+        (path / "state.json").write_text(json.dumps(doc))
+    (out / "checkpoints" / "head.json").unlink()
+    assert checkpoint.start("auto", out).path == checkpoint.checkpoint_dir(out, 3)
+    assert checkpoint.load(checkpoint.checkpoint_dir(out, 3), trainer.policy, trainer.optimizer).parent is None
+    _save(trainer, tiny_model, out, 4, 3, line=1, keep=2)
+    assert _names(out) == ["3", "4"]  # the legacy ancestors beyond keep=2 were the line's
+
+
+def test_a_save_killed_between_its_renames_is_rolled_back_at_the_next_start(trainer: Trainer, tiny_model: Path, tmp_path: Path) -> None:
+    """What a kill between moving the old checkpoint aside and renaming the new one into place
+    leaves, built from real saves: the next start puts the old one back and removes the new."""
+    out = tmp_path / "run"
+    root = out / "checkpoints"
+    _save(trainer, tiny_model, out, 1, None, line=1)
+    _save(trainer, tiny_model, out, 2, 1, line=1)
+    os.replace(root / "step_00000002", root / ".old-step_00000002")
+    new = _save(trainer, tiny_model, out / "elsewhere", 2, 1, line=2)
+    os.replace(new, root / ".tmp-step_00000002")
+    swept = checkpoint.start("auto", out).swept
+    assert swept == [f"removed {root / '.tmp-step_00000002'}: a checkpoint save that did not complete",
+                     f"restored {root / 'step_00000002'} from .old-step_00000002: the save that was replacing it did not complete"]
+    assert sorted(p.name for p in root.iterdir()) == ["head.json", "step_00000001", "step_00000002"]
+    assert _line(root / "step_00000002") == 1
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("kill_at", ["shards", "moved_aside"])
+def test_a_sigkill_during_a_save_leaves_the_previous_checkpoint(trainer: Trainer, tiny_model: Path, tmp_path: Path, kill_at: str) -> None:
+    """Line 1 has steps 1 and 2; a process resumes from step 1 (line 2) and is SIGKILLed while
+    saving its step 2 over line 1's. The next start sweeps the debris, auto picks step 1 (the
+    head of line 2), and line 1's step 2 is whole: its own state over its own shards."""
+    out = tmp_path / "run"
+    root = out / "checkpoints"
+    _save(trainer, tiny_model, out, 1, None, line=1)
+    _save(trainer, tiny_model, out, 2, 1, line=1)
+    ready = tmp_path / "ready"
+    proc = SPAWN.Process(target=save_killed_main, args=(free_port(), str(tiny_model), str(out), kill_at, str(ready)), daemon=True)
+    proc.start()
+    deadline = time.monotonic() + 180
+    while not ready.exists():
+        assert proc.is_alive() and time.monotonic() < deadline, f"the save did not reach {kill_at}"
+        time.sleep(0.1)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join(30)
+    debris = sorted(p.name for p in root.iterdir() if p.name.startswith("."))
+    assert debris == ([".tmp-step_00000002"] if kill_at == "shards" else [".old-step_00000002", ".tmp-step_00000002"])
+    assert (root / ".tmp-step_00000002" / "state.json").is_file() == (kill_at == "moved_aside")  # complete, never committed
+    assert any((root / ".tmp-step_00000002" / "model").iterdir())  # real shards were written
+
+    start = checkpoint.start("auto", out)
+    assert start.path == root / "step_00000001"
+    assert [line.split(":")[0] for line in start.swept] == [f"removed {root / '.tmp-step_00000002'}"] + (
+        [f"restored {root / 'step_00000002'} from .old-step_00000002"] if kill_at == "moved_aside" else [])
+    assert sorted(p.name for p in root.iterdir()) == ["head.json", "step_00000001", "step_00000002"]
+    assert checkpoint.start("auto", out).swept == []
+    for version in (2, 1):  # every checkpoint left loads: state and shards of one save
+        state = checkpoint.load(root / f"step_0000000{version}", trainer.policy, trainer.optimizer)
+        assert (state.version, state.counters) == (version, {"line": 1})
