@@ -38,9 +38,11 @@ from async_rl.launch.plan import make_plan
 from async_rl.launch.prometheus import server_states
 from async_rl.launch.ray_cluster import init_ray
 from async_rl.launch.reaper import reap_on_exit
+from async_rl.launch.run_state import RunStateError, claim_run, driver_owner, set_aside
 from async_rl.launch.tracking import Tracker
 from async_rl.learner.actor import start_learners
-from async_rl.queue import EmbeddedRedis, ReplayQueue
+from async_rl.queue import EmbeddedRedis, QueueUnavailableError, ReplayQueue
+from async_rl.queue.ownership import LEASE_RENEW_S, LeaseLostError, RunInUseError, RunOwnership
 from async_rl.rewards.pool import RewardPool
 from async_rl.rewards.scoring import RewardScorer, RewardStartupError, check_reward_function
 from async_rl.rollout.engine_args import engine_kwargs, on_gpu, openai_api_settings
@@ -125,6 +127,7 @@ class _Run:
 
     async def main(self) -> RunResult:
         cfg = self.cfg
+        set_aside(cfg)  # trainer.resume=fresh: the previous run's files go to previous-<run id>/ first
         self.run_dir.mkdir(parents=True, exist_ok=True)
         save_resolved(cfg, self.run_dir)
         loop = asyncio.get_running_loop()
@@ -199,6 +202,7 @@ class _Run:
                 # keeps busy, it waited seconds for the CPU and held generation and the learner
                 # back with it (20 steps: 30-190 s instead of 8 s); it is light, so it runs anywhere.
                 set_process_cores(embedded.pid, all_cores)
+        await self._claim_run(stack, redis_url, embedded=not cfg.queue.redis_url)
         self.queue = stack.enter_context(ReplayQueue(redis_url, cfg.trainer.run_name, cfg.queue.max_depth, op_timeout_s=cfg.queue.timeout_s))
         self._failure_cursor = self.queue.last_failure_id()  # a resumed run's older failure reports are on file already
 
@@ -208,7 +212,9 @@ class _Run:
             raise StartupError(str(exc)) from None
         stack.callback(ray.shutdown)
         self._install_signal_handlers()
-        self.learners = await asyncio.to_thread(start_learners, cfg, redis_url, layout.ranks if layout else None)
+        # After trainer.resume=fresh moved the old state aside, the learner starts from the base model.
+        learner_cfg = replace(cfg, trainer=replace(cfg.trainer, resume="off")) if cfg.trainer.resume == "fresh" else cfg
+        self.learners = await asyncio.to_thread(start_learners, learner_cfg, redis_url, layout.ranks if layout else None)
         stack.callback(self._kill_learners)
         starts = await asyncio.gather(*(a.run.remote(0) for a in self.learners))
         self.version = starts[0]["version"]  # > 0 after a resume
@@ -237,6 +243,30 @@ class _Run:
             if cfg.logging.console:
                 self.tracker.console.print(f"Prometheus metrics: {self.tracker.prometheus.url}", highlight=False)
         self._write_servers()
+
+    async def _claim_run(self, stack: contextlib.AsyncExitStack, redis_url: str, embedded: bool) -> None:
+        """Bind the output directory and the run name's queue to one run id
+        (:func:`~async_rl.launch.run_state.claim_run`) and hold the run name's lease until the end."""
+        ownership = stack.enter_context(RunOwnership(redis_url, self.cfg.trainer.run_name, op_timeout_s=self.cfg.queue.timeout_s))
+        try:
+            await asyncio.to_thread(claim_run, ownership, self.cfg, embedded=embedded, owner=driver_owner())
+        except (RunStateError, RunInUseError) as exc:
+            raise StartupError(str(exc)) from None
+        stack.callback(ownership.release)  # after everything that writes to the queue has stopped
+        holder = asyncio.create_task(self._hold_lease(ownership))
+        stack.push_async_callback(_cancel, holder)
+
+    async def _hold_lease(self, ownership: RunOwnership) -> None:
+        """Renew the run name's lease every few seconds; end the run if another driver took it."""
+        while True:
+            await asyncio.sleep(LEASE_RENEW_S)
+            try:
+                await asyncio.to_thread(ownership.renew)
+            except LeaseLostError as exc:
+                self._fail(str(exc))
+                return
+            except QueueUnavailableError as exc:  # Redis away: the queue's own calls decide the run's fate
+                log.warning("the run's lease was not renewed: %s", exc)
 
     def _scorer(self) -> RewardScorer:
         return RewardScorer(self.rewards, self.cfg.rollout.reward, self.cfg.rollout.max_response_length)
@@ -508,6 +538,12 @@ class _Run:
             "val/pass_at_n": result.pass_at_n, "val/seconds": result.seconds, "val/final": float(final),
             "val/max_version": float(result.max_version),
         })
+
+
+async def _cancel(task: asyncio.Task) -> None:
+    """Cancel ``task`` and wait until it ended."""
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
 
 
 async def _until(task: asyncio.Task, stop: asyncio.Event) -> None:

@@ -146,7 +146,9 @@ class QueueReader:
     def _from_backlog(self, n: int, version: int) -> list[Fed]:
         """Up to ``n`` backlog groups trainable at ``version``, oldest first; the queue drops
         those the staleness rule rejects now."""
-        rule, take, late = self._staleness(version), [], []
+        rule = self._staleness(version)
+        take: list[Fed] = []
+        late: list[tuple[str, RolloutGroup, Drop]] = []
         while self.backlog and len(take) < n:
             fed = self.backlog.pop(0)
             drop = rule.judge(fed.screened.group)
