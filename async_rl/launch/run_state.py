@@ -145,7 +145,10 @@ def claim_run(ownership: RunOwnership, cfg: Config, *, embedded: bool, owner: st
         found, has_data = ownership.record(), ownership.holds_data()
         if t.resume == "fresh" and (found is not None or has_data):
             aside = f"{t.run_name}.{ASIDE_PREFIX}{found.run_id if found is not None else _stamp()}"
-            moved = ownership.move_aside(aside)
+            try:
+                moved = ownership.move_aside(aside)
+            except FileExistsError as exc:
+                raise RunStateError(f"trainer.resume=fresh: {exc}; delete or rename them (redis-cli) and start again") from None
             log.warning("trainer.resume=fresh: moved the %d Redis keys of the previous run of trainer.run_name=%r on %s to %s:*",
                         moved, t.run_name, where, aside)
             found, has_data = None, False
