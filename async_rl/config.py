@@ -428,7 +428,7 @@ class TrainerConfig:
     """The training run."""
 
     run_name: str = "async-rl"
-    """Name of the run (Redis stream prefix, W&B run name)."""
+    """Name of the run (Redis key prefix, W&B run name); one live run per name on a Redis (a second is refused)."""
     output_dir: str = "runs/${trainer.run_name}"
     """Directory of checkpoints, metrics.jsonl and the resolved config."""
     total_steps: int = 100
@@ -439,8 +439,7 @@ class TrainerConfig:
     """Checkpoints of the line being trained kept on disk (its older ones are deleted; other
     lines' are left alone)."""
     resume: str = "auto"
-    """``auto`` (the head of the line in output_dir, if any), ``off`` (a new line from the base
-    model), or a checkpoint path (a new line from it)."""
+    """``auto``: resume the run in output_dir (the head of its line of checkpoints, if any); ``off``: a new line from the base model, refused when output_dir or the run name's queue holds a run's state; ``fresh``: move that state aside (output_dir's run files to ``previous-<run id>/`` there, the queue's Redis keys to ``<run_name>.previous-<run id>:*``; nothing is deleted), then start a new run from the base model; or a checkpoint path to load (a new line from it)."""
     val_every: int = 10
     """Validate every this many steps; 0 disables validation."""
     val_n: int = 4

@@ -42,9 +42,11 @@ from async_rl.launch.plan import make_plan
 from async_rl.launch.prometheus import server_states
 from async_rl.launch.ray_cluster import init_ray
 from async_rl.launch.reaper import reap_on_exit
+from async_rl.launch.run_state import RunStateError, claim_run, driver_owner, set_aside
 from async_rl.launch.tracking import Tracker
 from async_rl.learner.actor import start_learners
 from async_rl.queue import EmbeddedRedis, QueueUnavailableError, RedisExit, ReplayQueue
+from async_rl.queue.ownership import LEASE_RENEW_S, LeaseLostError, RunInUseError, RunOwnership
 from async_rl.rewards.pool import RewardPool
 from async_rl.rewards.scoring import RewardScorer, RewardStartupError, check_reward_function
 from async_rl.rollout.engine_args import engine_kwargs, on_gpu, openai_api_settings
@@ -137,6 +139,7 @@ class _Run:
 
     async def main(self) -> RunResult:
         cfg = self.cfg
+        set_aside(cfg)  # trainer.resume=fresh: the previous run's files go to previous-<run id>/ first
         self.run_dir.mkdir(parents=True, exist_ok=True)
         save_resolved(cfg, self.run_dir)
         loop = asyncio.get_running_loop()
@@ -214,6 +217,7 @@ class _Run:
                 set_process_cores(embedded.pid, redis_cores)
             loop = asyncio.get_running_loop()
             embedded.watch(lambda event: _call_soon(loop, self._on_redis_exit, event, redis_cores))
+        await self._claim_run(stack, redis_url, embedded=not cfg.queue.redis_url)
         self.queue = stack.enter_context(await self._redis(lambda: ReplayQueue(redis_url, cfg.trainer.run_name, cfg.queue.max_depth,
                                                                                op_timeout_s=cfg.queue.timeout_s)))
         self._failure_cursor = await self._redis(self.queue.last_failure_id)  # a resumed run's older failure reports are on file already
@@ -225,7 +229,8 @@ class _Run:
         stack.callback(ray.shutdown)
         self._install_signal_handlers()
         self._redis_url, self._rank_cores = redis_url, layout.ranks if layout else None
-        await self._start_learners(cfg)
+        # After trainer.resume=fresh moved the old state aside, the learner starts from the base model.
+        await self._start_learners(replace(cfg, trainer=replace(cfg.trainer, resume="off")) if cfg.trainer.resume == "fresh" else cfg)
         stack.callback(self._kill_learners)
         sender_address = self._sender_address
 
@@ -257,6 +262,30 @@ class _Run:
             with contextlib.suppress(OSError):  # it may have died again; the watcher restarts it
                 set_process_cores(event.new_pid, cores)
         self._say(event.describe())
+
+    async def _claim_run(self, stack: contextlib.AsyncExitStack, redis_url: str, embedded: bool) -> None:
+        """Bind the output directory and the run name's queue to one run id
+        (:func:`~async_rl.launch.run_state.claim_run`) and hold the run name's lease until the end."""
+        ownership = stack.enter_context(RunOwnership(redis_url, self.cfg.trainer.run_name, op_timeout_s=self.cfg.queue.timeout_s))
+        try:
+            await asyncio.to_thread(claim_run, ownership, self.cfg, embedded=embedded, owner=driver_owner())
+        except (RunStateError, RunInUseError) as exc:
+            raise StartupError(str(exc)) from None
+        stack.callback(ownership.release)  # after everything that writes to the queue has stopped
+        holder = asyncio.create_task(self._hold_lease(ownership))
+        stack.push_async_callback(_cancel, holder)
+
+    async def _hold_lease(self, ownership: RunOwnership) -> None:
+        """Renew the run name's lease every few seconds; end the run if another driver took it."""
+        while True:
+            await asyncio.sleep(LEASE_RENEW_S)
+            try:
+                await asyncio.to_thread(ownership.renew)
+            except LeaseLostError as exc:
+                self._fail(str(exc))
+                return
+            except QueueUnavailableError as exc:  # Redis away: the queue's own calls decide the run's fate
+                log.warning("the run's lease was not renewed: %s", exc)
 
     def _scorer(self) -> RewardScorer:
         return RewardScorer(self.rewards, self.cfg.rollout.reward, self.cfg.rollout.max_response_length)
@@ -638,6 +667,12 @@ def _call_soon(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> None:
     """Run ``fn(*args)`` on ``loop`` from another thread; nothing once the loop has closed."""
     with contextlib.suppress(RuntimeError):
         loop.call_soon_threadsafe(fn, *args)
+
+
+async def _cancel(task: asyncio.Task) -> None:
+    """Cancel ``task`` and wait until it ended."""
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
 
 
 async def _until(task: asyncio.Task, stop: asyncio.Event) -> None:

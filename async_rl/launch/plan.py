@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from async_rl.config import Config
+from async_rl.launch import run_state
 from async_rl.launch.prometheus import port_error
 from async_rl.learner import attention, kernels, vision
 from async_rl.learner.memory import (
@@ -107,6 +108,10 @@ def make_plan(cfg: Config) -> Plan:
     _check_kernels(cfg, plan)
     _check_vision(cfg, plan)
     _check_memory(cfg, plan)
+    if problem := run_state.refusal(cfg):
+        plan.errors.append(problem)
+    if note := run_state.plan_note(cfg):
+        plan.warnings.append(note)
     if cfg.ray.address is not None and cfg.queue.redis_url is None:
         plan.warnings.append("the embedded redis-server listens on 127.0.0.1 only: on a multi-node cluster set queue.redis_url "
                              "to a Redis that every node reaches (the inference servers write their groups to it, and learner rank 0 reads them, "

@@ -52,6 +52,8 @@ COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("rollout/groups_put", "groups_generated", "Groups written to the replay queue."),
     ("queue/dead_lettered", "queue_dead_lettered_groups", "Undecodable or invalid queue entries moved to the dead-letter stream."),
     ("queue/dropped_stale", "queue_dropped_stale_groups", "Groups dropped because they were older than algorithm.max_staleness allows."),
+    ("queue/dropped/future", "queue_dropped_future_groups",
+     "Groups not trained because weights more than algorithm.max_staleness versions newer than the learner's made them (after a resume); their prompts are served again."),
     ("rollout/reward_errors", "reward_errors", "Samples the reward function failed on (raised, timed out, unusable output): not trained."),
     ("rollout/reward_timeouts", "reward_timeouts", "Samples among reward_errors whose scoring exceeded rollout.reward.timeout_s."),
     ("rollout/reward_killed", "reward_workers_killed", "Reward worker process groups killed because a timed-out call did not stop when interrupted."),

@@ -120,15 +120,18 @@ class QueueReader:
         """The detail of the last group dropped for each reason (for the stop message)."""
         """Why the groups read since the last one kept were dropped (see :meth:`failure`)."""
 
-    def recover(self, version: int) -> None:
+    def recover(self) -> None:
         """Take this learner's own pending entries and those of dead consumers into the
-        backlog (after a restart: trained first, in their original order)."""
-        entries = self.queue.recover(self._staleness(version), check=self._check, include_own=True)
+        backlog (after a restart: trained first, in their original order). Their staleness
+        is judged when their step comes (:meth:`read`): after a resume from version ``c`` the
+        entries first read at version ``c + k`` (behaviour versions up to ``c + k``) are
+        trained again at ``c + k``, where they pass, however far ``k`` exceeds the bound."""
+        entries = self.queue.recover(check=self._check, include_own=True)
         self.backlog = self._fed(entries)
 
     def read(self, n: int, version: int, hooks: WaitHooks) -> list[Fed]:
         """Up to ``n`` groups: the backlog first, then new ones (one bounded queue read)."""
-        take, self.backlog = self.backlog[:n], self.backlog[n:]
+        take = self._from_backlog(n, version)
         if len(take) < n and hooks.loading:
             # Train on data that is already there while the servers load; but if the batch
             # must wait for new groups, publish the version first (admission may need it).
@@ -138,6 +141,24 @@ class QueueReader:
         if len(take) < n:
             # Short reads: between them the ranks exchange a wait beat and catch up late servers.
             take += self._get(n - len(take), min(self.read_timeout_s, 2.0), version)
+        return take
+
+    def _from_backlog(self, n: int, version: int) -> list[Fed]:
+        """Up to ``n`` backlog groups trainable at ``version``, oldest first; the queue drops
+        those the staleness rule rejects now."""
+        rule = self._staleness(version)
+        take: list[Fed] = []
+        late: list[tuple[str, RolloutGroup, Drop]] = []
+        while self.backlog and len(take) < n:
+            fed = self.backlog.pop(0)
+            drop = rule.judge(fed.screened.group)
+            if drop is None:
+                take.append(fed)
+            else:
+                late.append((fed.entry_id, fed.screened.group, drop))
+        if late:
+            self.queue.drop(late)
+            self._note_screen()
         return take
 
     def message(self, fed: list[Fed], deadline: float | None) -> FeedMessage:
@@ -170,13 +191,17 @@ class QueueReader:
 
     def _fed(self, entries: Sequence[tuple[str, RolloutGroup]]) -> list[Fed]:
         """The entries a queue call returned, with what :meth:`_check` kept of them."""
+        self._note_screen()
+        fed = [Fed(entry_id, *self._screened[id(group)]) for entry_id, group in entries]
+        self._screened.clear()
+        return fed
+
+    def _note_screen(self) -> None:
+        """Count what the latest queue call dropped toward "nothing is trainable"."""
         report = self.queue.last_screen
         if report.kept:
             self._recent_drops = Counter()
         self._recent_drops.update(report.trailing)
-        fed = [Fed(entry_id, *self._screened[id(group)]) for entry_id, group in entries]
-        self._screened.clear()
-        return fed
 
     def _check(self, group: RolloutGroup, record: bytes) -> Drop | None:
         """Screen a group as it is read; fetch its images once, which must decode."""

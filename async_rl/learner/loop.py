@@ -134,7 +134,7 @@ class LearnerLoop:
                 self.queue.commit(state.uncommitted_entry_ids)
         if self.feed.reader is not None:
             # Entries read but not in the checkpoint: train them first, in their original order.
-            self.feed.reader.recover(self.version)
+            self.feed.reader.recover()
 
     def run(self, max_steps: int | None = None, wait_s: float | None = None) -> LoopSummary:
         """Train until ``trainer.total_steps`` (then save a final checkpoint), or for at most

@@ -35,6 +35,9 @@ class RunKeys:
       after its reply was lost gets it back instead of applying twice.
     - ``last_put(producer)``: ``"<seq> <entry id>"`` of a producer's last put, expiring
       a minute after its retries end (makes retried puts idempotent).
+    - ``run_record``: JSON of the run that owns these keys (``run_id``, ``output_dir``,
+      ``host``, ``started_at``): set at the run's first start (:mod:`async_rl.queue.ownership`).
+    - ``lease``: ``"<run id> <owner>"`` of the live driver, with a TTL it keeps renewing.
     - ``image(sha256)``: PNG bytes of one image of a vision-language prompt, stored once
       per content however many groups use it; every put of a group that uses it renews
       its expiry (``queue.image_ttl_s``).
@@ -72,6 +75,19 @@ class RunKeys:
 
     def reply(self, call_id: str) -> str:
         return f"{self.run}:reply:{call_id}"
+
+    @property
+    def run_record(self) -> str:
+        return f"{self.run}:run"
+
+    @property
+    def lease(self) -> str:
+        return f"{self.run}:lease"
+
+    @property
+    def pattern(self) -> str:
+        """SCAN pattern of every key of the run (glob characters of the name escaped)."""
+        return "".join("\\" + c if c in "*?[]\\" else c for c in self.run) + ":*"
 
     def last_put(self, producer: str) -> str:
         return f"{self.run}:last-put:{producer}"

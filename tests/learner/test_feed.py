@@ -82,6 +82,33 @@ def test_a_run_of_dropped_groups_stops_the_feed_with_the_reasons(redis_url: str,
     assert "reward" not in message
 
 
+def test_a_resumed_backlog_is_judged_at_the_version_each_group_is_trained_at(redis_url: str, one_rank: DistInfo) -> None:
+    """After a resume from version 0, the groups a crashed learner had read at versions 1 and 2
+    (eta = 1) are trained again at 1 and 2; one of weights 5 (never trainable by then) is
+    dropped as future and its prompt served again."""
+    run = f"feed-{uuid.uuid4().hex[:8]}"
+    groups = [g for version in (0, 0, 1, 1, 2, 2, 5) for g in make_groups(1, seed=30 + version, version=version, run=run)]
+    groups = [RolloutGroup.from_lists(run, f"g{i}", i, list(g.prompt_array()), g.samples, "srv", 0.0) for i, g in enumerate(groups)]
+    with ReplayQueue(redis_url, run, max_depth=64, consumer="learner-0") as crashed:
+        for g in groups:
+            crashed.put(g)
+        assert len(crashed.get(7, timeout=1.0)) == 7  # read, never committed: pending on learner-0
+    with ReplayQueue(redis_url, run, max_depth=64, consumer="learner-0") as queue:
+        feed, hooks = _feed(queue, one_rank), Hooks()
+        assert feed.reader is not None
+        feed.reader.recover()
+        trained = []
+        for version in range(3):
+            data = feed.next(2, version, hooks)
+            assert data is not None
+            trained.append([f.screened.group.behaviour_version for f in data.fed])
+        assert trained == [[0, 0], [1, 1], [2, 2]]
+        assert feed.next(2, 3, hooks, deadline=time.monotonic() + 0.5) is None
+        stats = queue.stats()
+        assert stats["dropped"] == {"future": 1} and stats["returned_prompts"] == 1 and stats["pending"] == 6
+        assert queue._client.lrange(queue.keys.returned, 0, -1) == [b"6"]
+
+
 def test_staleness_is_measured_on_the_groups_behaviour_version() -> None:
     old, new = make_groups(1, seed=1, version=3)[0], make_groups(1, seed=2, version=5)[0]
     metrics = staleness_metrics([old, new, new], 6)

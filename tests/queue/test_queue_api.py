@@ -140,6 +140,38 @@ def test_dropped_groups_give_admission_slots_back(queue: ReplayQueue, run: str) 
     assert queue.stats()["groups_started"] == 0 and queue.last_screen.dropped == {"stale": 1}
 
 
+def test_future_groups_are_dropped_counted_and_their_prompts_served_again(queue: ReplayQueue, run: str) -> None:
+    # A learner resumed at version 2 (eta = 1) meets groups of weights up to version 5 that a
+    # crashed run generated after its last checkpoint: |2 - v| <= 1 is trained, the rest not.
+    tickets = _admit_all(queue, batch_size=2, max_staleness=2)  # (0 + 2 + 1) * 2 = 6 slots
+    versions = [1, 2, 3, 4, 5, 0]
+    for ticket, version in zip(tickets, versions):
+        queue.put(make_group(ticket.index, version=version, run=run), ticket)
+    got = queue.get(6, Staleness(version=2, max_staleness=1), timeout=0.5)
+    assert [g.behaviour_version for _, g in got] == [1, 2, 3]
+    report = queue.last_screen
+    assert report.dropped == {"future": 2, "stale": 1}
+    assert report.trailing == {"stale": 1}  # a future drop loses nothing: not a sign of "nothing trainable"
+    stats = queue.stats()
+    assert stats["dropped"] == {"future": 2, "stale": 1} and stats["pending"] == 3 and stats["depth"] == 0
+    assert stats["groups_started"] == 3  # the dropped groups' slots are free again
+    # The future groups' prompts (3, 4) come back and are claimed before new ones; the stale one (5) counts as done.
+    assert queue._client.lrange(queue.keys.returned, 0, -1) == [b"3", b"4"]
+    assert [t.index for t in _admit_all(queue, batch_size=2, max_staleness=2)] == [3, 4, 6]
+
+
+def test_drop_after_reading_releases_like_a_drop_at_read_time(queue: ReplayQueue, run: str) -> None:
+    (ticket,) = _admit_all(queue, batch_size=1, max_staleness=0)
+    queue.put(make_group(ticket.index, version=7, run=run), ticket)
+    ((entry_id, group),) = queue.recover(include_own=True) or queue.get(1, timeout=0.5)
+    drop = Staleness(version=0, max_staleness=2).judge(group)
+    assert drop is not None and drop.reason == "future" and drop.return_prompt
+    queue.drop([(entry_id, group, drop)])
+    stats = queue.stats()
+    assert (stats["pending"], stats["groups_started"], stats["dropped"], stats["returned_prompts"]) == (0, 0, {"future": 1}, 1)
+    assert queue.last_screen.dropped == {"future": 1} and not queue.last_screen.trailing
+
+
 def test_check_drops_or_dead_letters_and_reports_the_run_of_drops(queue: ReplayQueue, run: str) -> None:
     for i in range(5):
         queue.put(make_group(i, run=run))
