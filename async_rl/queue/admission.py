@@ -31,6 +31,7 @@ instead of claiming, releasing or counting a second time.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import redis
 
 from async_rl.queue.client import OnceScript

@@ -463,7 +463,7 @@ class ReplayQueue:
         self.last_screen = report
         dropped = [(entry_id.encode(), group.prompt_id, drop) for entry_id, group, drop in entries]
         if dropped:
-            self._call("record drops", lambda: self._record([], dropped))
+            self._once("record drops", lambda call_id: self._record([], dropped, call_id))
 
     def _screen(
         self, entries: Sequence[RawEntry], staleness: Staleness | None, check: Check | None, report: ScreenReport
