@@ -218,6 +218,7 @@ class InferenceServer:
         finally:
             if not task.done():
                 task.cancel()  # vLLM aborts the request (a no-op on a dead engine)
+                task.add_done_callback(lambda t: t.cancelled() or t.exception())  # its error is the engine's death: seen
         if task.done() and not task.cancelled():
             return task.result()
         raise EngineDied(f"{self.server_id}: {self._death.result()}")
