@@ -120,7 +120,7 @@ def steps_after(run_dir: Path, injected_at: float) -> dict:
     """The learner steps' timing from ``metrics.jsonl`` around a fault injected at ``injected_at`` (``time.time()``)."""
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     steps = sorted((int(r["version"]), r["time/wall_s"]) for r in records if "perf/tokens_per_s" in r)
-    last = records[-1] if records else {}
+    last = next((r for r in reversed(records) if "perf/tokens_per_s" in r), {})  # the last step's counters
     times = [t for _, t in steps]
     gaps = [(a, b - a) for a, b in itertools.pairwise(times)]
     spanning = [gap for a, gap in gaps if a <= injected_at < a + gap]
