@@ -24,19 +24,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
 from _report import report
+from _train import ROOT, STARTED, ConsoleRun, quickstart_command
 
-ROOT = Path(__file__).resolve().parents[1]
 CASES = ("clean", "hang_sleep_10pct", "hang_sleep_1pct", "hang_spin_10pct", "hang_spin_1pct", "raise_10pct")
-STARTED = "rollout workers started"
-"""The driver's console line when the rollout workers start (the end of start-up)."""
 FAILURE_LINE = ("the reward function raised", "the reward function timed out")
 
 
@@ -71,36 +66,15 @@ def run_case(case: str, args: argparse.Namespace) -> dict:
     """Train one case in its own process; what its console and files show."""
     run_dir = (args.out / case).resolve()
     subprocess.run(["rm", "-rf", str(run_dir)], check=True)
-    cmd = [sys.executable, "-m", "async_rl.cli", "train", str(ROOT / "configs" / "quickstart.yaml"),
-           f"learner.model_path={args.assets.resolve() / 'model'}",
-           f"data.train_files={args.assets.resolve() / 'data' / 'train.jsonl'}",
-           f"data.val_files={args.assets.resolve() / 'data' / 'val.jsonl'}",
-           f"rollout.reward.function={ROOT / 'benchmarks' / 'faulty_rewards.py'}:{case}",
-           f"trainer.total_steps={args.steps}", "trainer.val_every=0", f"trainer.save_every={args.steps}",
-           f"trainer.output_dir={run_dir}", f"trainer.run_name=faulty-{case}-{os.getpid()}", "trainer.resume=off",
-           "logging.wandb.enable=false", "logging.console=true", "logging.plots=false"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, cwd=ROOT,
-                            env={**os.environ, "COLUMNS": "400"})
-    lines: list[tuple[float, str]] = []
-
-    def read() -> None:
-        for line in proc.stdout:  # type: ignore[union-attr]
-            lines.append((time.time(), line.rstrip()))
-            sys.stdout.write(f"  [{case}] {line}")
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    stop_at = None
-    while proc.poll() is None:
+    run = ConsoleRun(quickstart_command(args.assets, run_dir, f"faulty-{case}-{os.getpid()}",
+                                        f"rollout.reward.function={ROOT / 'benchmarks' / 'faulty_rewards.py'}:{case}",
+                                        f"trainer.total_steps={args.steps}", "trainer.val_every=0", f"trainer.save_every={args.steps}"), case)
+    while run.proc.poll() is None:
         time.sleep(0.5)
-        started = next((t for t, text in lines if STARTED in text), None)
-        if started is not None and stop_at is None:
-            stop_at = started + args.budget_min * 60
-        if stop_at is not None and time.time() > stop_at:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=300)
-    reader.join(timeout=10)
-    return measure(lines, run_dir, proc.returncode)
+        started = run.first(STARTED)
+        if started is not None and time.time() > started + args.budget_min * 60:
+            run.stop()
+    return measure(run.lines, run_dir, run.finish())
 
 
 def measure(lines: list[tuple[float, str]], run_dir: Path, exit_code: int) -> dict:

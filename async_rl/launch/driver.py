@@ -239,7 +239,8 @@ class _Run:
                           openai_api=openai_api_settings(cfg))
         self.pool = ServerPool(spec, cfg.rollout.num_servers, on_start=self._on_server_start,
                                env_per_server=[{"VLLM_CPU_OMP_THREADS_BIND": cores} for cores in layout.servers] if layout else None,
-                               workers=WorkerHostSpec.from_config(cfg, redis_url), rows=ray.put(self.rows), on_lost=self.queue.release_owner)
+                               workers=WorkerHostSpec.from_config(cfg, redis_url), rows=ray.put(self.rows), on_lost=self.queue.release_owner,
+                               report=self._say)
         stack.push_async_callback(self.pool.shutdown)
         try:
             self.tracker = Tracker(cfg, self.run_dir, cfg.trainer.total_steps, resumed=self.version > 0)
@@ -363,9 +364,11 @@ class _Run:
         self._write_servers()
 
     def _write_servers(self) -> None:
-        """(Re)write ``servers.json``: the driver's Prometheus URL, the id, pid, OpenAI API
-        URL and vLLM metrics URL of every started server, and each learner rank's pid."""
-        servers = [{"server_id": h.server_id, "pid": h.pid, "openai_url": h.openai_url, "metrics_url": vllm_metrics_url(h.openai_url)}
+        """(Re)write ``servers.json``: the driver's Prometheus URL, the id, pid, vLLM engine
+        process ids, OpenAI API URL and vLLM metrics URL of every started server, and each
+        learner rank's pid."""
+        servers = [{"server_id": h.server_id, "pid": h.pid, "engine_pids": h.engine_pids, "openai_url": h.openai_url,
+                    "metrics_url": vllm_metrics_url(h.openai_url)}
                    for h in self.pool.started if h is not None]
         prometheus = self.tracker.prometheus
         learners = [{"rank": rank, "pid": pid} for rank, pid in enumerate(self._learner_pids)]
@@ -588,6 +591,7 @@ class _Run:
             "queue/returned_prompts": float(stats["returned_prompts"]),
             "rollout/server_restarts": float(self.pool.restarts),
             "queue/redis_restarts": float(self.redis_restarts),
+            "rollout/engine_deaths": float(self.pool.engine_deaths),
             "rollout/failure_reports_undecodable": float(self.failures.undecodable),
         }
         out.update({f"rollout/{name}": rollout.get(name, 0.0) for name in COUNTERS})

@@ -61,6 +61,7 @@ COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("env/errors", "environment_errors", "Episodes the environment failed (it raised, returned something unusable or blocked its loop)."),
     ("env/timeouts", "environment_timeouts", "Episodes ended by an environment call longer than rollout.env.step_timeout_s."),
     ("rollout/server_restarts", "server_restarts", "Inference servers replaced (dead, broken or lagging)."),
+    ("rollout/engine_deaths", "engine_deaths", "Inference servers whose vLLM engine process died while the server lived (each one replaced)."),
 )
 # Phases of a learner step (``time/<phase>`` keys), as the ``phase`` label of one gauge.
 STEP_PHASES = ("wait", "prox", "perception", "fwd_bwd", "optim", "sync")

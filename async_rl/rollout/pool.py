@@ -1,7 +1,9 @@
 """The pool of inference servers: Ray actors, placed and restarted, each hosting its rollout workers.
 
 A server that dies (its process killed, its engine crashed) is replaced by a fresh actor
-when a request to it fails or :meth:`ServerPool.heal` finds it broken. The ``on_start``
+when a request to it fails or :meth:`ServerPool.heal` finds it broken; a server whose vLLM
+engine process died tells the pool itself (``engine_died``, within about a second) after its
+rollout workers gave back their groups in flight, and is replaced at once. The ``on_start``
 hook runs on every new server before it serves (the trainer waits there until a restarted
 server holds the current weights); then, given a :class:`~async_rl.rollout.host.WorkerHostSpec`,
 the pool starts the server's rollout workers in its process (it sends the server
@@ -64,11 +66,14 @@ class ServerPool:
         workers: WorkerHostSpec | None = None,
         rows: Any = None,
         on_lost: Callable[[str], int] | None = None,
+        report: Callable[[str], None] | None = None,
     ):
         """``env_per_server[i]`` adds to ``spec.env_vars`` for server ``i`` (e.g. its CPU cores).
         With ``workers``, every server runs rollout workers over ``rows`` (the prompt rows,
         best a ``ray.put`` reference: stored once, fetched once per server), and
-        ``on_lost(owner)`` (``ReplayQueue.release_owner``) ends the tickets of a replaced one."""
+        ``on_lost(owner)`` (``ReplayQueue.release_owner``) ends the tickets of a replaced one.
+        ``report(line)`` tells the user why a server is replaced (the driver's console;
+        default: a warning in the log)."""
         self.spec = spec
         self.workers = workers
         self.rows = rows
@@ -80,7 +85,13 @@ class ServerPool:
         self.num_servers = num_servers
         self.version = version
         self.on_start = on_start
+        self.report = report or (lambda line: log.warning("%s", line))
         self.restarts = 0
+        """Servers replaced (dead, broken or lagging)."""
+        self.engine_deaths = 0
+        """Servers whose vLLM engine process died while the server lived (each one replaced)."""
+        self._watchers: list[asyncio.Task | None] = [None] * num_servers
+        """Per server, the task waiting for its engine's death (:meth:`_watch_engine`)."""
         self._handles: list[Any] = [None] * num_servers
         self.started: list[ServerHealth | None] = [None] * num_servers
         """Health each server reported at its (latest) start, before ``on_start`` runs."""
@@ -120,7 +131,25 @@ class ServerPool:
         if workers:
             await self._start_workers(i, handle)
         self._handles[i] = handle
+        self._watchers[i] = asyncio.create_task(self._watch_engine(i, handle))
         return health
+
+    async def _watch_engine(self, i: int, handle: Any) -> None:
+        """Wait for server ``i``'s engine to die, then replace the server. The server answers
+        only once its rollout workers gave back their groups in flight (slots released,
+        prompts returned); whatever is left open, ``restart`` ends like a dead actor's."""
+        try:
+            reason = await handle.engine_died.remote()
+        except (RayActorError, RayTaskError):
+            return  # the actor itself died or stopped: a failing request or heal() replaces it
+        if self._handles[i] is not handle:
+            return
+        self._watchers[i] = None  # this task does the restart: it must not cancel itself
+        self.engine_deaths += 1
+        try:
+            await self.restart(i, handle, f"lost its engine: {reason}; its groups in flight go back to the queue")
+        except Exception as exc:  # noqa: BLE001 - heal() finds the server broken and tries again
+            self.report(f"server-{i}: replacement failed ({type(exc).__name__}: {exc}); the next health check tries again")
 
     async def _start_workers(self, i: int, handle: Any) -> None:
         if self.workers is not None:
@@ -165,20 +194,25 @@ class ServerPool:
         handle = self._handles[i]
         try:
             return await handle.generate.remote(prompt_token_ids, n, sampling, images)
-        except RayActorError:
-            await self.restart(i, handle)
+        except RayActorError as exc:
+            await self.restart(i, handle, f"died ({type(exc).__name__})")
             raise
 
     def generate_fn(self, i: int) -> Callable[[], GenerateFn]:
         """What a rollout worker bound to server ``i`` calls to get its ``generate``."""
         return lambda: (lambda prompt, n, sampling, images=None: self.generate(i, prompt, n, sampling, images))
 
-    async def restart(self, i: int, dead: Any) -> None:
-        """Replace server ``i`` if ``dead`` is still its handle (one restart however many callers saw it die)."""
+    async def restart(self, i: int, dead: Any, reason: str = "failed") -> None:
+        """Replace server ``i`` if ``dead`` is still its handle (one restart however many callers
+        saw it die): kill it, end its workers' open tickets (``on_lost``), start a new one.
+        ``reason`` completes "server-i ..." in the line reported to the user."""
         async with self._locks[i]:
             if self._handles[i] is not dead:
                 return
-            log.warning("server-%d failed; starting a replacement", i)
+            self.report(f"server-{i} {reason}: starting a replacement")
+            if (watcher := self._watchers[i]) is not None:
+                watcher.cancel()
+                self._watchers[i] = None
             ray.kill(dead, no_restart=True)
             await self._release(i)
             await self._launch(i)
@@ -205,7 +239,7 @@ class ServerPool:
         now = time.monotonic()
         actions = []
         for i, (handle, health) in enumerate(zip(list(self._handles), healths or await self.health())):
-            if handle is None:
+            if handle is None or self._locks[i].locked():  # being replaced already (e.g. its engine died)
                 continue
             if isinstance(health, str):
                 reason = f"is unhealthy ({health})"
@@ -219,7 +253,7 @@ class ServerPool:
                 reason = f"has held version {health.version} for {now - since:.0f} s while the learner is at {version} (sync.max_lag_s={max_lag_s:g})"
             self._behind_since[i] = None
             try:
-                await self.restart(i, handle)
+                await self.restart(i, handle, reason)
                 actions.append(f"server-{i} {reason}: replaced")
             except Exception as exc:  # noqa: BLE001 - the next round tries again
                 actions.append(f"server-{i} {reason}: replacement failed ({type(exc).__name__}: {exc}); retrying later")
@@ -227,6 +261,10 @@ class ServerPool:
 
     async def shutdown(self) -> None:
         """Stop every engine and actor."""
+        for watcher in self._watchers:
+            if watcher is not None:
+                watcher.cancel()
+        self._watchers = [None] * self.num_servers
         for h in self._handles:
             if h is None:
                 continue

@@ -12,10 +12,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import time
 import uuid
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from async_rl.rollout.openai_api import OpenAIApi, OpenAIApiSettings
 from async_rl.rollout.types import Completion, HostFactory, RolloutHost, Sampling
@@ -27,6 +29,47 @@ log = logging.getLogger(__name__)
 
 RECEIVER_EXTENSION = "async_rl.sync.receiver.WeightReceiverExtension"
 """vLLM worker extension that receives weight broadcasts (see async_rl/sync/receiver.py)."""
+ENGINE_POLL_S = 1.0
+"""How often a server checks that its vLLM engine lives, seconds: the longest a dead engine goes unnoticed."""
+RETURN_WORK_TIMEOUT_S = 10.0
+"""After its engine died, how long a server's rollout workers may take to end their tickets
+(their prompts go back to the queue) before the pool replaces the server anyway, seconds."""
+
+T = TypeVar("T")
+
+
+class EngineDied(RuntimeError):
+    """The server's vLLM engine died (its process was killed or crashed: a CUDA fault, the OOM
+    killer) while the server actor lives. Requests on it fail at once; the pool replaces the server."""
+
+
+def engine_processes(engine: Any) -> list[Any]:
+    """The engine core processes (``multiprocessing`` processes) vLLM started for ``engine``;
+    none when the engine runs in this process. Reads vLLM's client internals, which vLLM
+    exposes no public accessor for; missing attributes give an empty list."""
+    resources = getattr(getattr(engine, "engine_core", None), "resources", None)
+    return list(getattr(getattr(resources, "engine_manager", None), "processes", None) or [])
+
+
+def engine_death(engine: Any) -> str | None:
+    """Why ``engine`` is dead, or None while it lives: an engine core process that exited (the
+    server is its parent, so this is a non-blocking ``waitpid``), or vLLM's own dead-engine
+    flag (``AsyncLLM.errored``: its monitor saw a process die, or its output loop ended)."""
+    for proc in engine_processes(engine):
+        code = proc.exitcode
+        if code is not None:
+            how = f"was killed by {_signal_name(-code)}" if code < 0 else f"exited with code {code}"
+            return f"its vLLM engine process {proc.name} (pid {proc.pid}) {how}"
+    if getattr(engine, "errored", False):
+        return "vLLM reports its engine dead (EngineDeadError)"
+    return None
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 class EngineOutputError(RuntimeError):
@@ -52,6 +95,8 @@ class ServerHealth:
     pid: int = field(default_factory=os.getpid)
     openai_url: str | None = None
     """Base URL of the server's OpenAI-compatible HTTP API (``http://HOST:PORT/v1``); None when not served."""
+    engine_pids: list[int] = field(default_factory=list)
+    """Process ids of the vLLM engine core processes (empty when the engine runs in the server's process)."""
 
 
 class InferenceServer:
@@ -79,6 +124,9 @@ class InferenceServer:
         self._sync: Any = None
         self._sync_task: asyncio.Task | None = None
         self._fatal: str | None = None
+        self._death: asyncio.Future[str] | None = None
+        """Resolved with the reason when the engine is found dead (requests waiting on it fail)."""
+        self._engine_watch: asyncio.Task[str] | None = None
         self.updates: list[Any] = []
         """Outcomes of the successful weight updates (``async_rl.sync.server.UpdateOutcome``)."""
         self._host: RolloutHost | None = None
@@ -96,6 +144,8 @@ class InferenceServer:
             args = AsyncEngineArgs(logprobs_mode="processed_logprobs", worker_extension_cls=RECEIVER_EXTENSION, **self.engine_kwargs)
             self._engine = AsyncLLM.from_engine_args(args)
             await self._engine.update_weight_version(str(self._version))
+            self._death = asyncio.get_running_loop().create_future()
+            self._engine_watch = asyncio.create_task(self._watch_engine())
         if self.openai_api is not None and self._http is None:
             self._http = await OpenAIApi.start(self._engine, self.engine_kwargs["model"], self.openai_api)
         if sender_address is not None and self._sync is None:
@@ -126,6 +176,59 @@ class InferenceServer:
         host, self._host = self._host, None
         return {} if host is None else await host.stop(grace_s)
 
+    async def _watch_engine(self) -> str:
+        """Every :data:`ENGINE_POLL_S` seconds, check the engine lives. When it died: fail the
+        requests waiting on it, stop the rollout workers at once (each group in flight ends
+        its ticket: its admission slot is released and its prompt returned to the queue),
+        and return why (:meth:`engine_died`)."""
+        while (reason := engine_death(self._engine)) is None:
+            await asyncio.sleep(ENGINE_POLL_S)
+        log.error("%s: %s; failing its requests and returning its rollout workers' groups in flight", self.server_id, reason)
+        if self._death is not None and not self._death.done():
+            self._death.set_result(reason)
+        try:
+            await asyncio.wait_for(self.stop_workers(0.0), RETURN_WORK_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - the pool still replaces us; it ends the tickets left open
+            log.warning("%s: rollout workers did not stop cleanly (%s: %s)", self.server_id, type(exc).__name__, exc)
+        return reason
+
+    async def engine_died(self) -> str:
+        """Wait until the engine dies (forever while it lives); returns why (e.g. "its vLLM engine
+        process EngineCore (pid 123) was killed by SIGKILL"), once the rollout
+        workers have given back their groups in flight. The pool waits on this to replace
+        the server at once instead of at its next health check."""
+        if self._engine_watch is None:  # no engine of our own (a stand-in server): it never dies
+            await asyncio.get_running_loop().create_future()
+        return await asyncio.shield(self._engine_watch)  # type: ignore[arg-type]
+
+    def _check_engine(self) -> None:
+        """Raise :class:`EngineDied` if the engine is dead."""
+        reason = self._death.result() if self._death is not None and self._death.done() else engine_death(self._engine)
+        if reason is not None:
+            raise EngineDied(f"{self.server_id}: {reason}")
+
+    async def _unless_dead(self, work: Awaitable[T]) -> T:
+        """``work``'s result, or :class:`EngineDied` as soon as the engine is found dead: a
+        request on a dead engine fails within :data:`ENGINE_POLL_S`, it never hangs."""
+        task = asyncio.ensure_future(work)
+        if self._death is None:
+            return await task
+        try:
+            await asyncio.wait((task, self._death), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not task.done():
+                task.cancel()  # vLLM aborts the request (a no-op on a dead engine)
+                task.add_done_callback(lambda t: t.cancelled() or t.exception())  # its error is the engine's death: seen
+        if task.done() and not task.cancelled():
+            return task.result()
+        raise EngineDied(f"{self.server_id}: {self._death.result()}")
+
+    async def _final_output(self, request: dict[str, Any], params: Any) -> Any:
+        final = None
+        async for out in self._engine.generate(request, params, request_id=uuid.uuid4().hex):
+            final = out
+        return final
+
     def _on_update(self, outcome: Any) -> None:
         if outcome.ok:
             self._version = outcome.version
@@ -146,6 +249,7 @@ class InferenceServer:
 
         if self._fatal is not None:  # undefined weights: take no request until the pool replaces this server
             raise RuntimeError(f"{self.server_id} holds undefined weights after a failed load: {self._fatal}")
+        self._check_engine()
 
         params = SamplingParams(
             n=n,
@@ -161,7 +265,6 @@ class InferenceServer:
             detokenize=False,
             flat_logprobs=True,
         )
-        final = None
         if self._running == 0:
             self._busy_since = time.monotonic()
         self._running += 1
@@ -169,8 +272,7 @@ class InferenceServer:
             request: dict[str, Any] = {"prompt_token_ids": prompt_token_ids}
             if images:
                 request["multi_modal_data"] = {"image": images if len(images) > 1 else images[0]}
-            async for out in self._engine.generate(request, params, request_id=uuid.uuid4().hex):
-                final = out
+            final = await self._unless_dead(self._final_output(request, params))
         finally:
             self._running -= 1
             if self._running == 0:
@@ -212,7 +314,8 @@ class InferenceServer:
         await self._engine.resume_generation()
 
     async def health(self) -> ServerHealth:
-        """Liveness and load; raises if the engine has died or a weight load broke it."""
+        """Liveness and load; raises if the engine has died (:class:`EngineDied`) or a weight load broke it."""
+        self._check_engine()
         if self._fatal is not None:
             raise RuntimeError(f"{self.server_id} holds undefined weights after a failed load: {self._fatal}")
         if self._sync_task is not None and self._sync_task.done() and not self._sync_task.cancelled():
@@ -221,15 +324,16 @@ class InferenceServer:
             raise RuntimeError(f"{self.server_id}: the OpenAI API server stopped")
         if self._host is not None:
             self._host.check()
-        if self._engine is not None:
-            await self._engine.check_health()
         last = self.updates[-1].pause_s if self.updates else None
         busy = self._busy_s + (time.monotonic() - self._busy_since if self._running else 0.0)
         return ServerHealth(self.server_id, self._version, self._running, self._generated, time.monotonic() - self._started,
-                            len(self.updates), last, busy, openai_url=self._http.url if self._http else None)
+                            len(self.updates), last, busy, openai_url=self._http.url if self._http else None,
+                            engine_pids=[p.pid for p in engine_processes(self._engine)])
 
     async def shutdown(self) -> None:
         """Stop the HTTP API, the weight-update loop, the engine and its worker processes."""
+        if self._engine_watch is not None:  # an engine we stop ourselves is no death to report
+            self._engine_watch.cancel()
         await self.stop_workers(0.0)
         if self._http is not None:
             await self._http.stop()

@@ -415,6 +415,11 @@ class WeightSender:
             known = self._servers.get(msg.server_id)
             if known is None or known.peer != peer:
                 log.info("weight sync: server %s registered (version %s)", msg.server_id, msg.version)
+            if known is not None and known.peer != peer and pending is not None and pending.waiting.get(known.peer) == msg.server_id:
+                # A replacement registers: the process the update waits for is gone, its Ack never comes.
+                del pending.waiting[known.peer]
+                pending.reports[msg.server_id] = ServerReport(msg.server_id, False, "replaced during the update (its process died)")
+                pending.settled_at = time.monotonic()
             self._servers[msg.server_id] = _Server(peer, msg.num_workers, msg.version, msg.host)
 
     def _send_or_report(

@@ -51,6 +51,11 @@ class EngineHandle:
         """``collective_rpc`` on every worker; one result per worker."""
         return await self._call("collective_rpc", method, timeout=timeout_s, args=args)
 
+    @property
+    def dead(self) -> bool:
+        """vLLM's own dead-engine flag (``AsyncLLM.errored``; the offline ``LLM`` has none)."""
+        return bool(getattr(self.engine, "errored", False))
+
     async def pause(self) -> None:
         """Freeze scheduling, keeping running requests (no-op on the offline ``LLM``,
         which runs nothing between calls)."""
@@ -151,7 +156,7 @@ class WeightUpdateServer:
         deadline = time.monotonic() + timeout_s
         announce, self._pending = self._pending, None
         if announce is not None:
-            await self._send(Ready(announce.update_id, self.server_id))
+            announce = await self._ready(announce)
         while (remaining := deadline - time.monotonic()) > 0:
             try:
                 msg = await self._channel.recv(min(self.heartbeat_s, remaining))
@@ -159,10 +164,13 @@ class WeightUpdateServer:
                 await self._hello()
                 continue
             if isinstance(msg, Announce):
-                announce = msg
-                await self._send(Ready(msg.update_id, self.server_id))
+                announce = await self._ready(msg)
             elif isinstance(msg, Start) and announce is not None and msg.update_id == announce.update_id:
-                outcome = await self._update(announce, msg)
+                try:
+                    outcome = await self._update(announce, msg)
+                except Exception as e:  # noqa: BLE001 - e.g. the engine died mid-update: the sender must get an Ack, not wait out its timeout
+                    self.version = None
+                    outcome = UpdateOutcome(msg.update_id, None, f"{type(e).__name__}: {e}", fatal=True)
                 await self._send(
                     Ack(outcome.update_id, self.server_id, outcome.version, outcome.error,
                         outcome.fatal, outcome.receive_s, outcome.load_s, outcome.pause_s, outcome.error_kind)
@@ -183,6 +191,15 @@ class WeightUpdateServer:
 
     async def _send(self, msg: Message) -> None:
         await self._channel.send(msg, self.control_timeout_s)
+
+    async def _ready(self, announce: Announce) -> Announce | None:
+        """Answer ``announce``: take part (returns it), or decline when the engine is dead (the
+        sender then leaves this server out instead of waiting for its Ack)."""
+        if self.engine.dead:
+            await self._send(Ready(announce.update_id, self.server_id, error="the vLLM engine is dead"))
+            return None
+        await self._send(Ready(announce.update_id, self.server_id))
+        return announce
 
     async def _hello(self) -> None:
         await self._send(Hello(self.server_id, self._num_workers, self.version, host_identity()))

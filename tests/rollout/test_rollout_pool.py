@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -21,6 +23,7 @@ from async_rl.launch.ray_cluster import init_ray
 from async_rl.queue import EmbeddedRedis, ReplayQueue
 from async_rl.rewards import RewardPool, RewardScorer
 from async_rl.rollout.engine_args import engine_kwargs, openai_api_settings
+from async_rl.rollout.host import WorkerHostSpec
 from async_rl.rollout.pool import ServerPool, ServerSpec
 from async_rl.rollout.types import Sampling
 from async_rl.rollout.worker import RolloutWorker, WorkerSettings
@@ -245,6 +248,69 @@ def test_a_cancelled_worker_returns_its_prompts_and_leaks_no_slot(cfg, pool, que
     ticket = queue.admit(cfg.learner.batch_size, 20, "test")
     assert ticket is not None and ticket.index == returned[0]
     queue.abandon(ticket, return_prompt=True)
+
+
+def test_a_dead_engine_is_replaced_at_once_and_its_work_returned(cfg, pool):
+    """SIGKILL of the vLLM engine core process while its server actor lives (a CUDA fault or
+    the OOM killer on a GPU), at default settings: a request in flight on it fails at once
+    instead of hanging, the pool says which server lost its engine within 15 s and replaces
+    it, the replacement serves and its rollout workers go on, and every claimed prompt is
+    queued or returned (none lost, none twice; no admission slot left taken)."""
+    pool_, loop = pool
+    rows, _ = read_prompt_rows(cfg.data.train_files)
+    reports: list[tuple[float, str]] = []
+    with EmbeddedRedis() as url, ReplayQueue(url, cfg.trainer.run_name, max_depth=cfg.queue.max_depth) as queue:
+        spec = WorkerHostSpec.from_config(cfg, url)
+        # Fixed-length responses, so the workers' groups are generating when the engine dies.
+        pool_.workers = replace(spec, settings=replace(spec.settings, sampling=Sampling(temperature=1.0, max_tokens=48, ignore_eos=True)))
+        pool_.rows, pool_.on_lost, report = ray.put(rows), queue.release_owner, pool_.report
+        pool_.report = lambda line: (report(line), reports.append((time.monotonic(), line)))
+        queue.publish_version(100)  # admission stays open: groups are in flight at the kill
+
+        async def go():
+            try:
+                await pool_.start_workers()
+                while queue.stats()["depth"] < 2:
+                    await asyncio.sleep(0.05)
+                dead = pool_.handle(0)
+                before = await dead.health.remote()
+                long = dead.generate.remote([1, 2, 3], 1, Sampling(temperature=1.0, max_tokens=230, ignore_eos=True)).future()
+
+                def outcome() -> tuple[BaseException | None, float]:  # timed in a thread: this loop may be busy starting the replacement
+                    return long.exception(60), time.monotonic()
+
+                await asyncio.sleep(0.3)
+                assert not long.done()
+                os.kill(before.engine_pids[0], signal.SIGKILL)
+                killed = time.monotonic()
+                error, failed_at = await asyncio.to_thread(outcome)
+                request_failed_s = failed_at - killed
+                while pool_.handle(0) is dead:  # the replacement starts right after the report
+                    await asyncio.sleep(0.1)
+                after = await pool_.handle(0).health.remote()
+                served = await pool_.generate(0, [1, 2, 3], 2, Sampling(temperature=1.0, max_tokens=4))
+                put = queue.stats()["depth"]
+                while queue.stats()["depth"] < put + 2:  # the replacement's rollout workers go on
+                    await asyncio.sleep(0.1)
+                return before, after, killed, request_failed_s, error, served
+            finally:
+                await pool_.stop_workers(grace_s=5.0)
+                pool_.workers = pool_.rows = pool_.on_lost = None
+                pool_.report = report
+
+        before, after, killed, request_failed_s, error, served = loop.run_until_complete(go())
+        stats = queue.stats()
+        queued = [g.prompt_id for _, g in queue.get(1000, timeout=1.0)]
+        returned = [int(i) for i in queue._client.lrange(queue.keys.returned, 0, -1)]
+    assert isinstance(error, ray.exceptions.RayTaskError) and type(error.cause).__name__ in ("EngineDied", "EngineDeadError"), error
+    assert request_failed_s < 5.0
+    said = [(t - killed, line) for t, line in reports if "lost its engine" in line]
+    assert len(said) == 1 and said[0][0] < 15.0, reports
+    assert f"server-0 lost its engine: its vLLM engine process EngineCore (pid {before.engine_pids[0]}) was killed by SIGKILL" in said[0][1]
+    assert pool_.engine_deaths == 1 and after.pid != before.pid and after.engine_pids != before.engine_pids
+    assert len(served) == 2
+    assert stats["inflight"] == 0 and stats["groups_started"] == len(queued)
+    assert sorted(queued + returned) == list(range(stats["prompt_cursor"]))  # none skipped, none twice
 
 
 def _greedy(model, prompt: list[int], max_tokens: int) -> list[int]:

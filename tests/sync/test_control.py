@@ -116,3 +116,66 @@ def test_a_server_is_moved_to_the_group_by_the_acks_error_kind_not_its_text(kind
     finally:
         server.close()
         sender.close()
+
+
+def test_a_replacement_registering_ends_the_wait_for_the_dead_servers_ack():
+    """A server that took an update and died before acknowledging it (its process killed) is
+    reported failed as soon as its replacement registers, not after the update's timeout."""
+    sender = WeightSender(backend="ipc", timeout_s=60.0, control_timeout_s=1.0)
+    dead = zmq.Context.instance().socket(zmq.DEALER)
+    dead.setsockopt(zmq.LINGER, 0)
+    dead.connect(sender.address)
+    dead.send(encode(Hello("s0", 1, None, host_identity())))
+    sender.wait_for_servers(1, timeout_s=5.0)
+    named = [("w", torch.ones(4))]
+    ready = threading.Thread(target=lambda: (dead.poll(5000), dead.send(encode(Ready(decode(dead.recv()).update_id, "s0")))), daemon=True)
+    ready.start()
+    pending = sender.begin(iter(named), 1, specs=tensor_specs(named))  # Ready, then Start over shared memory
+    ready.join(5)
+    assert isinstance(decode(dead.recv()), Start) and not pending.acknowledged
+    dead.close()  # it dies without an Ack
+    replacement = zmq.Context.instance().socket(zmq.DEALER)
+    replacement.setsockopt(zmq.LINGER, 0)
+    replacement.connect(sender.address)
+    replacement.send(encode(Hello("s0", 1, None, host_identity())))
+    t0 = time.monotonic()
+    result = sender.complete(pending)
+    assert time.monotonic() - t0 < 5.0
+    assert not result.ok and "replaced during the update" in result.failed["s0"]
+    assert sender.behind(1) == ["s0"]  # the replacement is registered and gets the next catch-up
+    replacement.close()
+    sender.close()
+
+
+class _DeadEngine:
+    """A vLLM engine whose process is gone: vLLM's ``errored`` flag is set (every call would
+    raise ``EngineDeadError``; none is made here but the worker count at registration)."""
+
+    errored = True
+
+    async def collective_rpc(self, method, timeout=None, args=()):
+        return [0]
+
+
+def test_a_server_with_a_dead_engine_declines_updates_at_once():
+    import asyncio
+
+    from async_rl.sync.server import WeightUpdateServer
+
+    sender = WeightSender(backend="gloo", timeout_s=60.0, control_timeout_s=5.0)
+
+    async def go():
+        server = WeightUpdateServer(_DeadEngine(), sender.address, "s0", version=0)
+        await server.start()
+        await asyncio.to_thread(sender.wait_for_servers, 1, 5.0)
+        serving = asyncio.ensure_future(server.serve_one(10.0))
+        named = [("w", torch.ones(4))]
+        t0 = time.monotonic()
+        result = await asyncio.to_thread(sender.send, iter(named), 1, specs=tensor_specs(named))
+        serving.cancel()
+        server.close()
+        return result, time.monotonic() - t0
+
+    result, took = asyncio.run(go())
+    assert took < 3.0 and not result.ok and "declined: the vLLM engine is dead" in result.failed["s0"]
+    sender.close()

@@ -1,0 +1,63 @@
+"""Shared by the benchmarks that train the quickstart as a user does: the ``async-rl train``
+command on the tiny assets, run in a subprocess whose console lines are timed as printed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+STARTED = "rollout workers started"
+"""The driver's console line when the rollout workers start (the end of start-up)."""
+
+
+def quickstart_command(assets: Path, run_dir: Path, run_name: str, *overrides: str) -> list[str]:
+    """``async-rl train configs/quickstart.yaml`` on the tiny ``assets`` into ``run_dir``
+    (a fresh run: ``trainer.resume=off``; console on, W&B and plots off), then ``overrides``."""
+    assets = assets.resolve()
+    return [sys.executable, "-m", "async_rl.cli", "train", str(ROOT / "configs" / "quickstart.yaml"),
+            f"learner.model_path={assets / 'model'}", f"data.train_files={assets / 'data' / 'train.jsonl'}",
+            f"data.val_files={assets / 'data' / 'val.jsonl'}", f"trainer.output_dir={run_dir}", f"trainer.run_name={run_name}",
+            "trainer.resume=off", "logging.wandb.enable=false", "logging.console=true", "logging.plots=false", *overrides]
+
+
+class ConsoleRun:
+    """A command in a subprocess (stdout and stderr together), each line echoed with ``label``
+    and kept in :attr:`lines` with the ``time.time()`` it arrived."""
+
+    def __init__(self, cmd: list[str], label: str):
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, cwd=ROOT,
+                                     env={**os.environ, "COLUMNS": "400"})
+        self.lines: list[tuple[float, str]] = []
+        self._reader = threading.Thread(target=self._read, args=(label,), daemon=True)
+        self._reader.start()
+
+    def _read(self, label: str) -> None:
+        for line in self.proc.stdout:  # type: ignore[union-attr]
+            self.lines.append((time.time(), line.rstrip()))
+            sys.stdout.write(f"  [{label}] {line}")
+
+    def first(self, text: str, after: float = 0.0) -> float | None:
+        """When the first line containing ``text`` (printed after ``after``) arrived, or None."""
+        return next((t for t, line in list(self.lines) if t >= after and text in line), None)
+
+    def stop(self) -> int:
+        """SIGTERM (a clean stop with a final checkpoint); returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.finish()
+
+    def finish(self, timeout_s: float = 300.0) -> int:
+        """Wait for the exit (SIGKILL after ``timeout_s``) and the last line; returns the exit code."""
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._reader.join(timeout=10)
+        return self.proc.returncode

@@ -1,0 +1,177 @@
+"""Faults injected into a quickstart run at step 10: does the run heal itself, and how long is its longest pause?
+
+Each case trains the quickstart (``configs/quickstart.yaml`` with ``trainer.total_steps=40
+trainer.save_every=10``, everything else as the file sets it) as a separate ``async-rl train``
+process, injects its fault once the learner logged step 10, and lets the run go on to its
+end (or stops it with SIGTERM ``--budget-min`` minutes after the fault).
+
+    python benchmarks/self_healing.py --cases engine_kill --json benchmarks/results/self_healing.json
+
+Cases (:data:`FAULTS`, a case name -> :class:`Fault`; add one with its injector):
+
+- ``engine_kill``: SIGKILL of the inference server's vLLM engine core process
+  (``VLLM::EngineCore``, pid from ``servers.json``) while its server actor lives;
+- ``redis_kill``: SIGKILL of the embedded redis-server (restarted on its AOF);
+- ``learner_rank_kill``: SIGKILL of learner rank 0 (pid from ``servers.json``; the learner
+  restarts from the step-10 checkpoint).
+
+Per case: ``reached_last_step``, ``exit_code``, ``last_step``, ``longest_gap_s`` (between
+consecutive learner steps, from ``metrics.jsonl``'s ``time/wall_s``), ``fault_gap_s`` (the
+gap that spans the fault), ``console_latency_s`` (fault -> the first console line naming it),
+``server_restarts`` and ``engine_deaths`` (the run's counters), and the ledger, read from the
+run's Redis (restarted on its AOF) and ``learner_steps.jsonl``: ``trained_once`` (every
+learner step trained B distinct queue entries, none twice), ``none_lost`` (every claimed
+prompt is trained, queued, returned or dropped, exactly once) and ``ledger_balanced``
+(nothing pending or in flight; ``groups_started`` = steps x B + groups queued).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+from _report import report
+from _train import ROOT, ConsoleRun, quickstart_command
+
+sys.path.insert(0, str(ROOT / "tests"))  # the tests' readers of a run's steps and of its ledger after the run
+from run_helpers import queue_state, redis_pid, step_versions
+
+STEPS = 40
+FAULT_AT = 10
+"""Learner step after which the fault is injected."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One way a run's process dies."""
+
+    inject: Callable[[Path], str]
+    """Injects the fault into the running run whose output directory is given; returns what it did."""
+    console: str
+    """Text of the driver's console line that must name the fault (its first one is timed)."""
+
+
+def kill_engine(run_dir: Path) -> str:
+    """SIGKILL of server-0's vLLM engine core process (its server actor lives on)."""
+    server = json.loads((run_dir / "servers.json").read_text())["servers"][0]
+    pid = server["engine_pids"][0]
+    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    if "EngineCore" not in cmdline:  # never kill a recycled pid
+        raise RuntimeError(f"pid {pid} of servers.json is not a vLLM engine core: {cmdline!r}")
+    os.kill(pid, signal.SIGKILL)
+    return f"SIGKILL of {server['server_id']}'s engine core process (pid {pid})"
+
+
+def kill_redis(run_dir: Path) -> str:
+    """SIGKILL of the run's embedded redis-server (the driver restarts it on its AOF)."""
+    pid = redis_pid(run_dir)
+    os.kill(pid, signal.SIGKILL)
+    return f"SIGKILL of the embedded redis-server (pid {pid})"
+
+
+def kill_learner_rank(run_dir: Path) -> str:
+    """SIGKILL of learner rank 0's process (the driver restarts the learner from its checkpoint)."""
+    pid = json.loads((run_dir / "servers.json").read_text())["learners"][0]["pid"]
+    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    if "LearnerActor" not in cmdline:  # never kill a recycled pid
+        raise RuntimeError(f"pid {pid} of servers.json is not a learner rank: {cmdline!r}")
+    os.kill(pid, signal.SIGKILL)
+    return f"SIGKILL of learner rank 0 (pid {pid})"
+
+
+FAULTS: dict[str, Fault] = {
+    "engine_kill": Fault(kill_engine, "lost its engine"),
+    "redis_kill": Fault(kill_redis, "restarted on its append-only file"),
+    "learner_rank_kill": Fault(kill_learner_rank, "restarting the learner from its last checkpoint"),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--assets", type=Path, default=Path("runs/bench/assets"), help="tiny assets dir (built if absent)")
+    ap.add_argument("--out", type=Path, default=Path("runs/bench/self_healing"), help="run directories")
+    ap.add_argument("--budget-min", type=float, default=15.0, help="minutes after the fault before a case is stopped")
+    ap.add_argument("--cases", default=",".join(FAULTS), help="comma-separated subset of " + ", ".join(FAULTS))
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    if unknown := set(args.cases.split(",")) - FAULTS.keys():
+        ap.error(f"unknown cases {sorted(unknown)}; choose from {', '.join(FAULTS)}")
+
+    if not (args.assets / "assets.json").is_file():
+        from async_rl.tiny import build_tiny_assets
+
+        build_tiny_assets(args.assets, seed=0, task="addition")
+    results = {case: run_case(case, FAULTS[case], args) for case in args.cases.split(",")}
+    flat = {f"{case}.{key}": value for case, r in results.items() for key, value in r.items() if not isinstance(value, (list, dict))}
+    report({**flat, "cases": results, "config": f"configs/quickstart.yaml trainer.total_steps={STEPS} trainer.save_every=10",
+            "fault_at_step": FAULT_AT, "machine": f"{os.cpu_count()} cores, cpu"}, args.json)
+
+
+def run_case(case: str, fault: Fault, args: argparse.Namespace) -> dict:
+    """Train one case in its own process, inject ``fault`` after step :data:`FAULT_AT`; what the run shows."""
+    run_dir = (args.out / case).resolve()
+    subprocess.run(["rm", "-rf", str(run_dir)], check=True)
+    run = ConsoleRun(quickstart_command(args.assets, run_dir, f"heal-{case}-{os.getpid()}",
+                                        f"trainer.total_steps={STEPS}", "trainer.save_every=10"), case)
+    while max(step_versions(run_dir), default=0) < FAULT_AT:
+        if run.proc.poll() is not None:
+            return {"exit_code": run.finish(), "error": f"the run ended before step {FAULT_AT}"}
+        time.sleep(0.2)
+    injected_at = time.time()
+    did = fault.inject(run_dir)
+    print(f"{case}: {did}", flush=True)
+    while run.proc.poll() is None and time.time() < injected_at + args.budget_min * 60:
+        time.sleep(0.5)
+    exit_code = run.stop()
+    named = run.first(fault.console, after=injected_at)
+    return {"fault": did, "exit_code": exit_code, "console_latency_s": None if named is None else named - injected_at,
+            **steps_after(run_dir, injected_at), **ledger(run_dir)}
+
+
+def steps_after(run_dir: Path, injected_at: float) -> dict:
+    """The learner steps' timing from ``metrics.jsonl`` around a fault injected at ``injected_at`` (``time.time()``)."""
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    steps = sorted((int(r["version"]), r["time/wall_s"]) for r in records if "perf/tokens_per_s" in r)
+    last = next((r for r in reversed(records) if "perf/tokens_per_s" in r), {})  # the last step's counters
+    times = [t for _, t in steps]
+    gaps = [(a, b - a) for a, b in itertools.pairwise(times)]
+    spanning = [gap for a, gap in gaps if a <= injected_at < a + gap]
+    return {"reached_last_step": bool(steps) and steps[-1][0] >= STEPS, "last_step": steps[-1][0] if steps else 0,
+            "longest_gap_s": max((gap for _, gap in gaps), default=None), "fault_gap_s": spanning[0] if spanning else None,
+            "server_restarts": last.get("rollout/server_restarts"), "engine_deaths": last.get("rollout/engine_deaths"),
+            "redis_restarts": last.get("queue/redis_restarts"), "learner_restarts": last.get("learner/restarts")}
+
+
+def ledger(run_dir: Path) -> dict:
+    """Whether every group was trained once and every claimed prompt is accounted for, from
+    ``learner_steps.jsonl`` and the run's queue (its Redis restarted on the AOF)."""
+    lines = [json.loads(x) for x in (run_dir / "learner_steps.jsonl").read_text().splitlines() if x.strip()]
+    lineage = {line["version"]: line for line in lines}  # the last run of each version is the one in the final model
+    state = queue_state(run_dir, run_dir / "resolved_config.yaml")
+    stats, queued, returned = state["stats"], state["queued"], state["returned"]
+    batch = int(yaml.safe_load((run_dir / "resolved_config.yaml").read_text())["learner"]["batch_size"])
+    entries = [e for line in lineage.values() for e in line["entry_ids"]]
+    trained = [p for line in lineage.values() for p in line["prompt_ids"]]
+    claimed = trained + queued + returned
+    return {
+        "trained_once": sorted(lineage) == list(range(1, max(lineage, default=0) + 1)) and len(entries) == len(set(entries)) == batch * len(lineage),
+        "none_lost": len(claimed) == len(set(claimed)) and set(claimed) <= set(range(stats["prompt_cursor"]))
+        and len(claimed) + sum(stats["dropped"].values()) + stats["dead_lettered"] == stats["prompt_cursor"],
+        "ledger_balanced": stats["pending"] == 0 and stats["inflight"] == 0 and stats["groups_started"] == batch * len(lineage) + len(queued),
+        "queue": {k: stats[k] for k in ("prompt_cursor", "groups_started", "inflight", "pending", "dropped", "dead_lettered")}
+        | {"queued": len(queued), "returned": len(returned)},
+    }
+
+
+if __name__ == "__main__":
+    main()
