@@ -332,13 +332,15 @@ class EnvPool:
 
     async def _call(self, episode: EnvEpisode, method: str, action: str = "", row: Mapping[str, Any] | None = None) -> Any:
         proc = episode.proc
-        if episode.lost is not None:
-            raise EnvLost(episode.lost)
         try:
             ready = await asyncio.wait_for(asyncio.shield(proc.ready), START_TIMEOUT_S)
         except asyncio.TimeoutError:
             self._kill(proc, f"the environment process did not start within {START_TIMEOUT_S:g} s")
             raise EnvLost(f"the environment process did not start within {START_TIMEOUT_S:g} s") from None
+        # Checked after that await: on Python 3.11 wait_for yields even to a done future, and the
+        # process may die meanwhile; a call registered on a dead process would wait step_timeout_s.
+        if episode.lost is not None:
+            raise EnvLost(episode.lost)
         if ready.error:
             raise EnvFailed(Failure("env_error", ready.error[:500], "", "reset", ready.traceback))
         call = Call(next(self._ids), episode.id, method, action, dict(row or {}))

@@ -277,6 +277,27 @@ def test_a_crashed_process_loses_its_episodes_and_is_replaced():
     assert after.success and restarts == 1
 
 
+def test_a_call_started_as_its_process_dies_is_lost_at_once():
+    """The process dies in the loop turn between a call's start and its send (Python 3.11's
+    ``wait_for`` yields there): the call is lost at once, not left waiting ``step_timeout_s``."""
+
+    async def go(pool: EnvPool) -> tuple[Any, float]:
+        env = pool.open()
+        await env.reset({"problem": "p", "answer": "a"})
+        t0 = time.monotonic()
+        step = asyncio.ensure_future(env.step("ok"))
+        asyncio.get_running_loop().call_soon(pool._kill, env.proc, "killed under the call")
+        try:
+            return await step, time.monotonic() - t0
+        except EnvLost as exc:
+            return exc, time.monotonic() - t0
+        finally:
+            env.close()
+
+    out, seconds = _with_pool("Faulty", go, num_workers=1)
+    assert isinstance(out, EnvLost) and str(out) == "killed under the call" and seconds < 5, (out, seconds)
+
+
 def test_a_retiring_process_kills_its_last_episodes_after_the_grace(monkeypatch: pytest.MonkeyPatch):
     """A hung thread's process serves its other episodes for ``RETIRE_GRACE_S`` at most; those
     still running then are lost (to be played again), naming the hung method."""
