@@ -485,7 +485,7 @@ class RewardPool:
 
 
 def _kill_group(proc: BaseProcess) -> None:
-    """SIGKILL the worker's process group (it leads its own session, see :func:`_child_main`),
+    """SIGKILL the worker's process group (it leads a group of its own, see :func:`_child_main`),
     so that subprocesses the reward function started die too. The kernel keeps a group's
     id from being reused while any member, the unreaped worker included, exists."""
     if proc.pid is None:
@@ -510,9 +510,11 @@ def _child_main(conn: Connection, function: str, kind: str, kwargs: dict[str, An
     ``("timeout", traceback_text, where)``. A function that cannot be loaded answers with
     the loading error.
     """
-    # A session (and process group) of its own: the parent kills the group, subprocesses
-    # included; and Ctrl-C in the terminal reaches the driver, not the workers.
-    os.setsid()
+    # A process group of its own: the parent kills the group, subprocesses included; and
+    # Ctrl-C in the terminal reaches the driver, not the workers. Not a session (setsid):
+    # with the kernel's scheduler autogroups each session is scheduled as one group, and
+    # the quickstart's synchronous mode ran 1.7x slower (30 steps: 27.5 s against 16.7 s).
+    os.setpgid(0, 0)
     _die_with_parent(parent_pid)
     timer = _Timer(timeout_s)
     try:
