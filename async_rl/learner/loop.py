@@ -184,8 +184,7 @@ class LearnerLoop:
             return None
         wait_s = time.perf_counter() - start
         prepared = prepare(data.groups)
-        self.counters.update({f"dropped/{k}": v for k, v in prepared.dropped.items()})
-        self.counters["groups_consumed"] += len(data.fed)
+        self.counters.update({**{f"dropped/{k}": v for k, v in prepared.dropped.items()}, "groups_consumed": len(data.fed)})
         if prepared.batch is None:  # the screen let through only groups with a trainable sample
             raise RuntimeError(f"no trainable sample in a screened batch (dropped: {dict(prepared.dropped)}): a bug in the screen")
         batch = self._with_images(prepared.batch, prepared, data) if data.images else prepared.batch
@@ -203,8 +202,7 @@ class LearnerLoop:
             "time/optim": result.times.optim, "time/sync": sync_s,
         })
         metrics.update({"time/wait": wait_s, "time/step": step_s, "perf/idle_fraction": wait_s / max(step_s, 1e-9)})
-        metrics.update(self.publication.take_metrics())
-        metrics.update({f"counters/{k}": float(v) for k, v in self.counters.items()})
+        metrics.update({**self.publication.take_metrics(), **{f"counters/{k}": float(v) for k, v in self.counters.items()}})
         self.uncommitted.extend(f.entry_id for f in data.fed)
         # Log before the checkpoint: a kill between the two then repeats the line (a resumed
         # run retrains the version; the last line counts) instead of losing the step's record.
