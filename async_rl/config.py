@@ -123,7 +123,7 @@ class RewardConfig:
     num_workers: int = 2
     """Processes the reward pool of each inference server keeps (and the driver's, for the start-up probe and validation); a call runs in one of them, so a hung or crashing function never blocks generation (EasyR1 calls it in the trainer's process)."""
     max_workers: int = 32
-    """Most processes a pool grows to while calls wait for workers held by slow or hung calls (one more after a call has waited 0.5 s while every worker has been on its call that long; an extra idle for 60 s is stopped); >= ``num_workers``."""
+    """Most processes a pool grows to while calls wait for workers held by slow or hung calls (one more after a call has waited 0.5 s while every worker, started, has been on its call that long; an extra idle for 60 s is stopped); >= ``num_workers``."""
     timeout_s: float = 5.0
     """Longest the function may run on one input, seconds (a ``batch`` call gets this bound as a whole; an input or batch call past it is interrupted in its process, and a batch call that ran over is retried one input per call). The input then gets the error; a function the interrupt cannot stop within 5 s more has its process group killed and replaced. 5 s is math_verify's own default; EasyR1 has no timeout."""
     dynamic_sampling: bool = False

@@ -23,7 +23,7 @@ started die with it) and a fresh process replaces it.
 
 The pool is elastic: it keeps ``num_workers`` processes, and while a call has waited
 ``grow_after_s`` for a worker and every worker has been on its call for ``grow_after_s`` (slow
-or hung calls, not a queue of fast ones) it starts one more, up to ``max_workers``; a process beyond ``num_workers`` idle for ``extra_idle_s`` is stopped.
+or hung calls, not a queue of fast ones, nor processes still starting) it starts one more, up to ``max_workers``; a process beyond ``num_workers`` idle for ``extra_idle_s`` is stopped.
 
 :meth:`RewardPool.call` awaits replies on the event loop (``add_reader`` on the pipe, no
 thread), so a slow or hung function never blocks generation. Worker processes die with
@@ -290,12 +290,14 @@ class RewardPool:
     def _grow(self, waiter: asyncio.Future[_Slot], check: list[asyncio.TimerHandle]) -> None:
         """``waiter`` has waited ``grow_after_s``: start one more process if the pool may grow
         and every worker is held by a call older than ``grow_after_s`` (slow or hung). While a
-        worker is on a fresh call the queue is moving (many fast calls, a busy CPU): check again
-        later instead, since a new interpreter costs seconds of CPU that generation needs."""
+        worker is on a fresh call the queue is moving (many fast calls, a busy CPU), and while a
+        process is still starting it will serve soon: check again later instead, since a new
+        interpreter costs seconds of CPU that generation needs (counting starting processes as
+        hung, a run's first calls grew the pool to 5 on 2 cores, each new one slowing the next)."""
         if waiter.done() or self._closed or len(self._slots) >= self.cfg.max_workers:
             return
         now = time.monotonic()
-        if any(slot.busy_since and now - slot.busy_since < self.grow_after_s for slot in self._slots):
+        if any(not slot.ready or (slot.busy_since and now - slot.busy_since < self.grow_after_s) for slot in self._slots):
             check[0] = asyncio.get_running_loop().call_later(self.grow_after_s, self._grow, waiter, check)
             return
         self._release(self._new_slot())

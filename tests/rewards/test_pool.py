@@ -312,6 +312,20 @@ def test_a_queue_of_fast_calls_does_not_grow_the_pool(rewards):
     asyncio.run(go())
 
 
+def test_processes_still_starting_do_not_grow_the_pool(tmp_path: Path):
+    """Calls that wait for workers still loading the function (here 1.5 s, an interpreter
+    on a busy machine) are not held by slow calls: the pool does not grow meanwhile."""
+    path = tmp_path / "slow_import.py"
+    path.write_text("import time\ntime.sleep(1.5)\n\n\ndef score(batch):\n    return [{'overall': 1.0} for _ in batch]\n")
+
+    async def go():
+        with RewardPool(RewardConfig(function=f"{path}:score", num_workers=2)) as pool:
+            await asyncio.gather(*(pool.call(_inputs(("a", "a"))) for _ in range(20)))
+            assert pool.peak_workers == 2 and pool.restarts == 0
+
+    asyncio.run(go())
+
+
 def test_worker_death_is_reported_and_replaced(rewards):
     async def go():
         with RewardPool(_cfg(rewards, "exit_on_request")) as pool:
