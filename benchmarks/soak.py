@@ -1,0 +1,185 @@
+"""Memory over a long run: the quickstart trained for ``--minutes``, every process role's RSS sampled.
+
+Trains ``configs/quickstart.yaml`` (a weight update after every step) as an ``async-rl
+train`` process with no step limit in reach, samples the resident memory of each process
+role every ``--every-s`` seconds, and stops the run with SIGTERM when the time is up:
+
+    python benchmarks/soak.py --minutes 30 --json benchmarks/results/soak.json
+
+Roles (found from the driver's process tree and ``servers.json``): ``driver``, ``learner``
+(each rank), ``server`` (the inference server's Ray actor), ``engine`` (vLLM's engine core),
+``vllm_worker`` (its model worker), ``reward_pool`` (the server's reward processes, summed),
+``redis``, ``gcs``, ``raylet``. A role with several processes reports their sum.
+
+Per role: ``rss_mb_start`` / ``rss_mb_end`` (after warm-up, at the end) and
+``mb_per_1000_updates``: the least-squares slope of RSS against learner steps over the
+samples after warm-up (``--warmup-frac`` of the time), times 1,000. Also ``updates`` (steps
+after warm-up), ``steps_per_min`` and ``run_dir_mb_per_hour`` (the output directory's growth).
+Target (issue 29): no role grows by more than 2 MB per 1,000 updates after warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import psutil
+from _report import report
+from _train import ROOT, STARTED, ConsoleRun, quickstart_command
+
+sys.path.insert(0, str(ROOT / "tests"))
+from run_helpers import redis_pid, step_versions
+
+ROLES = ("driver", "learner", "server", "engine", "vllm_worker", "reward_pool", "redis", "gcs", "raylet")
+
+
+def role_pids(driver: psutil.Process, run_dir: Path) -> dict[str, list[int]]:
+    """Each role's process ids now (a role not found yet is absent)."""
+    doc = json.loads((run_dir / "servers.json").read_text()) if (run_dir / "servers.json").is_file() else {}
+    servers, learners = doc.get("servers", []), doc.get("learners", [])
+    roles: dict[str, list[int]] = {"driver": [driver.pid]}
+    roles["learner"] = [int(lr["pid"]) for lr in learners]
+    roles["server"] = [int(s["pid"]) for s in servers if s.get("pid")]
+    roles["engine"] = [int(p) for s in servers for p in s.get("engine_pids", [])]
+    roles["vllm_worker"] = [c.pid for e in roles["engine"] for c in _children(e) if "VLLM" in _name(c) or "Worker" in _name(c)]
+    roles["reward_pool"] = [c.pid for s in roles["server"] for c in _children(s) if "multiprocessing.spawn" in _cmdline(c)
+                            and "resource_tracker" not in _cmdline(c)]
+    try:
+        roles["redis"] = [redis_pid(run_dir)]
+    except Exception:  # noqa: BLE001 - not started yet
+        roles["redis"] = []
+    tree = _descendants(driver)
+    roles["gcs"] = [p.pid for p in tree if _name(p) == "gcs_server"]
+    roles["raylet"] = [p.pid for p in tree if _name(p) == "raylet"]
+    return {role: pids for role, pids in roles.items() if pids}
+
+
+def _children(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children()
+    except psutil.Error:
+        return []
+
+
+def _descendants(proc: psutil.Process) -> list[psutil.Process]:
+    try:
+        return proc.children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def _name(proc: psutil.Process) -> str:
+    try:
+        return proc.name()
+    except psutil.Error:
+        return ""
+
+
+def _cmdline(proc: psutil.Process) -> str:
+    try:
+        return " ".join(proc.cmdline())
+    except psutil.Error:
+        return ""
+
+
+def rss_mb(pids: list[int]) -> float | None:
+    """Summed resident memory of ``pids`` in MB (None if none is alive)."""
+    total, alive = 0, False
+    for pid in pids:
+        try:
+            total += psutil.Process(pid).memory_info().rss
+            alive = True
+        except psutil.Error:
+            pass
+    return total / 2**20 if alive else None
+
+
+def du_mb(path: Path) -> float:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20
+
+
+def slope(xs: list[float], ys: list[float]) -> float:
+    """Least-squares slope of ``ys`` against ``xs`` (0 for fewer than two distinct xs)."""
+    n = len(xs)
+    if n < 2:
+        return 0.0
+    mx, my = sum(xs) / n, sum(ys) / n
+    var = sum((x - mx) ** 2 for x in xs)
+    return 0.0 if var == 0 else sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--minutes", type=float, default=30.0, help="training time after start-up")
+    ap.add_argument("--every-s", type=float, default=10.0, help="seconds between samples")
+    ap.add_argument("--warmup-frac", type=float, default=0.2, help="fraction of the time before growth is measured")
+    ap.add_argument("--assets", type=Path, default=Path("runs/bench/assets"), help="tiny assets dir (built if absent)")
+    ap.add_argument("--out", type=Path, default=Path("runs/bench/soak"), help="run directory")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    if not (args.assets / "assets.json").is_file():
+        from async_rl.tiny import build_tiny_assets
+
+        build_tiny_assets(args.assets, seed=0, task="addition")
+
+    run_dir = args.out.resolve()
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run = ConsoleRun(quickstart_command(args.assets, run_dir, f"soak-{os.getpid()}", "trainer.total_steps=1000000",
+                                        "trainer.save_every=1000", "trainer.val_every=0", *args.set), "soak")
+    while run.first(STARTED) is None:
+        if run.proc.poll() is not None:
+            raise SystemExit(f"the run ended during start-up (exit code {run.finish()})")
+        time.sleep(0.5)
+    driver = psutil.Process(run.proc.pid)
+    start = time.monotonic()
+    end = start + args.minutes * 60
+    samples: list[dict] = []
+    while time.monotonic() < end and run.proc.poll() is None:
+        pids = role_pids(driver, run_dir)
+        row = {"t_s": time.monotonic() - start, "step": max(step_versions(run_dir), default=0), "run_dir_mb": du_mb(run_dir),
+               **{role: rss_mb(p) for role, p in pids.items()}, "pids": pids}
+        samples.append(row)
+        print(f"soak: {row['t_s'] / 60:5.1f} min, step {row['step']}, "
+              + ", ".join(f"{r} {row[r]:.0f}" for r in ROLES if row.get(r) is not None) + " MB", flush=True)
+        time.sleep(args.every_s)
+    exit_code = run.stop()
+
+    warm = [s for s in samples if s["t_s"] >= args.warmup_frac * args.minutes * 60]
+    if len(warm) < 2:
+        raise SystemExit("too few samples after warm-up: run longer or sample more often")
+    first, last = warm[0], warm[-1]
+    updates = last["step"] - first["step"]
+    roles = {}
+    for role in ROLES:
+        pts = [(s["step"], s[role]) for s in warm if s.get(role) is not None]
+        if len(pts) < 2:
+            continue
+        roles[role] = {"rss_mb_start": pts[0][1], "rss_mb_end": pts[-1][1],
+                       "mb_per_1000_updates": 1000 * slope([p[0] for p in pts], [p[1] for p in pts]),
+                       "processes": len(last["pids"].get(role, []))}
+    hours = (last["t_s"] - first["t_s"]) / 3600
+    result = {
+        **{f"{role}.mb_per_1000_updates": r["mb_per_1000_updates"] for role, r in roles.items()},
+        "worst_mb_per_1000_updates": max(r["mb_per_1000_updates"] for r in roles.values()),
+        "updates": updates,
+        "steps_per_min": updates / (hours * 60) if hours else 0.0,
+        "run_dir_mb_per_hour": (last["run_dir_mb"] - first["run_dir_mb"]) / hours if hours else 0.0,
+        "roles": roles,
+        "exit_code": exit_code,
+        "minutes": args.minutes,
+        "warmup_frac": args.warmup_frac,
+        "samples": [{k: v for k, v in s.items() if k != "pids"} for s in samples],
+        "config": "configs/quickstart.yaml trainer.save_every=1000 trainer.val_every=0 " + " ".join(args.set),
+        "machine": f"{os.cpu_count()} cores, cpu",
+    }
+    report(result, args.json)
+
+
+if __name__ == "__main__":
+    main()
