@@ -25,8 +25,8 @@ import psutil
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _report import report  # noqa: E402
-from soak import slope  # noqa: E402
+from _report import report
+from soak import slope
 
 ROOT = Path(__file__).resolve().parents[1]
 
