@@ -66,10 +66,12 @@ def step_versions(run_dir: Path) -> list[int]:
     return [int(r["version"]) for r in records if "perf/tokens_per_s" in r]
 
 
-def wait_for_version(proc: subprocess.Popen[str], run_dir: Path, version: int, timeout_s: float = 600) -> None:
-    """Block until the run logged a step of ``version`` or more."""
+def wait_for_version(proc: subprocess.Popen[str], run_dir: Path, version: int, since: int = 0, timeout_s: float = 600) -> None:
+    """Block until the run logged a step of ``version`` or more among the step records after the
+    first ``since`` (those an earlier run of this directory logged: a run SIGKILLed just after
+    a step may have logged the next one too, and a resumed run appends to its metrics.jsonl)."""
     deadline = time.monotonic() + timeout_s
-    while max(step_versions(run_dir), default=-1) < version:
+    while max(step_versions(run_dir)[since:], default=-1) < version:
         if proc.poll() is not None:
             raise AssertionError(f"the run ended (exit {proc.returncode}) before version {version}:\n{proc.stdout.read()[-3000:]}")
         if time.monotonic() > deadline:

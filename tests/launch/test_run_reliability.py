@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 import pytest
-from run_helpers import queue_state, redis_pid, start_train, train_cli, wait_for_version, wait_gone, write_config
+from run_helpers import queue_state, redis_pid, start_train, step_versions, train_cli, wait_for_version, wait_gone, write_config
 
 pytestmark = pytest.mark.integration
 
@@ -59,8 +59,9 @@ def test_sigkill_and_resume_reach_the_last_step_every_time(tiny_assets, tmp_path
                           rollout={"reward": {"function": reward}})
     run_dir = tmp_path / "run"
     for kill_at in (5, 8):  # each time after a checkpoint, with trained-but-uncommitted steps and groups queued
+        logged = len(step_versions(run_dir))
         proc = start_train(config)
-        wait_for_version(proc, run_dir, kill_at)
+        wait_for_version(proc, run_dir, kill_at, since=logged)
         proc.kill()
         proc.wait(30)
         assert wait_gone(run_dir) == [], "the killed run left processes behind"
@@ -69,11 +70,12 @@ def test_sigkill_and_resume_reach_the_last_step_every_time(tiny_assets, tmp_path
     debris = run_dir / "checkpoints" / ".tmp-step_00000009"
     (debris / "model").mkdir(parents=True)
     (debris / "model" / "__0_0.distcp").write_bytes(b"half a shard")
+    logged = len(step_versions(run_dir))  # the run killed at 8 may have logged 9 as it died
     proc = start_train(config)
-    wait_for_version(proc, run_dir, 9)
+    wait_for_version(proc, run_dir, 9, since=logged)
     killed = redis_pid(run_dir)
     os.kill(killed, signal.SIGKILL)  # the queue's server dies mid-run: the driver restarts it on its AOF
-    wait_for_version(proc, run_dir, 10)
+    wait_for_version(proc, run_dir, 10, since=logged)
     rank0 = json.loads((run_dir / "servers.json").read_text())["learners"][0]["pid"]
     os.kill(rank0, signal.SIGKILL)  # a learner rank dies: the learner restarts from the step-9 checkpoint
     output = proc.communicate(timeout=600)[0]
