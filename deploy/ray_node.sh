@@ -11,6 +11,8 @@ PORT="${RAY_PORT:-6379}"
 # Ray starts workers at nice 15; our actors (vLLM servers, learner ranks) need normal
 # priority or the driver and Redis take their CPU (async_rl/launch/ray_cluster.py).
 export RAY_worker_niceness="${RAY_worker_niceness:-0}"
+# The GCS keeps the events of this many tasks (Ray's 100,000 grow it by ~340 MB over a long run).
+export RAY_task_events_max_num_task_in_gcs="${RAY_task_events_max_num_task_in_gcs:-1000}"
 # Ray 2.60 clusters use token authentication: every node and every driver (`async-rl train`)
 # needs RAY_AUTH_MODE=token and the head's ~/.ray/auth_token (copy it to each node).
 export RAY_AUTH_MODE="${RAY_AUTH_MODE:-token}"

@@ -5,6 +5,10 @@ their vLLM processes, learner ranks) would lose the CPU to anything at normal pr
 the driver, Redis, Ray's own daemons. On a small CPU machine that cost the rollout pool
 about a quarter of vLLM's throughput. A cluster we start ourselves runs its workers at
 normal priority; ``deploy/ray_node.sh`` does the same for clusters started by hand.
+
+Ray's GCS keeps the events of the last 100,000 tasks (about 3.4 KB each: 340 MB); a run
+makes about one task per weight update, so the GCS grew 3 MB per 1,000 updates for days.
+A cluster started here (or by ``deploy/ray_node.sh``) keeps the last 1,000.
 """
 
 from __future__ import annotations
@@ -13,6 +17,9 @@ import os
 
 WORKER_NICENESS = 0
 """Niceness of Ray worker processes in a cluster started here (Ray's default is 15)."""
+
+TASK_EVENTS_KEPT = 1000
+"""Tasks whose events the GCS keeps for ``ray list tasks`` (Ray's default is 100,000)."""
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None, **kwargs) -> None:
@@ -30,7 +37,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, **kwargs) 
     if address is None:
         # "local": a cluster of our own even when another runs on this machine (plain ray.init()
         # would join the one /tmp/ray/ray_current_cluster names and refuse our settings).
-        ray.init(address="local", num_cpus=num_cpus, _system_config={"worker_niceness": WORKER_NICENESS}, **kwargs)
+        ray.init(address="local", num_cpus=num_cpus, _system_config={"worker_niceness": WORKER_NICENESS, "task_events_max_num_task_in_gcs": TASK_EVENTS_KEPT}, **kwargs)
         return
     try:
         ray.init(address=address, **kwargs)
