@@ -31,12 +31,20 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from async_rl.algos.options import ESTIMATORS, LOSSES, AdvantageName, KLName, LossName, LossOptions
+from async_rl.algos.options import (
+    ESTIMATORS,
+    LOSSES,
+    AdvantageName,
+    KLName,
+    LossName,
+    LossOptions,
+)
 
 
 class ConfigError(ValueError):
@@ -825,17 +833,46 @@ def to_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
+SECRET_URL_KEYS = ("queue.redis_url",)
+"""Keys whose value is a URL that may carry a password: :func:`shareable` redacts them."""
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password (``user:PASSWORD@`` or ``?password=``) replaced by ``***``,
+    for every message, log line, config copy and tracker."""
+    parts = urlsplit(url)
+    netloc = parts.netloc
+    if parts.password is not None:
+        netloc = f"{parts.username or ''}:***@{netloc.rsplit('@', 1)[1]}"
+    query = urlencode([(k, "***" if k == "password" else v) for k, v in parse_qsl(parts.query, keep_blank_values=True)], safe="*")
+    return urlunsplit(parts._replace(netloc=netloc, query=query))
+
+
+def shareable(cfg: Config) -> dict[str, Any]:
+    """:func:`to_dict` of ``cfg`` with every secret redacted: what ``resolved_config.yaml``,
+    W&B and any other copy of the config get (the run itself keeps the real values)."""
+    data = to_dict(cfg)
+    for key in SECRET_URL_KEYS:
+        *path, name = key.split(".")
+        section = data
+        for part in path:
+            section = section[part]
+        if section[name]:
+            section[name] = redact_url(section[name])
+    return data
+
+
 def to_yaml(cfg: Any) -> str:
     """YAML text of a config; ``load_config`` of it gives back an equal config."""
     return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False)
 
 
 def save_resolved(cfg: Config, out_dir: str | Path) -> Path:
-    """Write ``resolved_config.yaml`` into ``out_dir`` (created if needed); return its path."""
+    """Write ``resolved_config.yaml`` (secrets redacted) into ``out_dir`` (created if needed); return its path."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "resolved_config.yaml"
-    path.write_text(to_yaml(cfg))
+    path.write_text(yaml.safe_dump(shareable(cfg), sort_keys=False, default_flow_style=False))
     return path
 
 

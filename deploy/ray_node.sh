@@ -16,6 +16,8 @@ export RAY_task_events_max_num_task_in_gcs="${RAY_task_events_max_num_task_in_gc
 # Ray 2.60 clusters use token authentication: every node and every driver (`async-rl train`)
 # needs RAY_AUTH_MODE=token and the head's ~/.ray/auth_token (copy it to each node).
 export RAY_AUTH_MODE="${RAY_AUTH_MODE:-token}"
+# What the run's actors write (checkpoints, logs) is this user's only (docs/security.md).
+umask 077
 case "${1:-}" in
   head)
     "$RAY" get-auth-token --generate >/dev/null  # ~/.ray/auth_token, unless there is one

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from async_rl.config import Config, ConfigError, LossConfig, load_config, reference_markdown, to_yaml
+from async_rl.config import Config, ConfigError, LossConfig, load_config, redact_url, reference_markdown, save_resolved, shareable, to_yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
@@ -229,3 +229,20 @@ def test_reward_kwargs_are_a_free_mapping():
     assert cfg.rollout.reward.kwargs == {"max_response_length": 256, "overlong_penalty_factor": 1.0}
     assert "rollout.reward.kwargs=3 has type int, expected mapping" in _error(["rollout.reward.kwargs=3"])
     assert "unknown config key rollout.reward.fallback_reward" in _error(["rollout.reward.fallback_reward=0.0"])
+
+
+@pytest.mark.parametrize(("url", "shown"), [
+    ("redis://:s3cret@10.0.0.5:6379/0", "redis://:***@10.0.0.5:6379/0"),
+    ("rediss://trainer:s3cret@redis.internal:6380", "rediss://trainer:***@redis.internal:6380"),
+    ("redis://10.0.0.5:6379/0?password=s3cret&socket_timeout=5", "redis://10.0.0.5:6379/0?password=***&socket_timeout=5"),
+    ("redis://10.0.0.5:6379/0", "redis://10.0.0.5:6379/0"),
+])
+def test_redact_url_hides_the_password_wherever_the_url_carries_it(url: str, shown: str) -> None:
+    assert redact_url(url) == shown
+
+
+def test_copies_of_the_config_carry_no_password(tmp_path: Path) -> None:
+    cfg = load_config(overrides=["queue.redis_url=redis://trainer:s3cret@10.0.0.5:6379/0"])
+    assert shareable(cfg)["queue"]["redis_url"] == "redis://trainer:***@10.0.0.5:6379/0"
+    assert "s3cret" not in save_resolved(cfg, tmp_path).read_text()
+    assert cfg.queue.redis_url == "redis://trainer:s3cret@10.0.0.5:6379/0"  # the run itself keeps it

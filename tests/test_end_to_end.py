@@ -78,6 +78,10 @@ def test_train_runs_the_whole_pipeline(tiny_assets, tmp_path):
     final = sorted((run_dir / "checkpoints").iterdir())[-1]
     assert json.loads((final / "state.json").read_text())["version"] == 4
     assert wait_gone(run_dir) == []
+    # What the run wrote is this user's only (docs/security.md): the AOF, logs, checkpoints, W&B files.
+    readable = [f"{oct(p.stat().st_mode & 0o777)} {p}" for p in [run_dir, *run_dir.rglob("*")]
+                if not p.is_symlink() and p.stat().st_mode & 0o077]
+    assert readable == [], readable[:20]
     assert queue_state(run_dir, config)["stats"]["pending"] == 0  # every consumed entry was committed
     _export_serves_in_vllm(final, tmp_path / "export")
 

@@ -42,7 +42,7 @@ from async_rl.launch.plan import make_plan
 from async_rl.launch.prometheus import server_states
 from async_rl.launch.ray_cluster import init_ray
 from async_rl.launch.reaper import reap_on_exit
-from async_rl.launch.run_state import RunStateError, claim_run, driver_owner, set_aside
+from async_rl.launch.run_state import RunStateError, claim_run, driver_owner, make_private, set_aside
 from async_rl.launch.tracking import Tracker
 from async_rl.learner.actor import start_learners
 from async_rl.queue import EmbeddedRedis, QueueUnavailableError, RedisExit, ReplayQueue
@@ -139,8 +139,11 @@ class _Run:
 
     async def main(self) -> RunResult:
         cfg = self.cfg
+        # What this process and its children (redis-server, a local Ray and its workers) write
+        # is this user's only: prompts, responses, weights, the Redis password.
+        os.umask(0o077)
         set_aside(cfg)  # trainer.resume=fresh: the previous run's files go to previous-<run id>/ first
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        make_private(self.run_dir)
         save_resolved(cfg, self.run_dir)
         loop = asyncio.get_running_loop()
         self._install_signal_handlers()

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from async_rl.config import Config
+from async_rl.config import Config, redact_url
 from async_rl.launch import run_state
 from async_rl.launch.prometheus import port_error
 from async_rl.learner import attention, kernels, vision
@@ -94,7 +94,7 @@ def make_plan(cfg: Config) -> Plan:
     plan = Plan(
         device=("cuda" if gpu else "cpu") + (_sharing(r.num_servers, gpu) if servers_gpu_share(r, lrn) else ""),
         processes=processes,
-        redis=cfg.queue.redis_url and _redact(cfg.queue.redis_url) or "embedded redis-server on 127.0.0.1 (free port, generated password, AOF)",
+        redis=cfg.queue.redis_url and redact_url(cfg.queue.redis_url) or "embedded redis-server on 127.0.0.1 (free port, generated password, AOF)",
         ray=cfg.ray.address or f"local Ray instance ({cfg.ray.num_cpus or 'all'} CPUs)",
         sync_backend=sync_backends(cfg.sync.backend, gpu, local=cfg.ray.address is None),
         output_dir=cfg.trainer.output_dir,
@@ -304,12 +304,6 @@ def _monitoring(cfg: Config, plan: Plan) -> str:
                     plan.errors.append(port_error(log.prometheus_host, log.prometheus_port, exc))
     sinks += ["PNG plots at the end"] if log.plots and log.jsonl else []
     return ", ".join(sinks) or "nothing (logging.* all off)"
-
-
-def _redact(url: str) -> str:
-    scheme, sep, rest = url.partition("://")
-    creds, at, host = rest.rpartition("@")
-    return f"{scheme}{sep}***@{host}" if at else url
 
 
 def render(plan: Plan) -> str:

@@ -32,7 +32,7 @@ from async_rl.launch.plots import PLOTS
 from async_rl.launch.tracking import WANDB_ID_FILE
 from async_rl.queue.ownership import RunOwnership, RunRecord
 
-__all__ = ["RUN_FILE", "DirState", "RunStateError", "claim_run", "driver_owner", "plan_note", "read_dir", "refusal", "set_aside"]
+__all__ = ["RUN_FILE", "DirState", "RunStateError", "claim_run", "driver_owner", "make_private", "plan_note", "read_dir", "refusal", "set_aside"]
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +119,30 @@ def set_aside(cfg: Config) -> Path | None:
             os.rename(state.path / name, aside / name)
     log.warning("trainer.resume=fresh: moved the state of the previous run in %s to %s", state.path, aside)
     return aside
+
+
+def make_private(run_dir: Path) -> None:
+    """Make the run's files in ``run_dir`` this user's only: the directory and the folders of
+    what a run writes (:data:`OUTPUT_NAMES`, ``previous-*``) 0700, their files 0600. They hold
+    every prompt and response (the AOF, the logs), the Redis password (``redis/redis.conf``) and
+    the weights. The driver's umask (0077) keeps what it writes from now on private; this fixes
+    what an older version left readable. Anything else in the directory is left as it is."""
+    run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    run_dir.chmod(0o700)
+    for path in run_dir.iterdir():
+        if path.name in OUTPUT_NAMES or path.name.startswith(ASIDE_PREFIX):
+            _chmod_tree(path)
+
+
+def _chmod_tree(path: Path) -> None:
+    if path.is_symlink():
+        return
+    if not path.is_dir():
+        path.chmod(0o600)
+        return
+    path.chmod(0o700)
+    for child in path.iterdir():
+        _chmod_tree(child)
 
 
 def driver_owner() -> str:

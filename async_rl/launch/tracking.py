@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from async_rl.config import Config, to_dict
+from async_rl.config import Config, shareable
 from async_rl.launch.eta import EtaModel
 from async_rl.launch.plots import read_records, staleness_counts, write_plots
 from async_rl.launch.prometheus import PrometheusServer, ServerState, Snapshot
@@ -95,7 +95,7 @@ class Tracker:
             run_id = uuid.uuid4().hex[:12]
             id_file.write_text(run_id + "\n")
         run = wandb.init(project=w.project, entity=w.entity, name=self.cfg.trainer.run_name, dir=str(self.run_dir), id=run_id,
-                         resume="allow", mode=mode, config=to_dict(self.cfg), reinit="finish_previous")
+                         resume="allow", mode=mode, config=shareable(self.cfg), reinit="finish_previous")
         self._wandb_step = max(self._wandb_step, run.step)
         run.define_metric("version")
         run.define_metric("*", step_metric="version")

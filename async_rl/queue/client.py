@@ -6,13 +6,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-__all__ = ["OnceScript", "QueueUnavailableError", "attempts", "connect", "redact", "retrying"]
+from async_rl.config import redact_url
+
+__all__ = ["OnceScript", "QueueUnavailableError", "attempts", "connect", "retrying"]
 
 T = TypeVar("T")
 
@@ -23,16 +25,6 @@ class QueueUnavailableError(ConnectionError):
     """Redis stayed unreachable for the whole timeout of an operation."""
 
 
-def redact(url: str) -> str:
-    """The URL with its password replaced by ``***`` (for messages and logs)."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)[1]
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
-
-
 def connect(url: str, socket_timeout_s: float) -> redis.Redis:
     """A client for a ``redis://`` or ``rediss://`` (TLS) URL, password included.
 
@@ -40,7 +32,7 @@ def connect(url: str, socket_timeout_s: float) -> redis.Redis:
     retries are off: :func:`retrying` owns retry policy, bounded by the caller's deadline.
     """
     if urlsplit(url).scheme not in ("redis", "rediss"):
-        raise ValueError(f"expected a redis:// or rediss:// URL, got {redact(url)!r}")
+        raise ValueError(f"expected a redis:// or rediss:// URL, got {redact_url(url)!r}")
     return redis.Redis.from_url(
         url,
         socket_timeout=socket_timeout_s,

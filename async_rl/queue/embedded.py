@@ -166,7 +166,9 @@ class EmbeddedRedis:
         if self._data_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="async-rl-redis-")
             self._data_dir = Path(self._tmp.name)
-        self._data_dir.mkdir(parents=True, exist_ok=True)
+        # Every prompt, response and reward of the run is in the AOF: this user's only.
+        self._data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._data_dir.chmod(0o700)
         pick = self.port is None
         attempts = PORT_ATTEMPTS
         try:
@@ -234,6 +236,7 @@ class EmbeddedRedis:
         conf = self.data_dir / "redis.conf"
         # The password goes in a 0600 file, not argv, so `ps` does not show it.
         conf.touch(mode=0o600)
+        conf.chmod(0o600)  # also one an older version left readable
         conf.write_text(self._config())
         log = self.data_dir / "redis.log"
         log_start = log.stat().st_size if log.exists() else 0
@@ -244,6 +247,7 @@ class EmbeddedRedis:
             # stop Redis before the owner's shutdown has committed to it (it still dies with
             # the owner: PR_SET_PDEATHSIG).
             start_new_session=True,
+            umask=0o077,  # its AOF and log: 0600
         )
         self._wait_ready(self._proc, log_start)
 

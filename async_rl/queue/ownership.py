@@ -18,7 +18,8 @@ from typing import TypeVar
 
 import msgspec
 
-from async_rl.queue.client import connect, redact, retrying
+from async_rl.config import redact_url
+from async_rl.queue.client import connect, retrying
 from async_rl.queue.keys import RunKeys
 
 __all__ = ["LEASE_RENEW_S", "LEASE_TTL_S", "Lease", "LeaseLostError", "RunInUseError", "RunOwnership", "RunRecord"]
@@ -96,7 +97,7 @@ class RunOwnership:
     def __init__(self, url: str, run: str, *, op_timeout_s: float = 30.0, socket_timeout_s: float = 5.0) -> None:
         self.run = run
         self.keys = RunKeys(run)
-        self.url = redact(url)
+        self.url = redact_url(url)
         self.op_timeout_s = op_timeout_s
         self._client = connect(url, socket_timeout_s)
         self._claim = self._client.register_script(_CLAIM_LUA)

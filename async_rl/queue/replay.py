@@ -31,10 +31,23 @@ from typing import Any, TypeVar, cast
 import msgspec
 import redis
 
+from async_rl.config import redact_url
 from async_rl.queue.admission import AdmissionLedger, Reconciled, Ticket
-from async_rl.queue.client import OnceScript, attempts, connect, redact, retrying
-from async_rl.queue.keys import CONSUMER_GROUP, FAILURE_FIELD, FAILURES_MAXLEN, PAYLOAD_FIELD, RunKeys
-from async_rl.records import FailureReport, RecordDecodeError, RolloutGroup, decode, encode
+from async_rl.queue.client import OnceScript, attempts, connect, retrying
+from async_rl.queue.keys import (
+    CONSUMER_GROUP,
+    FAILURE_FIELD,
+    FAILURES_MAXLEN,
+    PAYLOAD_FIELD,
+    RunKeys,
+)
+from async_rl.records import (
+    FailureReport,
+    RecordDecodeError,
+    RolloutGroup,
+    decode,
+    encode,
+)
 
 _FAILURE_DECODER = msgspec.msgpack.Decoder(FailureReport)
 
@@ -233,7 +246,7 @@ class ReplayQueue:
         self.op_timeout_s = op_timeout_s
         self.dead_maxlen = dead_maxlen
         self.keys = RunKeys(run)
-        self._url = redact(url)
+        self._url = redact_url(url)
         # XREADGROUP blocks in slices shorter than the socket timeout, which bounds each read.
         self._block_slice_s = min(1.0, socket_timeout_s / 2)
         self._client = connect(url, socket_timeout_s)

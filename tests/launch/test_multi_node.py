@@ -11,6 +11,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 from ray_nodes import start_node, stop_nodes, wait_for_log
@@ -62,6 +63,9 @@ def test_quickstart_trains_on_two_raylets_with_an_external_redis(tiny_assets, tm
         done = train_cli(config, timeout_s=900)
         assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert step_versions(tmp_path / "run")[-1] == 2
+    password = urlsplit(redis_url).password
+    leaked = [p for p in (tmp_path / "run").rglob("*") if p.is_file() and password.encode() in p.read_bytes()]
+    assert password and leaked == [], leaked  # not in resolved_config.yaml, W&B's config or any log
     nodes = _actor_nodes(two_raylets)
     server, learner = nodes.get("InferenceServer", set()), nodes.get("LearnerActor", set())
     assert len(server) == 1 and len(learner) == 1 and server != learner, nodes

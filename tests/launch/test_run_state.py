@@ -10,11 +10,18 @@ from pathlib import Path
 
 import pytest
 
-from async_rl.config import Config, load_config
+from async_rl.config import Config, load_config, redact_url
 from async_rl.launch.plan import make_plan
-from async_rl.launch.run_state import RUN_FILE, RunStateError, claim_run, read_dir, refusal, set_aside
+from async_rl.launch.run_state import (
+    RUN_FILE,
+    RunStateError,
+    claim_run,
+    make_private,
+    read_dir,
+    refusal,
+    set_aside,
+)
 from async_rl.queue import EmbeddedRedis, ReplayQueue
-from async_rl.queue.client import redact
 from async_rl.queue.ownership import RunInUseError, RunOwnership, RunRecord
 from async_rl.records import RolloutGroup, Sample
 
@@ -102,7 +109,7 @@ def test_two_runs_of_one_name_on_one_redis(redis_url: str, tmp_path: Path) -> No
         with pytest.raises(RunInUseError) as in_use:  # the first one runs
             _claim(redis_url, second, owner="host-2")
         message = str(in_use.value)
-        assert f"trainer.run_name={name!r}" in message and redact(redis_url) in message and first_id in message
+        assert f"trainer.run_name={name!r}" in message and redact_url(redis_url) in message and first_id in message
         assert "pick another trainer.run_name" in message
         with pytest.raises(RunInUseError):  # trainer.resume=fresh does not move a live run's queue aside
             _claim(redis_url, _cfg(tmp_path / "b", name, "fresh"), owner="host-2")
@@ -147,3 +154,24 @@ def test_a_run_from_before_run_ids_is_adopted_on_resume(redis_url: str, tmp_path
         assert ownership.record().run_id == run_id  # type: ignore[union-attr]
     with ReplayQueue(redis_url, name) as queue:
         assert queue.stats()["depth"] == 1  # its queue is untouched
+
+
+def test_make_private_closes_the_runs_files_and_leaves_the_rest(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    for path in (run_dir / "checkpoints" / "step_00000002", run_dir / "previous-old" / "redis", run_dir / "assets"):
+        path.mkdir(parents=True)
+    files = [run_dir / "metrics.jsonl", run_dir / "checkpoints" / "step_00000002" / "state.json",
+             run_dir / "previous-old" / "redis" / "redis.conf", run_dir / "assets" / "train.jsonl"]
+    for path in files:
+        path.write_text("{}")
+        path.chmod(0o644)
+    for path in [run_dir, *(p for p in run_dir.rglob("*") if p.is_dir())]:
+        path.chmod(0o755)
+    make_private(run_dir)
+    mode = {str(p.relative_to(run_dir)): p.stat().st_mode & 0o777 for p in [run_dir, *run_dir.rglob("*")]}
+    assert mode == {
+        ".": 0o700, "metrics.jsonl": 0o600,
+        "checkpoints": 0o700, "checkpoints/step_00000002": 0o700, "checkpoints/step_00000002/state.json": 0o600,
+        "previous-old": 0o700, "previous-old/redis": 0o700, "previous-old/redis/redis.conf": 0o600,
+        "assets": 0o755, "assets/train.jsonl": 0o644,  # not the run's: the quickstart's assets live here
+    }

@@ -142,6 +142,23 @@ def test_loopback_without_auth_is_allowed(tmp_path: Path) -> None:
     assert (tmp_path / "appendonlydir").is_dir()  # a given data dir is kept
 
 
+def test_its_data_is_this_users_only_even_in_a_directory_made_readable(tmp_path: Path) -> None:
+    """The AOF holds every prompt and response, redis.conf the password: 0700 / 0600, also
+    over a directory and a config an older version left readable."""
+    data = tmp_path / "redis"
+    data.mkdir(mode=0o755)
+    data.chmod(0o755)
+    (data / "redis.conf").write_text("")
+    (data / "redis.conf").chmod(0o644)
+    with EmbeddedRedis(data) as url:
+        with ReplayQueue(url, "private") as q:
+            q.put(make_group(0))
+    assert data.stat().st_mode & 0o777 == 0o700
+    files = [p for p in data.rglob("*") if p.is_file()]
+    assert {"redis.conf", "redis.log"} <= {p.name for p in files} and any(p.suffix == ".aof" for p in files)
+    assert {p.name: oct(p.stat().st_mode & 0o777) for p in files} == {p.name: "0o600" for p in files}
+
+
 def _take(returned: Any, producer: BaseProcess, count: int, what: str) -> list[str]:
     try:
         return [returned.get(timeout=60.0) for _ in range(count)]

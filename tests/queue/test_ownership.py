@@ -9,9 +9,15 @@ import time
 import pytest
 from queue_workers import make_group
 
+from async_rl.config import redact_url
 from async_rl.queue import ReplayQueue
-from async_rl.queue.client import redact
-from async_rl.queue.ownership import LEASE_TTL_S, LeaseLostError, RunInUseError, RunOwnership, RunRecord
+from async_rl.queue.ownership import (
+    LEASE_TTL_S,
+    LeaseLostError,
+    RunInUseError,
+    RunOwnership,
+    RunRecord,
+)
 
 
 def test_a_second_run_of_the_same_name_is_refused_while_the_first_holds_the_lease(redis_url: str, run: str) -> None:
@@ -22,7 +28,7 @@ def test_a_second_run_of_the_same_name_is_refused_while_the_first_holds_the_leas
             second.acquire("run-b", "host-2")
         assert time.monotonic() - started < 1.0  # another run's lease: refused at once
         message = str(refused.value)
-        assert f"trainer.run_name={run!r}" in message and redact(redis_url) in message and "run-a" in message
+        assert f"trainer.run_name={run!r}" in message and redact_url(redis_url) in message and "run-a" in message
         assert "pick another trainer.run_name" in message and "***" in message  # the password is not printed
         lease = second.lease()
         assert lease is not None and (lease.run_id, lease.owner) == ("run-a", "host-1") and 0 < lease.ttl_s <= LEASE_TTL_S
