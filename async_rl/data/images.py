@@ -30,8 +30,15 @@ IMAGE_PLACEHOLDER = "<image>"
 """Where each image goes in the prompt text (EasyR1's convention)."""
 
 
+DECODE_PIXELS_FACTOR = 16
+"""A row's image is decoded only if its header gives at most this many times ``max_pixels``
+(it is resized into the bounds after decoding): 67 Mpx at the default bounds, an 8K photo is
+33 Mpx. A larger one (a decompression bomb: a tiny file that decodes to gigabytes) is
+refused before a pixel is decoded."""
+
+
 class ImageError(ValueError):
-    """An image reference that cannot be used (missing, undecodable, malformed)."""
+    """An image reference that cannot be used (missing, undecodable, malformed, too large)."""
 
 
 @dataclass(frozen=True)
@@ -76,7 +83,7 @@ def normalise_ref(ref: Any, base_dir: Path) -> str:
     return str(path if path.is_absolute() else base_dir / path)
 
 
-def _open(ref: str) -> Image.Image:
+def _open(ref: str, max_pixels: int) -> Image.Image:
     if ref.startswith("data:"):
         header, sep, payload = ref.partition(",")
         if not sep or not header.endswith(";base64"):
@@ -90,17 +97,29 @@ def _open(ref: str) -> Image.Image:
         if not Path(ref).is_file():
             raise ImageError(f"image file {ref!r} not found (relative paths are read from data.image_dir, else the dataset file's folder)")
         source = ref
+    return _decode(source, f"image {_describe(ref)}", max_pixels)
+
+
+def _decode(source: Any, what: str, max_pixels: int) -> Image.Image:
+    """Decode an image whose header gives at most ``max_pixels`` pixels (width x height)."""
     try:
-        image = Image.open(source)
+        image = Image.open(source)  # reads the header only
+        width, height = image.size
+        if width * height > max_pixels:
+            raise ImageError(f"{what} is {width}x{height} = {width * height} pixels, more than the {max_pixels} "
+                             "decoded at most (a decompression bomb, or raise data.max_pixels)")
         image.load()
     except (UnidentifiedImageError, OSError, Image.DecompressionBombError, SyntaxError, ValueError) as exc:
-        raise ImageError(f"image {_describe(ref)} does not decode: {exc}") from None
+        if isinstance(exc, ImageError):
+            raise
+        raise ImageError(f"{what} does not decode: {type(exc).__name__}: {exc}") from None
     return image
 
 
 def load_image(ref: str, bounds: PixelBounds) -> Image.Image:
-    """Open a normalised reference as an RGB image resized into ``bounds`` (aspect kept)."""
-    image = _open(ref)
+    """Open a normalised reference as an RGB image resized into ``bounds`` (aspect kept).
+    An image over ``DECODE_PIXELS_FACTOR * bounds.max_pixels`` pixels is refused from its header."""
+    image = _open(ref, DECODE_PIXELS_FACTOR * bounds.max_pixels)
     width, height = image.size
     if width < 1 or height < 1:
         raise ImageError(f"image {_describe(ref)} is empty ({width}x{height})")
@@ -122,14 +141,11 @@ def image_blob(image: Image.Image) -> ImageBlob:
     return ImageBlob(digest.hexdigest(), out.getvalue(), rgb.width, rgb.height)
 
 
-def decode_blob(png: bytes) -> Image.Image:
-    """PNG bytes of an :class:`ImageBlob` back to an RGB image (:class:`ImageError` if they
-    are not an image)."""
-    try:
-        image = Image.open(io.BytesIO(png))
-        image.load()
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
-        raise ImageError(f"stored image bytes do not decode: {exc}") from None
+def decode_blob(png: bytes, max_pixels: int) -> Image.Image:
+    """PNG bytes of an :class:`ImageBlob` back to an RGB image. They come from the queue, so
+    they are checked: :class:`ImageError` if they are not an image or their header gives
+    more than ``max_pixels`` pixels (a blob is resized into ``data.max_pixels`` when made)."""
+    image = _decode(io.BytesIO(png), "stored image", max_pixels)
     return image.convert("RGB") if image.mode != "RGB" else image
 
 

@@ -218,7 +218,7 @@ class QueueReader:
                 return Drop("missing_image", f"image(s) {', '.join(missing)} no longer in the queue (expired after queue.image_ttl_s)")
             try:
                 for png in found.values():
-                    decode_blob(png)
+                    decode_blob(png, self.limits.max_image_pixels)
             except ImageError as exc:
                 return Drop("bad_image", str(exc), True)
             self._images.update(found)

@@ -82,7 +82,7 @@ class LearnerLoop:
         """A vision-language policy's image processor (None for a text model)."""
         limits = Limits(lrn.max_tokens_per_microbatch, int(policy.config.get_text_config().vocab_size),
                         getattr(policy.config, "image_token_id", None) if self.process_images is not None else None,
-                        cfg.algorithm.failed_samples, 2 if ESTIMATORS[cfg.algorithm.advantage.name].group else 1)
+                        cfg.algorithm.failed_samples, 2 if ESTIMATORS[cfg.algorithm.advantage.name].group else 1, cfg.data.max_pixels)
         self.trainer = Trainer(policy, reference, lrn, cfg.algorithm, self.info, cfg.trainer.total_steps, cfg.trainer.seed,
                                temperature=cfg.rollout.temperature, critic=critic)
         self.output_dir = Path(cfg.trainer.output_dir)
@@ -219,7 +219,7 @@ class LearnerLoop:
         feed brought and processes them once per group."""
         if self.process_images is None:  # the reader dead-letters groups with images for a text model
             raise RuntimeError("images in a batch of a text model: a bug in the feed's screen")
-        decoded = {sha: decode_blob(png) for sha, png in data.images.items()}
+        decoded = {sha: decode_blob(png, self.feed.limits.max_image_pixels) for sha, png in data.images.items()}
         groups = [data.fed[i].screened.group for i in prepared.kept]
         inputs = vision.VisionInputs.build(self.model_type, [[decoded[ref.sha256] for ref in g.images] for g in groups], self.process_images)
         return dataclasses.replace(batch, vision=inputs)

@@ -38,6 +38,9 @@ class Limits:
     min_samples: int = 1
     """The fewest trainable samples a group needs (2 for an estimator whose baseline is
     the group's statistics: one sample alone has no baseline)."""
+    max_image_pixels: int = 4194304
+    """Pixels (width x height) of one stored image at most (``data.max_pixels``: images are
+    resized into it before they are stored); a larger one is malformed data."""
 
 
 class Verdict(NamedTuple):

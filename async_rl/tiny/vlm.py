@@ -233,7 +233,7 @@ def row_image(row: VisionRow) -> Image.Image:
     another number of images, or not a PNG data URI)."""
     if len(row.images) != 1 or not row.images[0].startswith("data:image/png;base64,"):
         raise ImageError(f"expected one PNG data URI in row {row.problem!r}, got {len(row.images)} images")
-    return decode_blob(base64.b64decode(row.images[0].partition(",")[2]))
+    return decode_blob(base64.b64decode(row.images[0].partition(",")[2]), IMAGE_SIZE * IMAGE_SIZE)
 
 
 def make_vlm_splits(task: ShapesTask, seed: int, n_train: int, n_val: int) -> tuple[list[VisionRow], list[VisionRow]]:

@@ -3,8 +3,10 @@ backlog, the run of drops, staleness on the groups' behaviour version."""
 
 from __future__ import annotations
 
+import struct
 import time
 import uuid
+import zlib
 
 import pytest
 from learner_helpers import make_groups
@@ -13,7 +15,7 @@ from async_rl.learner.feed import BatchFeed, NoTrainableDataError, QueueReader, 
 from async_rl.learner.model import DistInfo
 from async_rl.learner.screening import Limits
 from async_rl.queue import ReplayQueue
-from async_rl.records import RolloutGroup, Sample, encode
+from async_rl.records import ImageRef, RolloutGroup, Sample, encode
 
 
 class Hooks:
@@ -115,3 +117,29 @@ def test_staleness_is_measured_on_the_groups_behaviour_version() -> None:
     assert metrics["staleness/mean"] == pytest.approx(5 / 3) and metrics["staleness/max"] == 3.0
     assert {k: v for k, v in metrics.items() if "hist" in k} == {"staleness/hist/1": 2.0, "staleness/hist/3": 1.0}
     assert all(isinstance(v, float) for v in metrics.values())
+
+
+def _bomb_png(width: int, height: int) -> bytes:
+    """A valid PNG header of ``width`` x ``height`` RGB pixels over a few bytes of data: what a
+    decompression bomb looks like before decoding (no test allocates its gigabytes)."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
+
+
+def test_an_image_bomb_in_the_queue_is_dead_lettered_and_the_feed_goes_on(redis_url: str, one_rank: DistInfo) -> None:
+    run = f"feed-{uuid.uuid4().hex[:8]}"
+    good, other = make_groups(2, seed=23, run=run)
+    bomb = RolloutGroup.from_lists(run, "bomb", 7, [3, 4], list(good.samples), "s", 0.0,
+                                   images=[ImageRef("b" * 64, 30000, 30000)])
+    limits = Limits(64, 512, max_image_pixels=1024 * 1024)
+    with ReplayQueue(redis_url, run, max_depth=64) as queue:
+        queue.put_images([("b" * 64, _bomb_png(30000, 30000))], ttl_s=600)
+        for g in (bomb, good, other):
+            queue.put(g)
+        reader = QueueReader(queue, limits, max_staleness=1, batch_size=2, read_timeout_s=0.2, takes_images=True,
+                             model_path="tiny-vlm", run_name=run)
+        data = BatchFeed(one_rank.rank, one_rank.device, limits, reader).next(2, 0, Hooks(), deadline=time.monotonic() + 30)
+        assert data is not None and [f.screened.group.group_id for f in data.fed] == [good.group_id, other.group_id]
+        assert queue.stats()["dead_lettered"] == 1

@@ -74,7 +74,7 @@ def test_eight_samples_of_one_image_store_it_once(tmp_path: Path) -> None:
     assert 0 < ttl_s <= 600
     ref = by_prompt[0].images[0]
     assert (ref.width, ref.height) == (8, 8)
-    assert decode_blob(stored[ref.sha256]).getpixel((0, 0)) == (255, 0, 0)
+    assert decode_blob(stored[ref.sha256], 2**20).getpixel((0, 0)) == (255, 0, 0)
     # the record holds the prompt as the engine expanded it; the request had one placeholder
     assert list(by_prompt[0].prompt_array()) == [1, 2, *EXPANSION, 3]
     assert list(by_prompt[3].prompt_array()) == [1, 2, 3]
