@@ -16,7 +16,7 @@ Layout of ``step_{version:08d}/``::
     critic_model/     with a critic (gae): DCP shards of the value model,
     critic_optim/     of its AdamW state,
     critic_hf/        and its config.json (a one-label token classifier, for export)
-    rng/rank_{r}.pt   Python, torch (and CUDA) RNG states of rank r
+    rng/rank_{r}.pt   Python, torch (and CUDA) RNG states of rank r (tensors and ints)
     hf/               config.json, generation config and tokenizer files of the base model (for export)
     state.json        version, scheduler state, uncommitted queue entry ids, counters, parent;
                       written last: a directory without it is incomplete and ignored
@@ -38,6 +38,11 @@ step of a line the user left by resuming from an older checkpoint; retention kee
 ``keep`` newest checkpoints of the line being trained and leaves other lines' alone.
 Checkpoints written before lines existed have no ``parent`` key and their directory no
 ``head.json``: they are legacy, one line in step order, and ``auto`` loads the highest step.
+
+**Loading runs nothing from the checkpoint.** A checkpoint holds data only: tensors, plain
+values, DCP's metadata classes, JSON and tokenizer files. :func:`load` and :func:`export_hf`
+read it through :mod:`async_rl.learner.safe_load`, which refuses anything else
+(:class:`~async_rl.learner.safe_load.CheckpointContentError`) before it runs.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from async_rl.learner import collectives
+from async_rl.learner.safe_load import dcp_load, tensors_load
 
 _PREFIX = "step_"
 _STATE = "state.json"
@@ -249,18 +255,19 @@ def save(
 def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
          critic: tuple[nn.Module, torch.optim.Optimizer] | None = None) -> TrainingState:
     """Restore model, optimizer (and the critic's), and this rank's RNG from checkpoint
-    ``path`` (collective). A checkpoint saved without a critic cannot resume a run with one."""
+    ``path`` (collective). A checkpoint saved without a critic cannot resume a run with one.
+    Nothing in it is unpickled but data (:mod:`async_rl.learner.safe_load`)."""
     if critic is not None and not (path / "critic_model").is_dir():
         raise FileNotFoundError(f"{path} holds no critic (saved without algorithm.advantage.name=gae): resume with trainer.resume=off "
                                 "or point trainer.resume at a checkpoint of a run with a critic")
     for (m, o), prefix in (((model, optimizer), ""), *(((critic, "critic_"),) if critic is not None else ())):
         model_sd, optim_sd = get_state_dict(m, o)
-        dcp.load(model_sd, checkpoint_id=path / f"{prefix}model")
-        dcp.load(optim_sd, checkpoint_id=path / f"{prefix}optim")
+        dcp_load(model_sd, path / f"{prefix}model")
+        dcp_load(optim_sd, path / f"{prefix}optim")
         set_state_dict(m, o, model_state_dict=model_sd, optim_state_dict=optim_sd)
     rng_file = path / "rng" / f"rank_{dist.get_rank()}.pt"
     if rng_file.is_file():  # absent when resuming with more ranks than saved: seeds stay as set
-        _set_rng_state(torch.load(rng_file, weights_only=False))
+        _set_rng_state(tensors_load(rng_file))
     return TrainingState(**json.loads((path / _STATE).read_text()))
 
 
@@ -285,7 +292,7 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, critic: bool = False)
         model_class = AutoModelForImageTextToText if is_vision_language(config.to_dict()) else AutoModelForCausalLM
         model = model_class.from_config(config, dtype=torch.float32)
     state = model.state_dict()
-    dcp.load(state, checkpoint_id=src / ("critic_model" if critic else "model"), no_dist=True)
+    dcp_load(state, src / ("critic_model" if critic else "model"), no_dist=True)
     model.load_state_dict(state)
     out.mkdir(parents=True, exist_ok=True)
     _copy_hf_files(src / "hf", out)

@@ -13,14 +13,22 @@ update before it begins the next); a segment whose readers did not all acknowled
 abandoned to them (unlinked, so it is freed when the last mapping closes) and a fresh one
 is made. On CPU the segment is the servers' staging memory; on GPU the learner's bytes are
 copied to it once (device to host) and the server's load copies them up.
+
+Segments: ``/dev/shm/asyncrl-{pid}-{pid namespace}-{16 random hex}``, created exclusively with
+mode 0600 (a name someone already holds is skipped for a fresh one, never opened) and their
+pages reserved with ``posix_fallocate`` before anything is written. Every failure to create,
+reserve or map one is :class:`IpcUnavailable`: that update goes over the broadcast group.
+:func:`sweep_segments` removes this user's segments whose owner died without unlinking them.
 """
 
 from __future__ import annotations
 
-import itertools
 import os
+import re
+import secrets
 import shutil
 import socket
+import stat
 from collections.abc import Sequence
 from functools import cache
 from multiprocessing import resource_tracker, shared_memory
@@ -32,11 +40,14 @@ from async_rl.sync.buckets import Bucket
 
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "asyncrl-"
-_names = itertools.count()
+_NAME_TRIES = 4
+"""Fresh names drawn before giving up: a name already taken means a squatter, not chance."""
+_SEGMENT = re.compile(rf"{SHM_PREFIX}(?P<pid>\d+)-(?P<ns>\d+)-[0-9a-f]{{16}}")
 
 
 class IpcUnavailable(RuntimeError):
-    """Shared memory cannot hold the update here (no ``/dev/shm``, or too little free)."""
+    """Shared memory cannot carry the update here (no ``/dev/shm``, too little free, or a
+    segment that cannot be created, reserved or mapped): it goes over the broadcast group."""
 
 
 class ShmSource(msgspec.Struct, frozen=True):
@@ -61,6 +72,83 @@ def host_identity() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
+@cache
+def _pid_namespace() -> int:
+    """Inode of this process's pid namespace (0: unknown). Part of a segment's name, so a
+    sweep judges only the pids it can see: containers that share ``/dev/shm`` may not share pids."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def _create(size: int) -> shared_memory.SharedMemory:
+    """A new segment of ``size`` bytes (mode 0600, owned by this process), every page reserved:
+    a write to a page a full tmpfs cannot supply is SIGBUS, a failed reservation is an error."""
+    for _ in range(_NAME_TRIES):
+        name = f"{SHM_PREFIX}{os.getpid()}-{_pid_namespace()}-{secrets.token_hex(8)}"
+        path = os.path.join(SHM_DIR, name)
+        try:  # O_EXCL: never open (or follow a link planted at) a name someone else made
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            raise IpcUnavailable(f"cannot create a segment in {SHM_DIR}: {exc}") from None
+        try:
+            try:
+                os.posix_fallocate(fd, 0, size)
+            finally:
+                os.close(fd)
+            return shared_memory.SharedMemory(name=name, create=False)
+        except OSError as exc:
+            _unlink(path)
+            raise IpcUnavailable(f"cannot reserve and map {size / 2**20:.0f} MiB in {path}: {exc}") from None
+    raise IpcUnavailable(f"{_NAME_TRIES} fresh random segment names in {SHM_DIR} were all taken")
+
+
+def sweep_segments() -> list[str]:
+    """Remove this user's segments (in this pid namespace) whose owner process is gone: a
+    learner killed together with its resource tracker leaves them behind. A live owner's, or
+    one whose owner cannot be judged, is kept. Returns a line per removed segment."""
+    namespace = _pid_namespace()
+    try:
+        entries = list(os.scandir(SHM_DIR)) if namespace else []
+    except OSError:
+        return []
+    done = []
+    for entry in entries:
+        match = _SEGMENT.fullmatch(entry.name)
+        if match is None or int(match["ns"]) != namespace or _alive(int(match["pid"])):
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except OSError:  # removed meanwhile
+            continue
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and _unlink(entry.path):
+            done.append(f"removed {entry.path} ({st.st_size / 2**20:.0f} MiB): its owner, process {match['pid']}, is gone")
+    return done
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (in this pid namespace)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process has the pid: alive
+        pass
+    return True
+
+
+def _unlink(path: str) -> bool:
+    """Remove ``path``; False if it could not be (gone already, or not ours)."""
+    try:
+        os.unlink(path)
+    except OSError:
+        return False
+    return True
+
+
 def _layout(buckets: Sequence[Bucket]) -> tuple[tuple[int, ...], int]:
     offsets, total = [], 0
     for bucket in buckets:
@@ -78,7 +166,8 @@ class ShmWriter:
 
     def prepare(self, buckets: Sequence[Bucket]) -> ShmSource:
         """A segment laid out for ``buckets``; raises :class:`IpcUnavailable` if ``/dev/shm``
-        cannot hold it (checked before writing: a write past a full tmpfs is SIGBUS)."""
+        cannot hold it or a segment cannot be made. Free space is checked first (reserving
+        what is not there would briefly fill the tmpfs other processes write to as well)."""
         offsets, total = _layout(buckets)
         if self._shm is None or self._shm.size < total:
             self.abandon()
@@ -88,8 +177,7 @@ class ShmWriter:
                 raise IpcUnavailable(f"{SHM_DIR} is not usable: {exc}") from None
             if free < total:
                 raise IpcUnavailable(f"{SHM_DIR} has {free / 2**20:.0f} MiB free, the update needs {total / 2**20:.0f} MiB")
-            name = f"{SHM_PREFIX}{os.getpid()}-{next(_names)}"
-            self._shm = shared_memory.SharedMemory(name=name, create=True, size=max(total, 1))
+            self._shm = _create(max(total, 1))
             self._data = torch.frombuffer(self._shm.buf, dtype=torch.uint8)
         return ShmSource(self._shm.name, offsets, total)
 

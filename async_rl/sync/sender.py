@@ -42,7 +42,7 @@ from async_rl.sync.group import (
     host_store,
     resolve_backend,
 )
-from async_rl.sync.ipc import IpcUnavailable, ShmSource, ShmWriter, host_identity
+from async_rl.sync.ipc import IpcUnavailable, ShmSource, ShmWriter, host_identity, sweep_segments
 
 log = logging.getLogger(__name__)
 
@@ -200,6 +200,9 @@ class WeightSender:
         self.backend = resolve_backend("auto" if backend == "ipc" else backend)
         """The broadcast group's backend (servers not served over shared memory)."""
         self._shm = ShmWriter() if backend in ("auto", "ipc") else None
+        if self._shm is not None:  # segments of learners killed with their resource tracker
+            for line in sweep_segments():
+                log.info("weight sync: %s", line)
         self._host = host_identity()
         self._no_shm: set[str] = set()
         """Servers on this host that could not map the shared memory: they get the group."""

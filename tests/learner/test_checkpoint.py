@@ -5,15 +5,21 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
+import shlex
 import signal
 import time
 from pathlib import Path
 
 import pytest
+import safetensors.torch
+import torch
+import torch.distributed.checkpoint as dcp
 from learner_helpers import SPAWN, learner_config, save_killed_main
 
 from async_rl.learner import checkpoint
 from async_rl.learner.model import DistInfo, free_port, load_sharded
+from async_rl.learner.safe_load import CheckpointContentError, dcp_load
 from async_rl.learner.train_step import Trainer
 
 
@@ -96,6 +102,67 @@ def test_a_save_killed_between_its_renames_is_rolled_back_at_the_next_start(trai
                      f"restored {root / 'step_00000002'} from .old-step_00000002: the save that was replacing it did not complete"]
     assert sorted(p.name for p in root.iterdir()) == ["head.json", "step_00000001", "step_00000002"]
     assert _line(root / "step_00000002") == 1
+
+
+class _Payload:
+    """Unpickling it runs a shell command that creates ``marker``."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {shlex.quote(str(self.marker))}",)
+
+
+def test_a_checkpoint_loads_its_weights_back_through_the_allowlists(trainer: Trainer, tiny_model: Path, tmp_path: Path) -> None:
+    saved = {k: v.full_tensor().clone() for k, v in trainer.policy.state_dict().items()}
+    path = _save(trainer, tiny_model, tmp_path / "run", 1, None, line=1)
+    with torch.no_grad():
+        for param in trainer.policy.parameters():
+            param.add_(1.0)
+    checkpoint.load(path, trainer.policy, trainer.optimizer)
+    assert all(torch.equal(v.full_tensor(), saved[k]) for k, v in trainer.policy.state_dict().items())
+    exported = safetensors.torch.load_file(checkpoint.export_hf(path, tmp_path / "hf") / "model.safetensors")
+    assert torch.equal(exported["lm_head.weight"], saved["lm_head.weight"])
+
+
+@pytest.mark.parametrize("where", ["metadata", "rng"])
+def test_a_checkpoint_file_that_would_run_code_is_refused_and_nothing_runs(trainer: Trainer, tiny_model: Path, tmp_path: Path,
+                                                                          where: str) -> None:
+    """A pickle whose unpickling runs ``os.system`` (checked: plain pickle does run it) put in
+    a real checkpoint as the policy's DCP ``.metadata`` (read at resume and export) or as
+    rank 0's RNG state: refused, naming the file and the class, and the command never runs."""
+    marker = tmp_path / "ran"
+    pickle.loads(pickle.dumps(_Payload(marker)))
+    assert marker.exists()
+    marker.unlink()
+    path = _save(trainer, tiny_model, tmp_path / "run", 1, None, line=1)
+    if where == "metadata":
+        target = path / "model" / ".metadata"
+        target.write_bytes(pickle.dumps(_Payload(marker)))
+    else:
+        target = path / "rng" / "rank_0.pt"
+        torch.save(_Payload(marker), target)
+    with pytest.raises(CheckpointContentError, match="posix.system") as refused:
+        checkpoint.load(path, trainer.policy, trainer.optimizer)
+    assert str(target) in str(refused.value)
+    if where == "metadata":
+        with pytest.raises(CheckpointContentError, match="posix.system"):
+            checkpoint.export_hf(path, tmp_path / "hf")
+    assert not marker.exists()
+
+
+def test_a_dcp_value_or_metadata_that_is_not_data_is_refused(one_rank: DistInfo, tmp_path: Path) -> None:
+    """DCP keeps a non-tensor value as a pickle in its shard (torch reads it back with
+    weights_only=False) and a .metadata of the wrong type: both refused."""
+    marker = tmp_path / "ran"
+    dcp.save({"w": torch.ones(2), "evil": _Payload(marker)}, checkpoint_id=tmp_path / "dcp")
+    with pytest.raises(CheckpointContentError, match=r"(?s)the value of evil: .*GLOBAL posix.system"):
+        dcp_load({"w": torch.zeros(2), "evil": None}, tmp_path / "dcp")
+    assert not marker.exists()
+    (tmp_path / "dcp" / ".metadata").write_bytes(pickle.dumps({"not": "metadata"}))
+    with pytest.raises(CheckpointContentError, match="holds a dict, not DCP metadata"):
+        dcp_load({"w": torch.zeros(2)}, tmp_path / "dcp", no_dist=True)
 
 
 @pytest.mark.integration

@@ -1,5 +1,8 @@
 """Control messages and the sender's handling of unresponsive or vanished servers."""
 
+import errno
+import os
+import subprocess
 import threading
 import time
 
@@ -7,6 +10,7 @@ import pytest
 import torch
 import zmq
 
+from async_rl.sync import ipc
 from async_rl.sync.buckets import plan_buckets, tensor_specs
 from async_rl.sync.control import Ack, Announce, ControlTimeout, ErrorKind, Hello, Ready, Start, decode, encode
 from async_rl.sync.group import Rendezvous
@@ -116,6 +120,35 @@ def test_a_server_is_moved_to_the_group_by_the_acks_error_kind_not_its_text(kind
     finally:
         server.close()
         sender.close()
+
+
+def test_shared_memory_that_cannot_be_reserved_sends_the_update_over_the_group(monkeypatch):
+    """``/dev/shm`` filling up after the free-space check (posix_fallocate: ENOSPC) costs the
+    learner nothing: a same-host server gets that update over the group."""
+    def no_space(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(ipc.os, "posix_fallocate", no_space)
+    sender = WeightSender(backend="ipc", timeout_s=1.0, control_timeout_s=1.0)
+    server = _ShmServer(sender, "unused", None)
+    named = [("w", torch.ones(4))]
+    try:
+        sender.send(iter(named), 1, specs=tensor_specs(named))  # over the group it times out: the fake never joins
+        assert server.starts[0].shm is None and server.starts[0].rendezvous is not None
+    finally:
+        server.close()
+        sender.close()
+
+
+@pytest.mark.parametrize(("backend", "swept"), [("ipc", True), ("gloo", False)])
+def test_a_sender_using_shared_memory_sweeps_dead_owners_segments_at_start(monkeypatch, tmp_path, backend: str, swept: bool):
+    monkeypatch.setattr(ipc, "SHM_DIR", str(tmp_path))
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    segment = tmp_path / f"{ipc.SHM_PREFIX}{proc.pid}-{ipc._pid_namespace()}-{'a' * 16}"
+    segment.write_bytes(b"left by a killed learner")
+    WeightSender(backend=backend, timeout_s=5.0).close()  # type: ignore[arg-type]
+    assert segment.exists() != swept
 
 
 def test_a_replacement_registering_ends_the_wait_for_the_dead_servers_ack():
