@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from async_rl.data.images import ImageError, PixelBounds, chat_content, load_image, normalise_ref
 
@@ -146,7 +147,8 @@ class PromptFormatter:
             path = Path(format_prompt)
             if not path.is_file():
                 raise FileNotFoundError(f"data.format_prompt template {str(path)!r} not found")
-            self.template = jinja2.Environment(undefined=jinja2.StrictUndefined).from_string(path.read_text())
+            # Sandboxed: a template reaches no Python internals (``content.__class__`` ...).
+            self.template = ImmutableSandboxedEnvironment(undefined=jinja2.StrictUndefined).from_string(path.read_text())
         if getattr(tokenizer, "chat_template", None) is None:
             raise ValueError("the tokenizer has no chat template; add one to tokenizer_config.json (key 'chat_template')")
 

@@ -242,16 +242,29 @@ def blocked_message(label: str, seconds: float) -> str:
 
 # -- checking what the environment returned ----------------------------------------------
 
+MAX_OBSERVATION_CHARS = 1_000_000
+"""Characters of one observation (all its messages) at most. A longer one ends the episode
+as an ``env_error`` before it is sent, rendered or tokenised (no turn could hold it: the
+episode's tokens are bounded by ``rollout.max_response_length``)."""
+
+
+def _check_size(observation: str, what: str) -> str:
+    if len(observation) > MAX_OBSERVATION_CHARS:
+        raise _BadReturn(f"{what} returned an observation of {len(observation)} characters, more than {MAX_OBSERVATION_CHARS}")
+    return observation
+
+
 def _messages(observation: Any) -> list[dict[str, str]]:
     """An observation as chat messages: a string is the user's message; a list must hold
-    ``{"role": str, "content": str}`` dicts."""
+    ``{"role": str, "content": str}`` dicts; at most :data:`MAX_OBSERVATION_CHARS` in all."""
     if not isinstance(observation, list):
-        return [{"role": "user", "content": str(observation)}]
+        return [{"role": "user", "content": _check_size(str(observation), "step")}]
     for i, m in enumerate(observation):
         if not (isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
             raise _BadReturn(f"step returned observation message {i} that is not {{'role': str, 'content': str}}: {m!r:.80}")
     if not observation:
         raise _BadReturn("step returned an empty list of observation messages")
+    _check_size("".join(m["content"] for m in observation), "step")
     return [{"role": m["role"], "content": m["content"]} for m in observation]
 
 
@@ -379,8 +392,9 @@ class _Server:
         prefix = await self._invoke(call.id, f"{name}.get_prompt_prefix", env.get_prompt_prefix)
         schemas = getattr(env, "tool_schemas", None)
         tools = await self._invoke(call.id, f"{name}.tool_schemas", schemas) if callable(schemas) else None
+        opening = Opening(_check_size(str(observation), "reset"), _check_size(str(prefix or ""), "get_prompt_prefix"), list(tools) if tools else None)
         self.envs[call.episode] = env
-        return Opening(str(observation), str(prefix or ""), list(tools) if tools else None)
+        return opening
 
     async def _invoke(self, call_id: int, label: str, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)``: an ``async`` one on this loop, a plain one on a thread."""

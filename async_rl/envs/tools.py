@@ -21,14 +21,19 @@ from __future__ import annotations
 
 import abc
 import json
-import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from async_rl.envs.base import BaseEnvironment, EnvironmentConfig
 
-_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+MAX_CALL_CHARS = 65536
+"""Characters of one ``<tool_call>`` body at most: a longer one is answered with an error
+before it is parsed (the model's text is untrusted: parsing cost stays linear and bounded)."""
+MAX_RESULT_CHARS = 65536
+"""Characters of one tool's answer at most; a longer one is cut (and says so) before the
+chat template and the tokenizer see it."""
 _JSON_TYPES: dict[str, tuple[type, ...]] = {
     "integer": (int,), "number": (int, float), "string": (str,), "boolean": (bool,), "array": (list,), "object": (dict,),
 }
@@ -84,14 +89,42 @@ class ToolCall:
     arguments: dict[str, Any]
 
 
+def _bodies(text: str) -> tuple[list[str], bool]:
+    """The bodies of the ``<tool_call>...</tool_call>`` blocks of ``text``, in order, and
+    whether a ``<tool_call>`` is left unclosed. One pass (a lazy regex over many unclosed
+    tags is quadratic)."""
+    bodies, start = [], text.find(_OPEN)
+    while start != -1:
+        end = text.find(_CLOSE, start + len(_OPEN))
+        if end == -1:
+            return bodies, True
+        bodies.append(text[start + len(_OPEN) : end])
+        start = text.find(_OPEN, end + len(_CLOSE))
+    return bodies, False
+
+
+def _json(body: str) -> Any:
+    """``json.loads(body)``; :class:`ValueError` with the reason for the model."""
+    try:
+        return json.loads(body)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"the tool call is not valid JSON ({exc.msg} at character {exc.pos})") from None
+    except RecursionError:  # nesting deeper than the interpreter's stack
+        raise ValueError("the tool call nests JSON too deeply") from None
+
+
 def parse_tool_calls(text: str) -> list[ToolCall | str]:
     """The tool calls in ``text``, in order; a call that cannot be parsed is its error message."""
     out: list[ToolCall | str] = []
-    for body in _CALL.findall(text):
+    bodies, unclosed = _bodies(text)
+    for body in bodies:
+        if len(body) > MAX_CALL_CHARS:
+            out.append(f"the tool call has {len(body)} characters, more than the {MAX_CALL_CHARS} read")
+            continue
         try:
-            call = json.loads(body)
-        except json.JSONDecodeError as exc:
-            out.append(f"the tool call is not valid JSON ({exc.msg} at character {exc.pos})")
+            call = _json(body)
+        except ValueError as exc:
+            out.append(str(exc))
             continue
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             out.append('a tool call must be {"name": <tool name>, "arguments": {...}}')
@@ -99,14 +132,14 @@ def parse_tool_calls(text: str) -> list[ToolCall | str]:
         arguments = call.get("arguments", {})
         if isinstance(arguments, str):  # some models write the arguments as a JSON string
             try:
-                arguments = json.loads(arguments)
-            except json.JSONDecodeError:
+                arguments = _json(arguments)
+            except ValueError:
                 pass
         if not isinstance(arguments, dict):
             out.append(f"the arguments of {call['name']} must be a JSON object")
             continue
         out.append(ToolCall(call["name"], arguments))
-    if text.count("<tool_call>") > len(out):
+    if unclosed:
         out.append("a <tool_call> is not closed by </tool_call>")
     return out
 
@@ -174,4 +207,7 @@ class ToolEnvironment(BaseEnvironment):
             result = tool.fn(**call.arguments)
         except Exception as exc:  # noqa: BLE001 - the tool's failure is the model's feedback, not the run's
             return False, f"{call.name} raised {type(exc).__name__}: {exc}"
-        return True, result if isinstance(result, str) else json.dumps(result, ensure_ascii=False, default=str)
+        text = result if isinstance(result, str) else json.dumps(result, ensure_ascii=False, default=str)
+        if len(text) > MAX_RESULT_CHARS:
+            text = f"{text[:MAX_RESULT_CHARS]}\n[... {len(text) - MAX_RESULT_CHARS} more characters cut]"
+        return True, text

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from jinja2.exceptions import SecurityError
 
 from async_rl.data.prompts import PromptFormatter, read_prompt_rows, write_rejected
 
@@ -60,3 +61,6 @@ def test_formatter_chat_template_system_prompt_and_jinja(tiny_assets, tmp_path: 
     assert tok.decode(fmt.token_ids("1+1?")) == text
     with pytest.raises(FileNotFoundError, match="data.format_prompt"):
         PromptFormatter(tok, format_prompt=tmp_path / "missing.jinja")
+    template.write_text("{{ content.__class__.__mro__[1].__subclasses__() }}")  # the sandbox keeps Python's internals out
+    with pytest.raises(SecurityError, match="__class__"):
+        PromptFormatter(tok, format_prompt=template).messages("1+1?")

@@ -47,7 +47,7 @@ class RowEnv(BaseEnvironment):
 class Faulty(BaseEnvironment):
     """Answers each action by its word: ``raise`` raises, ``hang`` sleeps forever (on its
     thread), ``spawn`` starts a child process and hangs, ``exit`` ends the process, ``shape`` returns a 2-tuple,
-    ``slow`` takes 0.3 s; anything else is a normal turn (done on turn ``config.turns``, default 2)."""
+    ``slow`` takes 0.3 s, ``flood`` answers with 2 million characters; anything else is a normal turn (done on turn ``config.turns``, default 2)."""
 
     def __init__(self, config: EnvironmentConfig):
         super().__init__(config)
@@ -74,6 +74,8 @@ class Faulty(BaseEnvironment):
             os._exit(3)  # a crash (a segfault in an extension, the OOM killer) as the server sees it
         if action == "shape":
             return "obs", 1.0
+        if action == "flood":
+            return "x" * 2_000_000, 0.0, False, {}
         if action == "slow":
             time.sleep(0.3)
         return f"turn {self.turns} from {os.getpid()}", 1.0, self.turns >= self.config.get("turns", 2), {"success": True}

@@ -101,6 +101,8 @@ def test_a_failing_reset_and_a_wrong_return_shape_are_env_errors_naming_the_code
     shape, restarts = _with_pool("Faulty", go)
     assert shape.failure.kind == "env_error" and shape.failure.signature.startswith("EnvBadReturn: step must return (observation")
     assert shape.failure.where.endswith("in step") and restarts == 0
+    flood = _with_pool("Faulty", lambda pool: _play(pool, ["flood"])).failure  # never sent, rendered or tokenised
+    assert flood.kind == "env_error" and flood.signature == "EnvBadReturn: step returned an observation of 2000000 characters, more than 1000000"
     reset = _with_pool("Faulty", lambda pool: _play(pool, ["ok"]), kwargs={"mode": "reset"})
     f = reset.failure
     assert (f.kind, f.signature, f.input) == ("env_error", "KeyError: 'no such level'", "reset") and "in reset" in f.where

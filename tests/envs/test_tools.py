@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import time
 
 import pytest
 
 from async_rl.config import EnvConfig
 from async_rl.envs import EnvPool, run_episode
 from async_rl.envs.conversation import ChatEncoder, TokenTrajectory
-from async_rl.envs.tools import Tool, ToolCall, ToolDefinitionError, ToolEnvironment, parse_tool_calls
+from async_rl.envs.tools import MAX_CALL_CHARS, MAX_RESULT_CHARS, Tool, ToolCall, ToolDefinitionError, ToolEnvironment, parse_tool_calls
 
 # Qwen2.5's handling of tools and tool messages (system block with <tools>, consecutive tool
 # results grouped into one user turn of <tool_response> blocks), without its default system prompt.
@@ -79,6 +80,40 @@ def test_parse_tool_calls_in_order_and_names_what_is_malformed():
     assert parse_tool_calls('<tool_call>["add"]</tool_call>') == ['a tool call must be {"name": <tool name>, "arguments": {...}}']
     assert parse_tool_calls('<tool_call>{"name": "add", "arguments": [1]}</tool_call>') == ["the arguments of add must be a JSON object"]
     assert parse_tool_calls('<tool_call>{"name": "add"') == ["a <tool_call> is not closed by </tool_call>"]
+
+
+def test_hostile_tool_call_text_is_answered_with_errors_in_linear_time():
+    """The model's text is untrusted: deep JSON, huge calls and many unclosed tags are each an
+    error for the model, never an exception out of the parser or a quadratic scan."""
+    deep = "[" * 20_000 + "]" * 20_000
+    assert parse_tool_calls(f'<tool_call>{{"name": "add", "arguments": {deep}}}</tool_call>') == ["the tool call nests JSON too deeply"]
+    assert parse_tool_calls(f'<tool_call>{{"name": "add", "arguments": "{deep}"}}</tool_call>') == ["the arguments of add must be a JSON object"]
+    huge = '{"name": "add", "arguments": {"a": "' + "x" * MAX_CALL_CHARS + '"}}'
+    assert parse_tool_calls(f"<tool_call>{huge}</tool_call>") == [f"the tool call has {len(huge)} characters, more than the {MAX_CALL_CHARS} read"]
+    started = time.monotonic()
+    assert parse_tool_calls("<tool_call>" * 200_000) == ["a <tool_call> is not closed by </tool_call>"]
+    assert time.monotonic() - started < 1.0  # the lazy regex took minutes on this
+
+
+def test_a_long_tool_answer_is_cut_and_says_so():
+    from async_rl.envs import EnvironmentConfig
+
+    class Echo(Calculator):
+        tools = (repeat,)
+
+    observation, _, _, info = Echo(EnvironmentConfig()).step(call("repeat", text="y", times=MAX_RESULT_CHARS + 10))
+    assert observation == [{"role": "tool", "content": "y" * MAX_RESULT_CHARS + "\n[... 10 more characters cut]"}]
+    assert info == {"tool_calls": 1, "tool_errors": 0}
+
+
+def repeat(text: str, times: int) -> str:
+    """Repeat the text.
+
+    Args:
+        text: what to repeat
+        times: how often
+    """
+    return text * times
 
 
 def test_a_tool_is_described_by_its_type_hints_and_docstring():
