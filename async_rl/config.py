@@ -515,8 +515,8 @@ class LoggingConfig:
     """Weights & Biases settings."""
     prometheus_port: Optional[int] = _port(None)
     """Serve the run's metrics for Prometheus at ``http://HOST:PORT/metrics`` from the driver; null: off, 0: a free port (the URL is printed and written to ``servers.json``)."""
-    prometheus_host: str = "0.0.0.0"
-    """Address the Prometheus endpoint binds (``0.0.0.0``: every interface, so a scraper on another node reaches it)."""
+    prometheus_host: str = "127.0.0.1"
+    """Address the Prometheus endpoint binds (loopback: a scraper on this node only); ``0.0.0.0`` (every interface) or the node's address for a scraper on another node."""
     plots: bool = True
     """Write PNG plots (validation accuracy, staleness, tokens/s) into the run directory when the run ends."""
 

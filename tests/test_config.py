@@ -336,6 +336,11 @@ def test_cross_field_rules_wait_for_the_ranges():
     assert "learner.critic.ppo_mini_batches=0 must be >= 1" in _error(["learner.critic.ppo_mini_batches=0"])
 
 
+def test_servers_bind_loopback_by_default():
+    cfg = load_config()
+    assert cfg.logging.prometheus_host == "127.0.0.1" and cfg.rollout.openai_host == "127.0.0.1"
+
+
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").rglob("*.yaml")), ids=lambda p: str(p.relative_to(ROOT)))
 def test_shipped_configs_load(path: Path):
     assert isinstance(load_config(path), Config)
