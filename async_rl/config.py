@@ -5,7 +5,8 @@ literal right after the field; ``async-rl config docs`` renders them). Loading i
 
 * an unknown key fails and names the full key and the closest valid one;
 * a value of the wrong type names the key, the value and the expected type;
-* cross-field rules (``validate``) name every key involved.
+* a number outside the range declared beside its field (:mod:`async_rl.bounds`) names the
+  key, the value and the range; cross-field rules (``validate``) name every key involved.
 
 All three raise :class:`ConfigError`; the CLI turns it into exit code 2.
 
@@ -15,7 +16,8 @@ Usage::
     print(to_yaml(cfg))
 
 Of async_rl, this module depends only on :mod:`async_rl.algos.options` (the algorithms' names,
-needs and loss options; docs/architecture.md: dependencies point one way).
+needs and loss options) and :mod:`async_rl.bounds` (the ranges; docs/architecture.md:
+dependencies point one way).
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ import ast
 import dataclasses
 import difflib
 import inspect
-import math
 import textwrap
 import types
 import typing
@@ -45,6 +46,7 @@ from async_rl.algos.options import (
     LossName,
     LossOptions,
 )
+from async_rl.bounds import bound_of, bound_problems, bounded, unbounded
 
 
 class ConfigError(ValueError):
@@ -52,6 +54,21 @@ class ConfigError(ValueError):
 
 
 # --------------------------------------------------------------------------- sections
+
+_WEEK_S = 7 * 86400
+"""The longest any key in seconds may be: longer than any wait of a run, and an infinite or
+huge one overflows where it is converted (``int(queue.timeout_s)``: ``OverflowError``; int
+milliseconds of Redis and of poll)."""
+
+
+def _seconds(default: float) -> float:
+    """A timeout or lifetime field in seconds: finite, > 0 and at most a week."""
+    return bounded(default, gt=0, le=_WEEK_S)
+
+
+def _port(default: int | None) -> int | None:
+    """A TCP port field: 0 asks the OS for a free one."""
+    return bounded(default, ge=0, le=65535)
 
 
 @dataclass
@@ -70,21 +87,21 @@ class DataConfig:
     """System message put before every prompt by the chat template; null for none."""
     format_prompt: Optional[str] = None
     """Path to a Jinja template rendering the user message from ``content`` (the prompt text), as in EasyR1; null uses the prompt text as is."""
-    max_prompt_length: int = 512
+    max_prompt_length: int = bounded(512, ge=1)
     """Longest prompt in tokens (after the chat template)."""
     overlong_prompt: Literal["skip", "truncate"] = "skip"
     """What to do with a longer prompt: ``skip`` it (counted) or ``truncate`` it from the left."""
     shuffle: bool = True
     """Shuffle the prompt order (deterministically, with ``data.seed``) each epoch."""
-    seed: int = 1
+    seed: int = unbounded(1, "random.Random takes every int")
     """Seed of the prompt order."""
     image_key: str = "images"
     """Field of a vision-language row that holds its list of images (data URIs, ``file://`` URLs or paths); rows without it are text-only."""
     image_dir: Optional[str] = None
     """Folder that relative image paths are read from; null: the dataset file's folder."""
-    min_pixels: int = 262144
+    min_pixels: int = bounded(262144, ge=1)
     """Smaller images are upscaled to this many pixels (width x height), aspect kept (EasyR1's default)."""
-    max_pixels: int = 4194304
+    max_pixels: int = bounded(4194304, ge=1)
     """Larger images are downscaled to this many pixels (width x height), aspect kept (EasyR1's default)."""
 
 
@@ -94,13 +111,13 @@ class VllmConfig:
 
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weight and activation dtype; ``auto`` is bfloat16 on GPU and float32 on CPU."""
-    max_model_len: Optional[int] = None
+    max_model_len: Optional[int] = bounded(None, ge=1)
     """Context length of the engine in tokens; null = max_prompt_length + max_response_length."""
-    gpu_memory_utilization: float = 0.6
-    """Fraction of GPU memory vLLM may take (GPU only), in (0, 1]."""
-    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = bounded(0.6, gt=0, le=1)
+    """Fraction of GPU memory vLLM may take (GPU only)."""
+    tensor_parallel_size: int = bounded(1, ge=1)
     """GPUs per inference server (tensor parallelism)."""
-    kv_cache_space_gb: float = 1.0
+    kv_cache_space_gb: float = bounded(1.0, gt=0)
     """KV-cache size in GiB on CPU (``VLLM_CPU_KVCACHE_SPACE``); ignored on GPU."""
     enforce_eager: bool = False
     """Disable CUDA graphs (faster start, slower decoding)."""
@@ -112,9 +129,9 @@ class OverlongPenaltyConfig:
 
     enable: bool = False
     """Penalise responses that come within ``buffer_length`` tokens of the maximum length."""
-    buffer_length: int = 64
+    buffer_length: int = bounded(64, ge=1)
     """Length of the penalty ramp in tokens."""
-    penalty_factor: float = 1.0
+    penalty_factor: float = bounded(1.0, ge=0)
     """Penalty at the maximum length (the ramp goes linearly from 0 to this value)."""
 
 
@@ -128,11 +145,11 @@ class RewardConfig:
     """EasyR1's ``reward_type``: ``batch`` calls ``fn(list of dicts, **kwargs) -> list of dicts``; ``sequential`` calls ``fn(dict, **kwargs) -> dict`` once per sample."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments passed to every call of the function (EasyR1's ``reward_function_kwargs``), e.g. ``{max_response_length: 256}``."""
-    num_workers: int = 2
+    num_workers: int = bounded(2, ge=1)
     """Processes the reward pool of each inference server keeps (and the driver's, for the start-up probe and validation); a call runs in one of them, so a hung or crashing function never blocks generation (EasyR1 calls it in the trainer's process)."""
-    max_workers: int = 32
+    max_workers: int = bounded(32, ge=1)
     """Most processes a pool grows to while calls wait for workers held by slow or hung calls (one more after a call has waited 0.5 s while every worker, started, has been on its call that long; an extra idle for 60 s is stopped); >= ``num_workers``."""
-    timeout_s: float = 5.0
+    timeout_s: float = _seconds(5.0)
     """Longest the function may run on one input, seconds (a ``batch`` call gets this bound as a whole; an input or batch call past it is interrupted in its process, and a batch call that ran over is retried one input per call). The input then gets the error; a function the interrupt cannot stop within 5 s more has its process group killed and replaced. 5 s is math_verify's own default; EasyR1 has no timeout."""
     dynamic_sampling: bool = False
     """DAPO dynamic sampling: drop (and count) groups whose rewards are all equal."""
@@ -148,15 +165,15 @@ class EnvConfig:
     """Built-in environment or ``path/to/file.py:Class`` (a subclass of ``async_rl.envs.BaseEnvironment``); null: single-turn prompts scored by ``rollout.reward``."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """The environment's parameters (attributes of its ``EnvironmentConfig``)."""
-    max_turns: int = 8
+    max_turns: int = bounded(8, ge=1)
     """Model turns per episode at most; ``rollout.max_response_length`` bounds the tokens of all of them together."""
-    max_turn_tokens: int = 0
+    max_turn_tokens: int = bounded(0, ge=0)
     """Most tokens the model generates in one turn; 0: whatever is left of the episode's ``rollout.max_response_length``."""
     reward: Literal["sum", "final"] = "sum"
     """The episode's reward: the sum of the step rewards, or the last one."""
-    step_timeout_s: float = 30.0
+    step_timeout_s: float = _seconds(30.0)
     """Longest one environment call (``reset`` with the constructor and ``get_prompt_prefix``, or one ``step``) may take, seconds; the episode then fails (``env_timeout``)."""
-    num_workers: int = 2
+    num_workers: int = bounded(2, ge=1)
     """Environment processes per inference server; each holds many episodes' instances (plain methods run on its threads, ``async`` ones on its event loop)."""
 
 
@@ -164,31 +181,31 @@ class EnvConfig:
 class RolloutConfig:
     """Inference servers, rollout workers and sampling."""
 
-    num_servers: int = 1
+    num_servers: int = bounded(1, ge=1)
     """Number of persistent vLLM inference servers (independent of the learner's size)."""
-    workers_per_server: int = 1
+    workers_per_server: int = bounded(1, ge=1)
     """Rollout worker loops in each server's process (each keeps up to ``rollout.max_inflight`` groups generating)."""
-    n: int = 8
+    n: int = bounded(8, ge=1)
     """Samples per prompt (the group size)."""
-    temperature: float = 1.0
-    """Sampling temperature (> 0 for training rollouts)."""
-    top_p: float = 1.0
-    """Nucleus sampling threshold in (0, 1]."""
-    top_k: int = -1
+    temperature: float = bounded(1.0, gt=0)
+    """Sampling temperature."""
+    top_p: float = bounded(1.0, gt=0, le=1)
+    """Nucleus sampling threshold."""
+    top_k: int = bounded(-1, ge=1, also=(-1,))
     """Top-k sampling; -1 disables it."""
-    max_response_length: int = 256
+    max_response_length: int = bounded(256, ge=1)
     """Longest response in tokens."""
-    max_inflight: int = 32
+    max_inflight: int = bounded(32, ge=1)
     """Groups each worker keeps generating at once to fill vLLM's continuous batching (groups being scored or put do not count; admission bounds all groups in flight)."""
-    cpus_per_server: float = 1.0
+    cpus_per_server: float = bounded(1.0, ge=0)
     """CPU cores reserved for each server's Ray actor."""
-    gpus_per_server: float = 0.0
+    gpus_per_server: float = bounded(0.0, ge=0)
     """GPUs reserved for each server's Ray actor (0 on CPU machines)."""
     openai_api: bool = True
     """Each server also serves vLLM's OpenAI-compatible HTTP API from its engine (same weights); URLs go to ``servers.json`` in the run directory."""
     openai_host: str = "127.0.0.1"
     """Address the HTTP API binds to; ``0.0.0.0`` for every interface (the reported URL then names the node's IP)."""
-    openai_port: int = 0
+    openai_port: int = _port(0)
     """TCP port of server 0's HTTP API (server i uses port + i); 0 picks a free port per server."""
     openai_model_name: Optional[str] = None
     """Model name the HTTP API serves (the ``model`` of requests); null is the basename of ``learner.model_path``."""
@@ -206,13 +223,13 @@ class QueueConfig:
 
     redis_url: Optional[str] = None
     """``redis://[:password@]host:port/db`` or ``rediss://...`` of an external server; null starts an embedded redis-server on 127.0.0.1."""
-    max_depth: int = 256
+    max_depth: int = bounded(256, ge=1)
     """Producers block while the stream holds this many unconsumed groups."""
-    timeout_s: float = 60.0
+    timeout_s: float = _seconds(60.0)
     """Timeout of each blocking queue operation in seconds."""
-    recover_idle_s: float = 60.0
+    recover_idle_s: float = _seconds(60.0)
     """Entries pending this long (seconds) with a consumer are treated as orphaned and redelivered."""
-    image_ttl_s: float = 86400.0
+    image_ttl_s: float = bounded(86400.0, ge=1, le=_WEEK_S)
     """Images of vision-language groups are kept in Redis this long (seconds) after the last put of a group that uses them; a group read later is dropped (``dropped_missing_image``)."""
 
 
@@ -220,21 +237,21 @@ class QueueConfig:
 class OptimConfig:
     """AdamW and the learning-rate schedule."""
 
-    lr: float = 1e-6
+    lr: float = bounded(1e-6, gt=0)
     """Peak learning rate."""
-    weight_decay: float = 0.01
+    weight_decay: float = bounded(0.01, ge=0)
     """AdamW decoupled weight decay."""
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    """AdamW betas (two floats in [0, 1))."""
-    eps: float = 1e-8
+    betas: list[float] = bounded([0.9, 0.999], ge=0, lt=1)  # noqa: RUF009 - a Field whose factory copies the list
+    """AdamW betas (two floats)."""
+    eps: float = bounded(1e-8, gt=0)
     """AdamW epsilon."""
-    grad_clip: float = 1.0
+    grad_clip: float = bounded(1.0, ge=0)
     """Clip the global gradient norm to this value; 0 disables clipping."""
-    warmup_steps: int = 0
+    warmup_steps: int = bounded(0, ge=0)
     """Linear warm-up length in learner steps."""
     scheduler: Literal["constant", "cosine"] = "constant"
     """Schedule after warm-up."""
-    min_lr_ratio: float = 0.0
+    min_lr_ratio: float = bounded(0.0, ge=0, le=1)
     """Final learning rate of the cosine schedule as a fraction of ``lr``."""
 
 
@@ -277,13 +294,13 @@ class CriticConfig:
     """Hugging Face model directory the critic starts from (its value head is new); null: ``learner.model_path``."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """The critic's own AdamW and schedule (a critic usually takes a larger lr than the policy: verl's default is 1e-5)."""
-    warmup_steps: int = 0
+    warmup_steps: int = bounded(0, ge=0)
     """Learner steps that train only the critic before the policy moves."""
-    cliprange_value: Optional[float] = 0.5
+    cliprange_value: Optional[float] = bounded(0.5, gt=0)
     """Clip the new values to old values +- this (value units); null: no clipping."""
-    ppo_epochs: int = 1
+    ppo_epochs: int = bounded(1, ge=1)
     """Passes of the value loss over each batch."""
-    ppo_mini_batches: int = 1
+    ppo_mini_batches: int = bounded(1, ge=1)
     """Critic optimizer steps per pass (the batch's groups split into this many mini-batches)."""
 
 
@@ -295,26 +312,26 @@ class LearnerConfig:
     """Hugging Face model directory of the initial policy (and of the frozen reference); a vision-language model (a ``vision_config``) trains on image prompts."""
     freeze_vision_tower: bool = False
     """Vision-language models: keep the vision encoder's weights fixed (EasyR1's ``freeze_vision_tower``); the projector and the text decoder train."""
-    world_size: int = 1
+    world_size: int = bounded(1, ge=1)
     """Learner ranks (one per GPU, or per CPU process here)."""
-    batch_size: int = 16
+    batch_size: int = bounded(16, ge=1)
     """Groups (prompts) per learner step, ``B`` in the staleness rule."""
-    ppo_mini_batches: int = 1
+    ppo_mini_batches: int = bounded(1, ge=1)
     """Optimizer steps per learner step: the batch is split into this many mini-batches."""
-    ppo_epochs: int = 1
+    ppo_epochs: int = bounded(1, ge=1)
     """Passes over each batch."""
-    max_tokens_per_microbatch: int = 8192
+    max_tokens_per_microbatch: int = bounded(8192, ge=1)
     """Token budget of one micro-batch: samples (prompt + response) are packed into one row of
     at most this many tokens, without padding."""
-    logprob_chunk_tokens: int = 2048
+    logprob_chunk_tokens: int = bounded(2048, ge=1)
     """Response tokens per chunk of the LM head + log-softmax: the ``[chunk, vocab]`` float32
     logits are the largest tensor of a step (2048 x 151936 x 4 B = 1.2 GB), recomputed in backward."""
-    gpu_memory_gb: Optional[float] = None
+    gpu_memory_gb: Optional[float] = bounded(None, gt=0)
     """Memory of one learner GPU in GB, to check the plan against (``--dry-run``); null: the
     GPU's own memory, or 80 when planning on a machine without a GPU."""
-    cpus_per_rank: float = 1.0
+    cpus_per_rank: float = bounded(1.0, ge=0)
     """CPU cores reserved for each learner rank's Ray actor."""
-    gpus_per_rank: float = 0.0
+    gpus_per_rank: float = bounded(0.0, ge=0)
     """GPUs reserved for each learner rank (1 on GPU machines)."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizer and schedule."""
@@ -334,11 +351,11 @@ class AdvantageConfig:
     """Estimator (``gae`` trains a critic beside the policy: ``learner.critic``)."""
     norm_by_std: bool = True
     """GRPO: divide by the group's standard deviation (false gives Dr. GRPO)."""
-    eps: float = 1e-6
-    """Added to standard deviations before dividing."""
-    gamma: float = 1.0
+    eps: float = bounded(1e-6, gt=0)
+    """Added to standard deviations before dividing (0 would divide a group of equal rewards by 0)."""
+    gamma: float = bounded(1.0, ge=0, le=1)
     """Discount factor (reinforce_pp, gae)."""
-    lam: float = 1.0
+    lam: float = bounded(1.0, ge=0, le=1)
     """GAE lambda."""
 
 
@@ -363,11 +380,11 @@ class KLControlConfig:
 
     type: Literal["fixed", "adaptive"] = "fixed"
     """``fixed``: the coefficient stays ``kl_coef``; ``adaptive``: Ziegler et al.'s controller steers the measured KL towards ``target_kl``."""
-    kl_coef: float = 0.001
+    kl_coef: float = bounded(0.001, ge=0)
     """The (initial) coefficient beta of ``r_t = s_t - beta * kl_t``."""
-    target_kl: float = 0.1
+    target_kl: float = bounded(0.1, gt=0)
     """adaptive: the KL per token to hold, nats."""
-    horizon: int = 10000
+    horizon: int = bounded(10000, ge=1)
     """adaptive: samples over which a 20% KL error moves the coefficient by 20%."""
     kind: KLName = "k1"
     """Per-token KL estimator put in the reward (verl's default ``kl`` is k1)."""
@@ -377,7 +394,7 @@ class KLControlConfig:
 class AlgorithmConfig:
     """The RL algorithm."""
 
-    max_staleness: int = 2
+    max_staleness: int = bounded(2, ge=0)
     """eta: the most policy versions a trained group may lag the learner; 0 is synchronous on-policy RL."""
     recompute_proximal: bool = True
     """Recompute proximal log-probs with the current weights each step; false is bypass mode (pi_prox := mu)."""
@@ -393,16 +410,16 @@ class AlgorithmConfig:
     """Coefficient and estimator of the KL in the reward."""
     use_vppo_on_perception: bool = False
     """VPPO (arXiv:2510.09285): one extra no-grad forward with each image's patches blackened gives every token's visual dependency; only each response's most dependent tokens carry the policy gradient. Vision-language models only."""
-    top_p_perception_tokens: float = 0.2
-    """VPPO: the fraction of each response's trained tokens kept (the ``ceil(L * p)`` most visually dependent), in (0, 1]."""
+    top_p_perception_tokens: float = bounded(0.2, gt=0, le=1)
+    """VPPO: the fraction of each response's trained tokens kept (the ``ceil(L * p)`` most visually dependent)."""
     use_advantage_shaping: bool = False
     """VPPO: scale each response's advantage by its mean visual dependency, min-max normalised over the step's batch (needs ``use_vppo_on_perception``)."""
-    advantage_scaling_min: float = 0.8
-    """VPPO: the scale of the least visually dependent response, in [0, 1]; the scales average 1."""
+    advantage_scaling_min: float = bounded(0.8, ge=0, le=1)
+    """VPPO: the scale of the least visually dependent response; the scales average 1."""
     use_entropy_penalty: bool = False
     """VPPO: add ``entropy_penalty_coef * mean(-log pi(y_t))`` over the trained tokens to the loss (lowers the entropy)."""
-    entropy_penalty_coef: float = 0.06
-    """VPPO: coefficient of the entropy penalty, >= 0."""
+    entropy_penalty_coef: float = bounded(0.06, ge=0)
+    """VPPO: coefficient of the entropy penalty."""
 
     @property
     def needs_critic(self) -> bool:
@@ -419,15 +436,15 @@ class AlgorithmConfig:
 class SyncConfig:
     """Weight publishing from learner rank 0 to the inference servers."""
 
-    every: int = 1
+    every: int = bounded(1, ge=1)
     """Publish weights every this many learner steps."""
-    bucket_mb: int = 256
+    bucket_mb: int = bounded(256, ge=1)
     """Size of one broadcast bucket in MiB (bounds the extra memory of a sync)."""
     backend: Literal["auto", "ipc", "nccl", "gloo"] = "auto"
     """``auto`` and ``ipc``: shared memory to the servers on learner rank 0's machine, a broadcast group (NCCL on GPU, gloo on CPU) to the others; ``nccl`` or ``gloo``: that group to every server."""
-    timeout_s: float = 300.0
+    timeout_s: float = _seconds(300.0)
     """Timeout of one weight update (announcement, broadcast, acknowledgement), seconds."""
-    max_lag_s: float = 600.0
+    max_lag_s: float = _seconds(600.0)
     """A server that has not held the learner's current version for this long (seconds) is restarted and caught up."""
 
 
@@ -439,24 +456,24 @@ class TrainerConfig:
     """Name of the run (Redis key prefix, W&B run name); one live run per name on a Redis (a second is refused)."""
     output_dir: str = "runs/${trainer.run_name}"
     """Directory of checkpoints, metrics.jsonl and the resolved config."""
-    total_steps: int = 100
+    total_steps: int = bounded(100, ge=1)
     """Learner steps to run."""
-    save_every: int = 10
+    save_every: int = bounded(10, ge=1)
     """Write a checkpoint (and commit the queue entries it covers) every this many steps."""
-    keep_checkpoints: int = 2
+    keep_checkpoints: int = bounded(2, ge=1)
     """Checkpoints of the line being trained kept on disk (its older ones are deleted; other
     lines' are left alone)."""
     resume: str = "auto"
     """``auto``: resume the run in output_dir (the head of its line of checkpoints, if any); ``off``: a new line from the base model, refused when output_dir or the run name's queue holds a run's state; ``fresh``: move that state aside (output_dir's run files to ``previous-<run id>/`` there, the queue's Redis keys to ``<run_name>.previous-<run id>:*``; nothing is deleted), then start a new run from the base model; or a checkpoint path to load (a new line from it)."""
-    val_every: int = 10
+    val_every: int = bounded(10, ge=0)
     """Validate every this many steps; 0 disables validation."""
-    val_n: int = 4
+    val_n: int = bounded(4, ge=1)
     """Samples per validation prompt for mean@n and pass@k (besides one greedy sample)."""
-    seed: int = 1
-    """Seed of the learner and samplers."""
-    stall_timeout_s: float = 900.0
+    seed: int = bounded(1, ge=0, le=2**32 - 1)
+    """Seed of the learner and samplers (also vLLM's, which seeds numpy: hence at most 2**32 - 1)."""
+    stall_timeout_s: float = _seconds(900.0)
     """Exit 1, saying what each side waits for, when neither a group is generated nor a learner step taken for this long (seconds)."""
-    max_restarts: int = 3
+    max_restarts: int = bounded(3, ge=0)
     """Times a learner group with a dead rank is restarted from the last checkpoint before the run exits 1 (0: never)."""
 
 
@@ -466,7 +483,7 @@ class RayConfig:
 
     address: Optional[str] = None
     """Address of an existing Ray cluster (``auto`` or ``host:port``); null starts a local one."""
-    num_cpus: Optional[int] = None
+    num_cpus: Optional[int] = bounded(None, ge=1)
     """CPUs of the local Ray instance; null uses all."""
 
 
@@ -492,14 +509,14 @@ class LoggingConfig:
     """Show the live console view."""
     jsonl: bool = True
     """Write metrics.jsonl in the run directory."""
-    log_every: int = 1
+    log_every: int = bounded(1, ge=1)
     """Log metrics every this many learner steps."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
     """Weights & Biases settings."""
-    prometheus_port: Optional[int] = None
+    prometheus_port: Optional[int] = _port(None)
     """Serve the run's metrics for Prometheus at ``http://HOST:PORT/metrics`` from the driver; null: off, 0: a free port (the URL is printed and written to ``servers.json``)."""
-    prometheus_host: str = "0.0.0.0"
-    """Address the Prometheus endpoint binds (``0.0.0.0``: every interface, so a scraper on another node reaches it)."""
+    prometheus_host: str = "127.0.0.1"
+    """Address the Prometheus endpoint binds (loopback: a scraper on this node only); ``0.0.0.0`` (every interface) or the node's address for a scraper on another node."""
     plots: bool = True
     """Write PNG plots (validation accuracy, staleness, tokens/s) into the run directory when the run ends."""
 
@@ -700,7 +717,28 @@ def _is_dataclass_type(tp: Any) -> bool:
 
 
 def validate(cfg: Config) -> None:
-    """Check value ranges and cross-field rules; raise ConfigError naming every key involved."""
+    """Check every numeric key against the range declared on its field (:mod:`async_rl.bounds`),
+    the few other one-key rules, then the cross-field rules; raise ConfigError naming every
+    key involved. The cross-field rules are checked once every key is in its range (they
+    assume it: a divisor >= 1)."""
+    problems = bound_problems(cfg) + _key_problems(cfg)
+    if not problems:
+        problems = _cross_field_problems(cfg)
+    if problems:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+
+
+def _key_problems(cfg: Config) -> list[str]:
+    """The rules of one key that are not a numeric range."""
+    problems = [] if cfg.rollout.openai_host else ["rollout.openai_host must not be empty (0.0.0.0 binds every interface)"]
+    for name, optim in (("learner.optim", cfg.learner.optim), ("learner.critic.optim", cfg.learner.critic.optim)):
+        if len(optim.betas) != 2:
+            problems.append(f"{name}.betas={optim.betas} must be two numbers")
+    return problems
+
+
+def _cross_field_problems(cfg: Config) -> list[str]:
+    """The rules that relate two or more keys, each message naming all of them."""
     problems: list[str] = []
 
     def need(ok: bool, message: str) -> None:
@@ -708,64 +746,21 @@ def validate(cfg: Config) -> None:
             problems.append(message)
 
     r, lrn, alg, loss = cfg.rollout, cfg.learner, cfg.algorithm, cfg.algorithm.loss
-    for key, value in _positive_ints(cfg):
-        need(value >= 1, f"{key}={value} must be >= 1")
-    need(alg.max_staleness >= 0, f"algorithm.max_staleness={alg.max_staleness} must be >= 0 (0 = synchronous)")
-    need(r.temperature > 0, f"rollout.temperature={r.temperature} must be > 0")
-    need(0 < r.top_p <= 1, f"rollout.top_p={r.top_p} must be in (0, 1]")
-    need(r.top_k == -1 or r.top_k >= 1, f"rollout.top_k={r.top_k} must be -1 (off) or >= 1")
-    need(0 < r.vllm.gpu_memory_utilization <= 1, f"rollout.vllm.gpu_memory_utilization={r.vllm.gpu_memory_utilization} must be in (0, 1]")
     need(
-        r.openai_port == 0 or 1 <= r.openai_port <= 65536 - r.num_servers,
+        r.openai_port == 0 or r.openai_port <= 65536 - r.num_servers,
         f"rollout.openai_port={r.openai_port} must be 0 (free ports) or in [1, {65536 - r.num_servers}] "
         f"(server i uses port + i, rollout.num_servers={r.num_servers})",
     )
-    need(bool(r.openai_host), "rollout.openai_host must not be empty (0.0.0.0 binds every interface)")
-    need(r.vllm.kv_cache_space_gb > 0, f"rollout.vllm.kv_cache_space_gb={r.vllm.kv_cache_space_gb} must be > 0")
-    for name, optim in (("learner.optim", lrn.optim), ("learner.critic.optim", lrn.critic.optim)):
-        need(optim.lr > 0, f"{name}.lr={optim.lr} must be > 0")
-        need(optim.grad_clip >= 0, f"{name}.grad_clip={optim.grad_clip} must be >= 0 (0 disables clipping)")
-        need(len(optim.betas) == 2 and all(0 <= b < 1 for b in optim.betas), f"{name}.betas={optim.betas} must be two numbers in [0, 1)")
-        need(0 <= optim.min_lr_ratio <= 1, f"{name}.min_lr_ratio={optim.min_lr_ratio} must be in [0, 1]")
-        need(optim.warmup_steps >= 0, f"{name}.warmup_steps={optim.warmup_steps} must be >= 0")
-    critic = lrn.critic
-    need(critic.warmup_steps >= 0, f"learner.critic.warmup_steps={critic.warmup_steps} must be >= 0")
-    need(critic.cliprange_value is None or critic.cliprange_value > 0,
-         f"learner.critic.cliprange_value={critic.cliprange_value} must be > 0 (or null: no clipping)")
-    need(critic.ppo_epochs >= 1, f"learner.critic.ppo_epochs={critic.ppo_epochs} must be >= 1")
-    need(critic.ppo_mini_batches >= 1 and lrn.batch_size % critic.ppo_mini_batches == 0,
-         f"learner.critic.ppo_mini_batches={critic.ppo_mini_batches} must be >= 1 and divide learner.batch_size={lrn.batch_size}")
-    need(lrn.gpu_memory_gb is None or lrn.gpu_memory_gb > 0, f"learner.gpu_memory_gb={lrn.gpu_memory_gb} must be > 0 (or null: the GPU's own memory)")
-    need(cfg.trainer.val_every >= 0, f"trainer.val_every={cfg.trainer.val_every} must be >= 0 (0 disables validation)")
-    problems.extend(loss.problems("algorithm.loss."))
+    need(lrn.batch_size % lrn.critic.ppo_mini_batches == 0,
+         f"learner.critic.ppo_mini_batches={lrn.critic.ppo_mini_batches} must divide learner.batch_size={lrn.batch_size}")
     kc = alg.kl_ctrl
-    need(math.isfinite(kc.kl_coef) and kc.kl_coef >= 0, f"algorithm.kl_ctrl.kl_coef={kc.kl_coef} must be >= 0")
     need(kc.type != "adaptive" or kc.kl_coef > 0, f"algorithm.kl_ctrl.kl_coef={kc.kl_coef} must be > 0 with algorithm.kl_ctrl.type='adaptive' (it only scales)")
-    need(math.isfinite(kc.target_kl) and kc.target_kl > 0, f"algorithm.kl_ctrl.target_kl={kc.target_kl} must be > 0")
-    need(kc.horizon > 0, f"algorithm.kl_ctrl.horizon={kc.horizon} must be > 0")
-    need(0 < alg.top_p_perception_tokens <= 1, f"algorithm.top_p_perception_tokens={alg.top_p_perception_tokens} must be in (0, 1]")
-    need(0 <= alg.advantage_scaling_min <= 1, f"algorithm.advantage_scaling_min={alg.advantage_scaling_min} must be in [0, 1]")
-    need(alg.entropy_penalty_coef >= 0, f"algorithm.entropy_penalty_coef={alg.entropy_penalty_coef} must be >= 0")
     need(not alg.use_advantage_shaping or alg.use_vppo_on_perception,
          "algorithm.use_advantage_shaping=true needs algorithm.use_vppo_on_perception=true (the shaping scales by the visual dependency it computes)")
-    need(cfg.queue.image_ttl_s >= 1, f"queue.image_ttl_s={cfg.queue.image_ttl_s} must be >= 1 (seconds)")
-    need(cfg.queue.timeout_s > 0 and cfg.sync.timeout_s > 0, f"queue.timeout_s={cfg.queue.timeout_s} and sync.timeout_s={cfg.sync.timeout_s} must be > 0")
-    need(1 <= r.reward.num_workers <= r.reward.max_workers,
-         f"rollout.reward.num_workers={r.reward.num_workers} must be >= 1 and <= rollout.reward.max_workers={r.reward.max_workers}")
-    need(r.reward.timeout_s > 0, f"rollout.reward.timeout_s={r.reward.timeout_s} must be > 0")
-    need(r.env.max_turns >= 1, f"rollout.env.max_turns={r.env.max_turns} must be >= 1")
-    need(r.env.max_turn_tokens >= 0, f"rollout.env.max_turn_tokens={r.env.max_turn_tokens} must be >= 0 (0: no per-turn limit)")
-    need(r.env.step_timeout_s > 0, f"rollout.env.step_timeout_s={r.env.step_timeout_s} must be > 0")
-    need(r.env.num_workers >= 1, f"rollout.env.num_workers={r.env.num_workers} must be >= 1")
-    need(cfg.sync.max_lag_s > 0, f"sync.max_lag_s={cfg.sync.max_lag_s} must be > 0")
+    need(r.reward.num_workers <= r.reward.max_workers,
+         f"rollout.reward.num_workers={r.reward.num_workers} must be <= rollout.reward.max_workers={r.reward.max_workers}")
     need(cfg.data.max_pixels >= cfg.data.min_pixels,
          f"data.max_pixels={cfg.data.max_pixels} must be >= data.min_pixels={cfg.data.min_pixels}")
-    need(cfg.trainer.stall_timeout_s > 0, f"trainer.stall_timeout_s={cfg.trainer.stall_timeout_s} must be > 0")
-    need(cfg.trainer.max_restarts >= 0, f"trainer.max_restarts={cfg.trainer.max_restarts} must be >= 0")
-    port = cfg.logging.prometheus_port
-    need(port is None or 0 <= port <= 65535, f"logging.prometheus_port={port} must be null (off), 0 (a free port) or in [1, 65535]")
-
-    # Cross-field rules: name both keys.
     need(
         not ESTIMATORS[alg.advantage.name].group or r.n > 1,
         f"algorithm.advantage.name={alg.advantage.name!r} compares samples of the same prompt and needs rollout.n > 1 (got rollout.n={r.n})",
@@ -794,35 +789,7 @@ def validate(cfg: Config) -> None:
         alg.recompute_proximal or not LOSSES[loss.name].behaviour_weight,
         f"algorithm.loss.name={loss.name!r} needs algorithm.recompute_proximal=true (with false, pi_prox = mu and the loss is {bypass})",
     )
-    if problems:
-        raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
-
-
-def _positive_ints(cfg: Config) -> list[tuple[str, int]]:
-    return [
-        ("rollout.num_servers", cfg.rollout.num_servers),
-        ("rollout.workers_per_server", cfg.rollout.workers_per_server),
-        ("rollout.n", cfg.rollout.n),
-        ("rollout.max_response_length", cfg.rollout.max_response_length),
-        ("rollout.max_inflight", cfg.rollout.max_inflight),
-        ("rollout.vllm.tensor_parallel_size", cfg.rollout.vllm.tensor_parallel_size),
-        ("data.max_prompt_length", cfg.data.max_prompt_length),
-        ("data.min_pixels", cfg.data.min_pixels),
-        ("queue.max_depth", cfg.queue.max_depth),
-        ("learner.world_size", cfg.learner.world_size),
-        ("learner.batch_size", cfg.learner.batch_size),
-        ("learner.ppo_mini_batches", cfg.learner.ppo_mini_batches),
-        ("learner.ppo_epochs", cfg.learner.ppo_epochs),
-        ("learner.max_tokens_per_microbatch", cfg.learner.max_tokens_per_microbatch),
-        ("learner.logprob_chunk_tokens", cfg.learner.logprob_chunk_tokens),
-        ("sync.every", cfg.sync.every),
-        ("sync.bucket_mb", cfg.sync.bucket_mb),
-        ("trainer.total_steps", cfg.trainer.total_steps),
-        ("trainer.save_every", cfg.trainer.save_every),
-        ("trainer.keep_checkpoints", cfg.trainer.keep_checkpoints),
-        ("trainer.val_n", cfg.trainer.val_n),
-        ("logging.log_every", cfg.logging.log_every),
-    ]
+    return problems
 
 
 # --------------------------------------------------------------------------- output
@@ -893,14 +860,14 @@ def field_docs(cls: type) -> dict[str, str]:
 
 
 def reference_markdown() -> str:
-    """Markdown reference of every section and key: type, default, meaning (docs/config.md)."""
+    """Markdown reference of every section and key: type, default, range, meaning (docs/config.md)."""
     lines = ["# Configuration reference", "", "Generated by `async-rl config docs` from `async_rl/config.py`; do not edit by hand.", ""]
 
     def section(cls: type, prefix: str) -> None:
         docs = field_docs(cls)
         hints = _field_types(cls)
         nested = []
-        lines.extend([f"## `{prefix}`", "", (inspect.getdoc(cls) or "").splitlines()[0], "", "| key | type | default | meaning |", "| --- | --- | --- | --- |"])
+        lines.extend([f"## `{prefix}`", "", (inspect.getdoc(cls) or "").splitlines()[0], "", "| key | type | default | range | meaning |", "| --- | --- | --- | --- | --- |"])
         for f in dataclasses.fields(cls):
             tp = hints[f.name]
             if _is_dataclass_type(tp):
@@ -908,7 +875,10 @@ def reference_markdown() -> str:
                 continue
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
             type_text = _type_name(tp).replace("|", "\\|")
-            lines.append(f"| `{prefix}.{f.name}` | `{type_text}` | `{yaml.safe_dump(default, default_flow_style=True).strip().removesuffix('...').strip()}` | {docs.get(f.name, '')} |")
+            default_text = yaml.safe_dump(default, default_flow_style=True).strip().removesuffix("...").strip()
+            bound = bound_of(f)
+            range_text = "" if bound is None else f"any ({bound.unbounded})" if bound.unbounded else f"`{bound.describe().removeprefix('in ')}`"
+            lines.append(f"| `{prefix}.{f.name}` | `{type_text}` | `{default_text}` | {range_text} | {docs.get(f.name, '')} |")
         lines.append("")
         for sub, sub_prefix in nested:
             section(sub, sub_prefix)

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import subprocess
 import sys
+import types
+import typing
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, Union
 
 import pytest
 import yaml
 
+from async_rl.bounds import Bound, bound_of
 from async_rl.config import Config, ConfigError, LossConfig, load_config, redact_url, reference_markdown, save_resolved, shareable, to_yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,7 +115,7 @@ def test_rloo_needs_group_but_reinforce_pp_does_not():
 def test_kl_in_reward_settings_are_checked_and_load_the_reference():
     msg = _error(["algorithm.kl_ctrl.kl_coef=-0.1", "algorithm.kl_ctrl.target_kl=0", "algorithm.kl_ctrl.horizon=0"])
     assert "algorithm.kl_ctrl.kl_coef=-0.1 must be >= 0" in msg
-    assert "algorithm.kl_ctrl.target_kl=0.0 must be > 0" in msg and "algorithm.kl_ctrl.horizon=0 must be > 0" in msg
+    assert "algorithm.kl_ctrl.target_kl=0.0 must be > 0" in msg and "algorithm.kl_ctrl.horizon=0 must be >= 1" in msg
     assert "must be > 0 with algorithm.kl_ctrl.type='adaptive'" in _error(["algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0"])
     assert "did you mean 'adaptive'" in _error(["algorithm.kl_ctrl.type=adaptiv"])
     assert not load_config(None, []).algorithm.needs_reference
@@ -167,8 +174,8 @@ def test_loss_section_is_the_algos_options_plus_a_name():
 def test_loss_option_ranges_name_the_keys_with_every_other_problem():
     msg = _error(["algorithm.loss.clip_low=1.0", "algorithm.loss.is_cap=0.5", "algorithm.loss.kl_coef=-0.1", "rollout.top_p=0"])
     assert "algorithm.loss.clip_low=1.0 must be in [0, 1)" in msg
-    assert "algorithm.loss.is_cap=0.5 must be >= 1 (or null for no truncation)" in msg
-    assert "algorithm.loss.kl_coef=-0.1 must be finite and >= 0" in msg and "rollout.top_p=0.0" in msg
+    assert "algorithm.loss.is_cap=0.5 must be >= 1 or null" in msg
+    assert "algorithm.loss.kl_coef=-0.1 must be >= 0" in msg and "rollout.top_p=0.0" in msg
     assert "algorithm.loss.mask_upper=0.9 must be >= 1" in _error(["algorithm.loss.mask_upper=0.9"])
 
 
@@ -246,3 +253,94 @@ def test_copies_of_the_config_carry_no_password(tmp_path: Path) -> None:
     assert shareable(cfg)["queue"]["redis_url"] == "redis://trainer:***@10.0.0.5:6379/0"
     assert "s3cret" not in save_resolved(cfg, tmp_path).read_text()
     assert cfg.queue.redis_url == "redis://trainer:s3cret@10.0.0.5:6379/0"  # the run itself keeps it
+
+
+def _numeric_keys(cls: type = Config, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field[Any], type, bool]]:
+    """Every int or float key of the schema, nested sections, ``Optional`` and list items
+    included: its dotted key, its field, its number type and whether it is a list of them."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp, key = hints[f.name], prefix + f.name
+        if dataclasses.is_dataclass(tp):
+            yield from _numeric_keys(tp, key + ".")
+            continue
+        args = typing.get_args(tp) if typing.get_origin(tp) in (Union, types.UnionType, list) else (tp,)
+        numbers = [a for a in args if a in (int, float)]
+        if numbers:
+            yield key, f, numbers[0], typing.get_origin(tp) is list
+
+
+def test_every_numeric_key_has_a_bound_or_a_documented_reason():
+    """Each number of the schema declares its range beside its field (``bounds.bounded``), or
+    why it has none (``bounds.unbounded``: a :class:`Bound` without limits needs a reason)."""
+    keys = {key: f for key, f, _, _ in _numeric_keys()}
+    assert {"learner.critic.optim.lr", "algorithm.loss.clip_c", "rollout.vllm.max_model_len", "learner.optim.betas"} <= set(keys)  # every kind
+    missing = [key for key, f in keys.items() if bound_of(f) is None]
+    assert not missing, f"declare a range with bounds.bounded (or the reason for none with bounds.unbounded): {missing}"
+
+
+def test_a_bound_needs_limits_or_a_reason():
+    with pytest.raises(ValueError, match="reason"):
+        Bound()
+    with pytest.raises(ValueError, match="at most one lower limit"):
+        Bound(ge=0, gt=0)
+    with pytest.raises(ValueError, match="reason"):
+        Bound(ge=0, unbounded="why")
+
+
+def _just_outside(bound: Bound, number: type) -> list[Any]:
+    """Values next to each limit on its wrong side, and for floats NaN and the infinities."""
+    values: list[Any] = []
+    if bound.gt is not None:
+        values.append(number(bound.gt))
+    if bound.ge is not None:
+        values.append(bound.ge - 1 if number is int else math.nextafter(bound.ge, -math.inf))
+    if bound.lt is not None:
+        values.append(number(bound.lt))
+    if bound.le is not None:
+        values.append(bound.le + 1 if number is int else math.nextafter(bound.le, math.inf))
+    if number is float:
+        values += [math.nan, math.inf, -math.inf]
+    return [v for v in values if v not in bound.also]
+
+
+OUTSIDE = [(key, value, is_list) for key, f, number, is_list in _numeric_keys() for value in _just_outside(bound_of(f), number)]
+
+
+@pytest.mark.parametrize(("key", "value", "is_list"), OUTSIDE, ids=[f"{k}={v!r}" for k, v, _ in OUTSIDE])
+def test_a_value_outside_its_bound_names_the_key(key: str, value: Any, is_list: bool):
+    if is_list:  # learner.optim.betas: the first item out of range
+        msg = _error([f"{key}=[{value!r}, 0.999]"])
+        key = f"{key}[0]"
+    else:
+        msg = _error([f"{key}={value!r}"])
+    assert f"{key}={value!r} must be " in msg, msg
+
+
+def test_the_issue_s_values_are_refused():
+    assert "algorithm.advantage.eps=0.0 must be > 0" in _error(["algorithm.advantage.eps=0"])
+    msg = _error(["algorithm.advantage.gamma=-0.1", "algorithm.advantage.lam=-1"])
+    assert "algorithm.advantage.gamma=-0.1 must be in [0, 1]" in msg and "algorithm.advantage.lam=-1.0 must be in [0, 1]" in msg
+    msg = _error(["rollout.cpus_per_server=-1", "rollout.gpus_per_server=-0.5", "learner.cpus_per_rank=-1", "learner.gpus_per_rank=-1"])
+    for key, value in (("rollout.cpus_per_server", -1.0), ("rollout.gpus_per_server", -0.5), ("learner.cpus_per_rank", -1.0), ("learner.gpus_per_rank", -1.0)):
+        assert f"{key}={value} must be >= 0" in msg
+    assert "sync.timeout_s=inf must be finite and in (0, 604800]" in _error(["sync.timeout_s=inf"])
+    assert "queue.timeout_s=1e+300 must be in (0, 604800]" in _error(["queue.timeout_s=1e300"])
+    assert "learner.critic.cliprange_value=0.0 must be > 0 or null" in _error(["learner.critic.cliprange_value=0"])
+    assert load_config(None, ["learner.critic.cliprange_value=null", "learner.gpu_memory_gb=null"]).learner.critic.cliprange_value is None
+
+
+def test_cross_field_rules_wait_for_the_ranges():
+    """A divisor out of range is reported as such, not divided by (ZeroDivisionError)."""
+    assert _error(["learner.ppo_mini_batches=0"]) == "invalid config:\n  learner.ppo_mini_batches=0 must be >= 1"
+    assert "learner.critic.ppo_mini_batches=0 must be >= 1" in _error(["learner.critic.ppo_mini_batches=0"])
+
+
+def test_servers_bind_loopback_by_default():
+    cfg = load_config()
+    assert cfg.logging.prometheus_host == "127.0.0.1" and cfg.rollout.openai_host == "127.0.0.1"
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").rglob("*.yaml")), ids=lambda p: str(p.relative_to(ROOT)))
+def test_shipped_configs_load(path: Path):
+    assert isinstance(load_config(path), Config)

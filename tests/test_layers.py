@@ -21,7 +21,8 @@ PACKAGE = "async_rl"
 
 def test_the_import_linter_contracts_hold():
     """pyproject.toml's ``[tool.importlinter]`` contracts: the layers, ``rollout`` and
-    ``learner`` independent, ``config`` reading only ``algos.options`` of ``algos``."""
+    ``learner`` independent, ``config`` reading only ``algos.options`` of ``algos`` (and
+    ``algos.options`` only ``bounds``)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
            "COLUMNS": "200", "NO_COLOR": "1"}
     lint = "from importlinter.cli import lint_imports_command; lint_imports_command()"

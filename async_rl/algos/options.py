@@ -1,6 +1,6 @@
 """The algorithms' vocabulary: names, what each algorithm needs, and the policy loss's options.
 
-Torch-free and importing nothing of async_rl, so that the config (``algorithm.*``), the
+Torch-free and importing nothing of async_rl but :mod:`async_rl.bounds`, so that the config (``algorithm.*``), the
 learner and the docs read the same facts that :mod:`~async_rl.algos.advantages`,
 :mod:`~async_rl.algos.losses` and :mod:`~async_rl.algos.kl` implement. Adding an algorithm:
 its name in the ``Literal`` here, its entry in :data:`ESTIMATORS` or :data:`LOSSES`, and its
@@ -11,11 +11,12 @@ that the three agree).
 from __future__ import annotations
 
 import dataclasses
-import math
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
+
+from async_rl.bounds import bound_problems, bounded, unbounded
 
 AdvantageName = Literal["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "grpo_passk", "opo", "gae"]
 """Advantage estimators (:mod:`~async_rl.algos.advantages`)."""
@@ -85,29 +86,29 @@ class LossOptions:
     """Every option of the policy loss, with its default (the config's ``algorithm.loss`` section
     holds the same fields, plus the loss's ``name``). Read from a config by :meth:`from_any`."""
 
-    clip_low: float = 0.2
-    """PPO lower clip: the ratio is clipped below at ``1 - clip_low`` (in [0, 1))."""
-    clip_high: float = 0.2
-    """PPO upper clip: the ratio is clipped above at ``1 + clip_high`` (>= 0); above ``clip_low`` it is DAPO's clip-higher (which uses 0.28)."""
-    clip_c: float | None = None
-    """Dual-clip constant (> 1, e.g. 3.0; Ye et al., arXiv:1912.09729): for negative advantages the per-token loss is capped at ``-clip_c * A``; null disables dual-clip."""
+    clip_low: float = bounded(0.2, ge=0, lt=1)
+    """PPO lower clip: the ratio is clipped below at ``1 - clip_low``."""
+    clip_high: float = bounded(0.2, ge=0)
+    """PPO upper clip: the ratio is clipped above at ``1 + clip_high``; above ``clip_low`` it is DAPO's clip-higher (which uses 0.28)."""
+    clip_c: float | None = bounded(None, gt=1)
+    """Dual-clip constant (e.g. 3.0; Ye et al., arXiv:1912.09729): for negative advantages the per-token loss is capped at ``-clip_c * A``; null disables dual-clip."""
     is_level: IsLevel = "none"
     """Behaviour importance weight ``pi_train / mu`` for every loss: per ``token``, per ``sequence`` (product over the sequence), or ``none`` (weight 1). ``decoupled_ppo`` always carries it (``none`` means ``token`` there)."""
-    is_cap: float | None = 2.0
+    is_cap: float | None = bounded(2.0, ge=1)
     """Truncation of the importance weight, ``w = min(w, is_cap)`` (TIS), at least 1 so that on-policy tokens are never scaled down; null for no truncation."""
     mask_level: MaskLevel = "none"
     """Masked importance sampling (rejection): ``token`` drops tokens whose ratio leaves [mask_lower, mask_upper], ``sequence`` sequences whose ratio product does, ``geometric`` sequences whose geometric-mean ratio does; ``none`` keeps everything."""
-    mask_lower: float = 0.5
-    """Lower bound of the accepted ratio for masked importance sampling (in [0, 1])."""
-    mask_upper: float = 2.0
-    """Upper bound of the accepted ratio for masked importance sampling (>= 1)."""
+    mask_lower: float = bounded(0.5, ge=0, le=1)
+    """Lower bound of the accepted ratio for masked importance sampling."""
+    mask_upper: float = bounded(2.0, ge=1)
+    """Upper bound of the accepted ratio for masked importance sampling."""
     agg_mode: AggMode = "token-mean"
     """How token losses are reduced to a scalar: ``token-mean`` (over all trained tokens of the batch), ``seq-mean-token-sum``, ``seq-mean-token-mean`` (token mean per sequence, then mean over sequences) or ``seq-mean-token-sum-norm`` (token sum per sequence divided by ``T``, then mean over sequences; Dr. GRPO). Sequences without trained tokens do not count."""
-    kl_coef: float = 0.0
-    """Weight of the KL penalty to the frozen reference policy in the loss (>= 0); 0 loads no reference model (unless ``algorithm.kl_in_reward``)."""
+    kl_coef: float = bounded(0.0, ge=0)
+    """Weight of the KL penalty to the frozen reference policy in the loss; 0 loads no reference model (unless ``algorithm.kl_in_reward``)."""
     kl_kind: KLName = "k3"
     """KL estimator of that penalty (Schulman's k1/k2/k3; k3 with verl's clamps)."""
-    entropy_coef: float = 0.0
+    entropy_coef: float = unbounded(0.0, "a negative weight is an entropy penalty")
     """Weight of the entropy bonus subtracted from the loss; 0 = off."""
 
     def __post_init__(self) -> None:
@@ -116,22 +117,12 @@ class LossOptions:
             raise ValueError("invalid loss options: " + "; ".join(problems))
 
     def problems(self, prefix: str = "") -> list[str]:
-        """One message per option out of its range, each naming ``prefix + option`` and its value."""
-        rules = [
-            ("clip_low", 0 <= self.clip_low < 1, "must be in [0, 1)"),
-            ("clip_high", self.clip_high >= 0, "must be >= 0"),
-            ("clip_c", self.clip_c is None or self.clip_c > 1, "must be > 1 (or null to disable dual-clip)"),
-            ("is_level", self.is_level in IS_LEVELS, f"must be one of {', '.join(IS_LEVELS)}"),
-            ("is_cap", self.is_cap is None or self.is_cap >= 1, "must be >= 1 (or null for no truncation)"),
-            ("mask_level", self.mask_level in MASK_LEVELS, f"must be one of {', '.join(MASK_LEVELS)}"),
-            ("mask_lower", 0 <= self.mask_lower <= 1, "must be in [0, 1]"),
-            ("mask_upper", self.mask_upper >= 1, "must be >= 1"),
-            ("agg_mode", self.agg_mode in AGG_MODES, f"must be one of {', '.join(AGG_MODES)}"),
-            ("kl_coef", math.isfinite(self.kl_coef) and self.kl_coef >= 0, "must be finite and >= 0"),
-            ("kl_kind", self.kl_kind in KL_ESTIMATORS, f"must be one of {', '.join(KL_ESTIMATORS)}"),
-            ("entropy_coef", math.isfinite(self.entropy_coef), "must be finite"),
+        """One message per option out of its range (the bound declared on each numeric field) or
+        not one of its choices, each naming ``prefix + option`` and its value."""
+        choices = [("is_level", IS_LEVELS), ("mask_level", MASK_LEVELS), ("agg_mode", AGG_MODES), ("kl_kind", KL_ESTIMATORS)]
+        return bound_problems(self, prefix) + [
+            f"{prefix}{name}={getattr(self, name)!r} must be one of {', '.join(allowed)}" for name, allowed in choices if getattr(self, name) not in allowed
         ]
-        return [f"{prefix}{name}={getattr(self, name)!r} {rule}" for name, ok, rule in rules if not ok]
 
     @classmethod
     def from_any(cls, config: Mapping[str, Any] | object | None) -> LossOptions:

@@ -120,6 +120,7 @@ def test_loss_options_from_dict_object_or_none() -> None:
         {"kl_coef": math.inf},
         {"kl_coef": -0.1},
         {"entropy_coef": math.nan},
+        {"clip_low": "0.2"},
     ],
 )
 def test_loss_options_reject_invalid_values(config: dict[str, Any]) -> None:

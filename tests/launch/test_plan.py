@@ -83,7 +83,7 @@ def test_plan_names_the_metric_sinks_and_refuses_a_taken_prometheus_port(data: P
     assert f"Prometheus on 127.0.0.1:{port}" in render(plan) and "W&B (" in plan.monitoring and "PNG plots" in plan.monitoring
     assert [e for e in plan.errors if e.startswith(f"logging.prometheus_port={port}: cannot serve on 127.0.0.1")], plan.errors
     free = make_plan(load_config(ROOT / "configs" / "quickstart.yaml", [f"data.train_files={data}", "logging.prometheus_port=0"]))
-    assert not [e for e in free.errors if "prometheus" in e] and "Prometheus on 0.0.0.0:a free port" in free.monitoring
+    assert not [e for e in free.errors if "prometheus" in e] and "Prometheus on 127.0.0.1:a free port" in free.monitoring
 
 
 def test_plan_lists_openai_api_ports(data: Path):
