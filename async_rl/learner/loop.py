@@ -24,6 +24,7 @@ from torch import nn
 from async_rl.algos.options import ESTIMATORS
 from async_rl.config import Config
 from async_rl.data.images import decode_blob
+from async_rl.heap import release_freed_heap
 from async_rl.learner import checkpoint, collectives, vision
 from async_rl.learner.batching import Batch, Prepared, prepare
 from async_rl.learner.feed import BatchFeed, QueueReader, StepData, staleness_metrics
@@ -207,6 +208,7 @@ class LearnerLoop:
         # Log before the checkpoint: a kill between the two then repeats the line (a resumed
         # run retrains the version; the last line counts) instead of losing the step's record.
         self._log(metrics, data)
+        release_freed_heap()  # the step's freed activations and buffers: RSS stays flat over days
         if self.version % self.cfg.trainer.save_every == 0:
             started = time.perf_counter()
             self._save()

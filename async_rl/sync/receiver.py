@@ -11,7 +11,6 @@ therefore leaves the old weights serving.
 
 from __future__ import annotations
 
-import ctypes
 import threading
 import time
 from dataclasses import dataclass, field
@@ -24,27 +23,13 @@ from vllm.model_executor.model_loader.reload import (
     initialize_layerwise_reload,
 )
 
+from async_rl.heap import release_freed_heap
 from async_rl.sync.buckets import unpack_bucket
 from async_rl.sync.control import Announce, ErrorKind, Start, decode
 from async_rl.sync.group import Rendezvous, WeightGroup, connect_store
 from async_rl.sync.ipc import IpcUnavailable, ShmReader
 
 ReceiveState = Literal["receiving", "received", "failed"]
-
-_MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None)
-"""glibc's ``malloc_trim`` (None elsewhere, e.g. musl)."""
-
-
-def _release_freed_heap() -> None:
-    """Hand the heap pages freed by a reload back to the kernel.
-
-    A layer-wise reload frees and reallocates every weight (and the CPU backend's packed
-    copies) below glibc's mmap threshold, between generation's own allocations: the holes
-    stay resident, and a vLLM worker of the tiny quickstart model grew by 70-90 MB per 1,000
-    updates (benchmarks/soak.py). ``malloc_trim(0)`` returns the free pages of every arena;
-    it costs about 5 ms on that worker's 700 MB heap, once per update."""
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
 
 
 @dataclass
@@ -131,7 +116,10 @@ class WeightReceiverExtension:
                 model.load_weights(unpack_bucket(bucket, specs, buf))
             finalize_layerwise_reload(model, self.vllm_config.model_config)  # type: ignore[attr-defined]
         self._wsync_staging = None
-        _release_freed_heap()
+        # The reload freed and reallocated every weight (and the CPU backend's packed copies)
+        # between generation's allocations: without this a vLLM worker of the tiny quickstart
+        # model grew 70-90 MB per 1,000 updates (benchmarks/soak.py); about 5 ms on its heap.
+        release_freed_heap()
         return time.monotonic() - t0
 
     def wsync_discard(self, update_id: int) -> None:
