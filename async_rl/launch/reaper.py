@@ -46,6 +46,8 @@ GRACE_S = 3.0
 """Seconds between SIGTERM and SIGKILL when the watchdog reaps."""
 STOP_TIMEOUT_S = 10.0
 """Longest the driver waits for the watchdog to exit after telling it to stop, seconds."""
+START_TIMEOUT_S = 60.0
+"""Longest the driver waits for the watchdog to start (an interpreter's start, well under a second), seconds."""
 
 _STOP = b"stop\n"
 _READY = b"ready\n"
@@ -214,7 +216,12 @@ def reap_on_exit(grace_s: float = GRACE_S) -> Iterator[None]:
     try:
         watchdog = subprocess.Popen(
             [sys.executable, "-I", os.path.abspath(__file__), str(pid), str(me), token, f"--grace-s={grace_s}"],
-            stdin=control_r, stdout=ready_w, env=env, start_new_session=True,
+            stdin=control_r, stdout=ready_w, env=env,
+            # A process group of its own, so a Ctrl-C to the driver's group does not reach it.
+            # Not a session: with the kernel's scheduler autogroups a new session is scheduled
+            # as a group of its own, and on a loaded 2-core machine the watchdog got 50 ms of
+            # CPU in 90 s and the driver waited for it forever.
+            preexec_fn=os.setpgrp,
         )
     except BaseException:
         os.close(control_w)
@@ -225,6 +232,10 @@ def reap_on_exit(grace_s: float = GRACE_S) -> Iterator[None]:
         os.close(ready_w)
     try:
         with open(ready_r, "rb") as ready:
+            if not select.select([ready], [], [], START_TIMEOUT_S)[0]:
+                watchdog.kill()
+                raise RuntimeError(f"the process reaper (pid {watchdog.pid}) did not start within {START_TIMEOUT_S:.0f} s: "
+                                   "is the machine overloaded?")
             if ready.readline() != _READY:
                 raise RuntimeError(f"the process reaper did not start (exit code {watchdog.wait()})")
         previous = os.environ.get(TOKEN_ENV)

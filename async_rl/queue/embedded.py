@@ -242,11 +242,11 @@ class EmbeddedRedis:
         log_start = log.stat().st_size if log.exists() else 0
         self._proc = subprocess.Popen(
             [binary, str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent if _LIBC is not None else None,
-            # Its own session: a Ctrl-C or SIGTERM sent to the owner's process group must not
-            # stop Redis before the owner's shutdown has committed to it (it still dies with
-            # the owner: PR_SET_PDEATHSIG).
-            start_new_session=True,
+            # Its own process group: a Ctrl-C or SIGTERM sent to the owner's group must not stop
+            # Redis before the owner's shutdown has committed to it (it still dies with the owner:
+            # PR_SET_PDEATHSIG). Not a session: the kernel's scheduler autogroups would schedule
+            # it as a group of its own, starved on a loaded machine (launch/reaper.py).
+            preexec_fn=_own_group,
             umask=0o077,  # its AOF and log: 0600
         )
         self._wait_ready(self._proc, log_start)
@@ -342,6 +342,12 @@ class EmbeddedRedis:
 
 _PR_SET_PDEATHSIG = 1
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+
+def _own_group() -> None:
+    """In the forked child: a process group of its own, dying with its parent where it can."""
+    os.setpgrp()
+    _die_with_parent()
 
 
 def _die_with_parent() -> None:
