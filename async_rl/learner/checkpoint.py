@@ -305,7 +305,7 @@ def _copy_hf_files(src: Path, dst: Path) -> None:
     dst.mkdir(parents=True, exist_ok=True)
     for item in src.iterdir():
         if item.is_file() and not item.name.endswith(_WEIGHT_SUFFIXES):
-            shutil.copy2(item, dst / item.name)
+            shutil.copyfile(item, dst / item.name)  # the umask's mode (0600 in a run), not the source's
 
 
 def _write_durable(path: Path, write: Any) -> None:
