@@ -5,11 +5,10 @@ from __future__ import annotations
 import base64
 import io
 import json
-import struct
-import zlib
 from pathlib import Path
 
 import pytest
+from image_bombs import bomb_png
 from PIL import Image
 
 from async_rl.data.images import ImageError, PixelBounds, chat_content, decode_blob, image_blob, load_image, normalise_ref
@@ -118,26 +117,17 @@ def test_chat_content_splits_at_placeholders():
         normalise_ref(3, Path("."))
 
 
-def _bomb_png(width: int, height: int) -> bytes:
-    """A valid PNG header of ``width`` x ``height`` RGB pixels over a few bytes of data: what a
-    decompression bomb looks like before decoding (no test allocates its gigabytes)."""
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
-
-
 def test_an_image_bomb_is_refused_from_its_header_and_its_row_rejected(tmp_path: Path):
     bounds = PixelBounds(1, 4_194_304)
     with pytest.raises(ImageError, match=r"12000x12000 = 144000000 pixels, more than the 67108864 decoded at most"):
-        load_image(_data_uri(_bomb_png(12000, 12000)), bounds)
+        load_image(_data_uri(bomb_png(12000, 12000)), bounds)
     with pytest.raises(ImageError, match="DecompressionBombError"):  # PIL's own limit (179 Mpx) comes first here
-        load_image(_data_uri(_bomb_png(30000, 30000)), bounds)
+        load_image(_data_uri(bomb_png(30000, 30000)), bounds)
     # 8000 x 8000 (64 Mpx, under 16 x max_pixels) is decoded and resized into the bounds; a truncated one is an error.
     with pytest.raises(ImageError, match="does not decode"):
-        load_image(_data_uri(_bomb_png(8000, 8000)), bounds)
+        load_image(_data_uri(bomb_png(8000, 8000)), bounds)
     rows = tmp_path / "rows.jsonl"
-    rows.write_text(json.dumps({"problem": "<image>what?", "answer": "a", "images": [_data_uri(_bomb_png(30000, 30000))]}) + "\n"
+    rows.write_text(json.dumps({"problem": "<image>what?", "answer": "a", "images": [_data_uri(bomb_png(30000, 30000))]}) + "\n"
                     + json.dumps({"problem": "<image>what?", "answer": "b", "images": [_data_uri(_png((1, 2, 3)))]}) + "\n")
     fields = ImageFields(key="images", base_dir=str(tmp_path), bounds=PixelBounds(1, 10_000))
     kept, rejected = read_prompt_rows(rows, "problem", "answer", images=fields)

@@ -3,12 +3,11 @@ backlog, the run of drops, staleness on the groups' behaviour version."""
 
 from __future__ import annotations
 
-import struct
 import time
 import uuid
-import zlib
 
 import pytest
+from image_bombs import bomb_png
 from learner_helpers import make_groups
 
 from async_rl.learner.feed import BatchFeed, NoTrainableDataError, QueueReader, staleness_metrics
@@ -119,15 +118,6 @@ def test_staleness_is_measured_on_the_groups_behaviour_version() -> None:
     assert all(isinstance(v, float) for v in metrics.values())
 
 
-def _bomb_png(width: int, height: int) -> bytes:
-    """A valid PNG header of ``width`` x ``height`` RGB pixels over a few bytes of data: what a
-    decompression bomb looks like before decoding (no test allocates its gigabytes)."""
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
-
-
 def test_an_image_bomb_in_the_queue_is_dead_lettered_and_the_feed_goes_on(redis_url: str, one_rank: DistInfo) -> None:
     run = f"feed-{uuid.uuid4().hex[:8]}"
     good, other = make_groups(2, seed=23, run=run)
@@ -135,7 +125,7 @@ def test_an_image_bomb_in_the_queue_is_dead_lettered_and_the_feed_goes_on(redis_
                                    images=[ImageRef("b" * 64, 30000, 30000)])
     limits = Limits(64, 512, max_image_pixels=1024 * 1024)
     with ReplayQueue(redis_url, run, max_depth=64) as queue:
-        queue.put_images([("b" * 64, _bomb_png(30000, 30000))], ttl_s=600)
+        queue.put_images([("b" * 64, bomb_png(30000, 30000))], ttl_s=600)
         for g in (bomb, good, other):
             queue.put(g)
         reader = QueueReader(queue, limits, max_staleness=1, batch_size=2, read_timeout_s=0.2, takes_images=True,
