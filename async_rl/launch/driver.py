@@ -154,6 +154,9 @@ class _Run:
         finally:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
+            # W&B's service process writes its files with modes of its own (0644): unreachable
+            # inside the 0700 directory, closed too before the directory is ever opened up.
+            make_private(self.run_dir)
         if self.failure is not None:
             raise RunFailed(self.failure)
         return RunResult(self.version, self.run_dir, self.interrupted, self.validations, self.train_wall_s, self.server_busy_s)

@@ -135,13 +135,17 @@ def make_private(run_dir: Path) -> None:
 
 
 def _chmod_tree(path: Path) -> None:
-    if path.is_symlink():
+    try:
+        if path.is_symlink():
+            return
+        if not path.is_dir():
+            path.chmod(0o600)
+            return
+        path.chmod(0o700)
+        children = list(path.iterdir())
+    except FileNotFoundError:  # removed meanwhile (a writer's temporary file)
         return
-    if not path.is_dir():
-        path.chmod(0o600)
-        return
-    path.chmod(0o700)
-    for child in path.iterdir():
+    for child in children:
         _chmod_tree(child)
 
 
