@@ -23,9 +23,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -41,7 +43,7 @@ from _plain_packed import plain_packed_step  # noqa: E402
 from _report import report  # noqa: E402
 
 from async_rl.config import load_config  # noqa: E402
-from async_rl.learner.batching import plan_micro_batches, prepare  # noqa: E402
+from async_rl.learner.batching import Batch, plan_micro_batches, prepare  # noqa: E402
 from async_rl.learner.model import DistInfo, compute_dtype, free_port, init_distributed, load_sharded  # noqa: E402
 from async_rl.learner.screening import Limits, screen  # noqa: E402
 from async_rl.learner.train_step import StepTimes, Trainer  # noqa: E402
@@ -146,6 +148,66 @@ def run_matrix(model_dir: Path, base: list[str], info: DistInfo, args: argparse.
     report(result, args.json)
 
 
+def base_overrides(model_dir: Path, args: argparse.Namespace, cuda: bool) -> list[str]:
+    """The benchmark's config: the shape's batch, its sequence bounds, ``--micro-tokens`` and ``--set``."""
+    return [f"learner.model_path={model_dir}", f"learner.batch_size={PROMPTS[args.shape]}", "rollout.n=8",
+            f"learner.max_tokens_per_microbatch={args.micro_tokens}", "data.max_prompt_length=384",
+            "rollout.max_response_length=1024", "queue.max_depth=256", "learner.optim.lr=1e-6",
+            f"learner.gpus_per_rank={1 if cuda else 0}", *args.set]
+
+
+def bench_batch(args: argparse.Namespace) -> tuple[Batch, list[list[int]]]:
+    """The timed batch (the same in every process: seeded) and its micro-batch plan."""
+    batch = prepare([screen(g, Limits(args.micro_tokens, VOCAB)) for g in make_groups(PROMPTS[args.shape], 8, seed=0)]).batch
+    plan = plan_micro_batches(batch.lengths.tolist(), range(batch.size), 1, args.micro_tokens)[0]
+    return batch, [list(rows) for rows in plan]
+
+
+def build_plain(model_dir: Path, batch: Batch, plan: list[list[int]], device: torch.device, checkpointing: bool,
+                dtype: torch.dtype) -> Callable[[], int]:
+    from transformers import AutoModelForCausalLM
+
+    plain_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                       attn_implementation="flex_attention" if device.type == "cuda" else "sdpa").to(device)
+    if checkpointing:
+        plain_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return plain_packed_step(plain_model, batch, plan, device, 4096, dtype)
+
+
+class Rounds:
+    """Times each round of a step function and its peak memory; round 0 is the warm-up."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.times: dict[str, list[float]] = {"learner": [], "plain": []}
+        self.peaks: dict[str, float] = {"learner": 0.0, "plain": 0.0}
+
+    def timed(self, name: str, fn: Callable[[], int], round_: int) -> None:
+        with PeakMemory(self.device) as peak:
+            start = time.perf_counter()
+            fn()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            elapsed = time.perf_counter() - start
+        self.peaks[name] = max(self.peaks[name], peak.peak_gb)
+        if round_:
+            self.times[name].append(elapsed)
+        print(f"{name:8s} round {round_}: {elapsed:7.2f} s, peak {peak.peak_gb:6.2f} GB", flush=True)
+
+
+def plain_only(args: argparse.Namespace) -> None:
+    """``--sequential``'s second process: the plain loop's rounds alone on the device (a process
+    that held the learner keeps some of its memory however it frees it); writes its times and peak."""
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    cfg = load_config(None, base_overrides(args.plain_only, args, device.type == "cuda"))
+    batch, plan = bench_batch(args)
+    plain = build_plain(args.plain_only, batch, plan, device, args.plain_checkpointing, compute_dtype(cfg.learner.fsdp, device))
+    rounds = Rounds(device)
+    for round_ in range(args.steps + 1):
+        rounds.timed("plain", plain, round_)
+    args.json.write_text(json.dumps({"times": rounds.times["plain"], "peak_gb": rounds.peaks["plain"]}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
@@ -157,7 +219,12 @@ def main() -> None:
                         "(when both do not fit in memory at once); default: interleaved")
     parser.add_argument("--matrix", action="store_true", help="instead: one learner step per loss x updates x KL combination "
                         "(the NCCL device check; 4 prompts of the batch), each reported as ok or its error")
+    parser.add_argument("--plain-only", type=Path, help=argparse.SUPPRESS)  # --sequential's child: the model directory
+    parser.add_argument("--plain-checkpointing", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.plain_only:
+        plain_only(args)
+        return
 
     cuda = torch.cuda.is_available()
     info = init_distributed(0, 1, "127.0.0.1", free_port(), 600.0) if cuda else DistInfo(0, 1, torch.device("cpu"))
@@ -166,10 +233,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / args.shape
         build_model(args.shape, model_dir)
-        overrides = [f"learner.model_path={model_dir}", f"learner.batch_size={PROMPTS[args.shape]}", "rollout.n=8",
-                     f"learner.max_tokens_per_microbatch={args.micro_tokens}", "data.max_prompt_length=384",
-                     "rollout.max_response_length=1024", "queue.max_depth=256", "learner.optim.lr=1e-6",
-                     f"learner.gpus_per_rank={1 if cuda else 0}", *args.set]
+        overrides = base_overrides(model_dir, args, cuda)
         if args.matrix:
             run_matrix(model_dir, overrides, info, args)
             dist.destroy_process_group()
@@ -181,12 +245,9 @@ def main() -> None:
         params = sum(p.numel() for p in policy.parameters())
         attention = policy.config._attn_implementation
         trainer = Trainer(policy, None, lrn, cfg.algorithm, info, args.steps + 2, 1)
-        batch = prepare([screen(g, Limits(args.micro_tokens, VOCAB)) for g in make_groups(PROMPTS[args.shape], 8, seed=0)]).batch
+        batch, plan = bench_batch(args)
         tokens = int(batch.lengths.sum())
-        plan = plan_micro_batches(batch.lengths.tolist(), range(batch.size), 1, args.micro_tokens)[0]
-
-        times: dict[str, list[float]] = {"learner": [], "plain": []}
-        peaks: dict[str, float] = {"learner": 0.0, "plain": 0.0}
+        rounds = Rounds(info.device)
         splits: list[StepTimes] = []
         counter = iter(range(10**6))
 
@@ -195,45 +256,28 @@ def main() -> None:
             splits.append(result.times)
             return result.tokens
 
-        def build_plain() -> Callable[[], int]:
-            from transformers import AutoModelForCausalLM
-
-            plain_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                               attn_implementation="flex_attention" if cuda else "sdpa").to(info.device)
-            if checkpointing:
-                plain_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            return plain_packed_step(plain_model, batch, plan, info.device, 4096, dtype)
-
-        def timed(name: str, fn: Callable[[], int], round_: int) -> None:
-            with PeakMemory(info.device) as peak:
-                start = time.perf_counter()
-                fn()
-                if cuda:
-                    torch.cuda.synchronize()
-                elapsed = time.perf_counter() - start
-            peaks[name] = max(peaks[name], peak.peak_gb)
-            if round_:
-                times[name].append(elapsed)
-            print(f"{name:8s} round {round_}: {elapsed:7.2f} s, peak {peak.peak_gb:6.2f} GB", flush=True)
-
         dtype = compute_dtype(lrn.fsdp, info.device)
         if args.sequential:  # both models and optimizers do not fit at once (1.5B on 80 GB): all learner steps, then the plain loop's
             for round_ in range(args.steps + 1):
-                timed("learner", learner, round_)
+                rounds.timed("learner", learner, round_)
             del trainer, policy
             gc.collect()
             if cuda:
                 torch.cuda.empty_cache()
-            plain = build_plain()
-            for round_ in range(args.steps + 1):
-                timed("plain", plain, round_)
+            plain_json = Path(tmp) / "plain.json"
+            child = [sys.executable, __file__, "--shape", args.shape, "--json", str(plain_json), "--steps", str(args.steps),
+                     "--micro-tokens", str(args.micro_tokens), "--plain-only", str(model_dir),
+                     *(["--plain-checkpointing"] if checkpointing else []), *(f"--set={s}" for s in args.set)]
+            subprocess.run(child, check=True)
+            plain_result = json.loads(plain_json.read_text())
+            rounds.times["plain"], rounds.peaks["plain"] = plain_result["times"], plain_result["peak_gb"]
         else:
-            plain = build_plain()
+            plain = build_plain(model_dir, batch, plan, info.device, checkpointing, dtype)
             for round_ in range(args.steps + 1):  # round 0 warms up
-                timed("learner", learner, round_)
-                timed("plain", plain, round_)
+                rounds.timed("learner", learner, round_)
+                rounds.timed("plain", plain, round_)
 
-    rate = {name: tokens / statistics.median(t) for name, t in times.items()}
+    rate = {name: tokens / statistics.median(t) for name, t in rounds.times.items()}
     name = torch.cuda.get_device_name() if cuda else "cpu"
     peak_flops = next((v for k, v in PEAK_FLOPS.items() if k in name), None) if cuda else None
     timed = splits[1:]
@@ -241,7 +285,7 @@ def main() -> None:
         "tokens_per_s": rate["learner"], "plain_tokens_per_s": rate["plain"], "ratio_vs_plain": rate["learner"] / rate["plain"],
         "mfu": 6 * params * rate["learner"] / peak_flops if peak_flops else None,
         "plain_mfu": 6 * params * rate["plain"] / peak_flops if peak_flops else None,
-        "peak_memory_gb": peaks["learner"], "plain_peak_memory_gb": peaks["plain"],
+        "peak_memory_gb": rounds.peaks["learner"], "plain_peak_memory_gb": rounds.peaks["plain"],
         "step_time_split_s": {k: statistics.median(getattr(t, k) for t in timed) for k in ("prox", "fwd_bwd", "optim")},
         "setup": {"shape": args.shape, "device": name, "params": params, "tokens_per_step": tokens, "samples": batch.size,
                   "micro_batches": len(plan), "max_tokens_per_microbatch": args.micro_tokens, "gradient_checkpointing": checkpointing,
@@ -249,7 +293,7 @@ def main() -> None:
                   "compute_dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(), "steps": args.steps,
                   "overrides": args.set, "plain": "HF model, packed rows, flex_attention (GPU) / sdpa (CPU), autocast, "
                   "LM head + log-softmax in checkpointed 4096-token chunks, AdamW",
-                  "method": f"median of {'sequential' if args.sequential else 'interleaved'} steps after one warm-up each", "date": datetime.date.today().isoformat()},
+                  "method": f"median of {'sequential (the plain loop in a second process)' if args.sequential else 'interleaved'} steps after one warm-up each", "date": datetime.date.today().isoformat()},
     }
     report(result, args.json)
     dist.destroy_process_group()

@@ -8,6 +8,9 @@
 # carry=[".gpu_wheels"])), install them and run the NCCL device matrix and the benchmarks;
 # JSON lands in benchmarks/results/ (and in $OUT when set):
 #     bash scripts/learner_gpu_check.sh run
+# Time it needs (H100, 2026-11-26): about 450 s in all, of which a cold machine spends over 200 s
+# before the first line of output; a second call on a fresh machine pays that again, so give it one
+# call of timeout_s=600 rather than several short ones.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=.gpu_wheels
