@@ -156,13 +156,14 @@ def _stages(cfg, groups: int, layout) -> tuple[float, float]:
 
     from async_rl.launch.ray_cluster import init_ray
     from async_rl.learner.actor import start_learners
+    from async_rl.sync.auth import RunSecret
     from async_rl.queue import EmbeddedRedis
 
     init_ray(num_cpus=os.cpu_count())
     try:
         with EmbeddedRedis(Path(cfg.trainer.output_dir) / "redis") as url:
             t_gen = asyncio.run(_generate_alone(cfg, url, groups, layout[0][0] if layout else None))
-            learners = start_learners(cfg, url, layout[1] if layout else None)
+            learners = start_learners(cfg, url, RunSecret.generate(), layout[1] if layout else None)
             ray.get([a.run.remote(0) for a in learners])
             start = time.monotonic()
             ray.get([a.run.remote(cfg.trainer.total_steps) for a in learners])

@@ -50,7 +50,7 @@ from async_rl.learner.model import DistInfo, iter_full_parameters, load_sharded 
 from async_rl.learner.train_step import Trainer  # noqa: E402
 from async_rl.records import RolloutGroup, Sample, decode, encode  # noqa: E402
 from async_rl.sync.buckets import plan_buckets, tensor_specs  # noqa: E402
-from async_rl.sync.group import Rendezvous, WeightGroup, connect_store, host_store  # noqa: E402
+from async_rl.sync.group import Rendezvous, WeightGroup, connect_store, host_store, new_key_prefix  # noqa: E402
 from async_rl.sync.sender import stream_buckets  # noqa: E402
 
 VOCAB, MAX_TOKENS = 4096, 2048
@@ -147,7 +147,7 @@ def sync_rates(model_dir: Path, bucket_bytes: int, rounds: int) -> tuple[float, 
     buckets = plan_buckets(specs, bucket_bytes)
     sizes = [b.nbytes for b in buckets]
     store = host_store("127.0.0.1", 60.0)
-    rv = Rendezvous("127.0.0.1", store.port, 0, 2, "gloo")
+    rv = Rendezvous("127.0.0.1", store.port, 0, 2, "gloo", new_key_prefix(0))
     proc = mp.get_context("spawn").Process(target=_receiver, args=(rv, sizes, 2 * rounds + 2))  # + warm-ups
     proc.start()
     group = WeightGroup.join(rv, 0, store, 60.0)

@@ -134,10 +134,13 @@ async def _pool(cfg, count: int, rounds: int) -> tuple[list[float], float, float
     from async_rl.rollout.pool import ServerPool, ServerSpec
     from async_rl.rollout.types import Sampling
     from async_rl.rollout.worker import WorkerSettings
+    from async_rl.sync.auth import RunSecret, SyncEndpoint
     from async_rl.sync.sender import WeightSender
 
+    secret = RunSecret.generate()  # seals this benchmark's weight-sync control messages
+
     init_ray(num_cpus=os.cpu_count())
-    sender = WeightSender(bucket_mb=cfg.sync.bucket_mb, timeout_s=120.0)
+    sender = WeightSender(secret=secret, bucket_mb=cfg.sync.bucket_mb, timeout_s=120.0)
     env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
     rows, _ = read_prompt_rows(cfg.data.train_files)
     settings = WorkerSettings(
@@ -149,7 +152,7 @@ async def _pool(cfg, count: int, rounds: int) -> tuple[list[float], float, float
     with EmbeddedRedis() as url, ReplayQueue(url, run="bench", max_depth=count) as queue:
         # rewards in the server's reward pool, as in a run
         hosted = WorkerHostSpec(url, "bench", count, 30.0, settings, 1, cfg.rollout.reward, cfg.rollout.max_response_length)
-        pool = ServerPool(ServerSpec(engine_kwargs(cfg), num_cpus=1, env_vars=env, sender_address=sender.address,
+        pool = ServerPool(ServerSpec(engine_kwargs(cfg), num_cpus=1, env_vars=env, sync=SyncEndpoint(sender.address, secret),
                                      openai_api=openai_api_settings(cfg)), 1, workers=hosted, rows=ray.put(rows))
         await pool.start()
 

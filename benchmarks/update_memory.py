@@ -63,7 +63,10 @@ def main() -> None:
     from async_rl.rollout.engine_args import engine_kwargs
     from async_rl.rollout.pool import ServerPool, ServerSpec
     from async_rl.sync.buckets import tensor_specs
+    from async_rl.sync.auth import RunSecret, SyncEndpoint
     from async_rl.sync.sender import WeightSender
+
+    secret = RunSecret.generate()  # seals this benchmark's weight-sync control messages
 
     if not (args.assets / "assets.json").is_file():
         from async_rl.tiny import build_tiny_assets
@@ -74,9 +77,9 @@ def main() -> None:
     named = list(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).named_parameters())
     specs = tensor_specs(named)
     init_ray(num_cpus=os.cpu_count() or 1)
-    sender = WeightSender(bucket_mb=256, backend=args.backend, timeout_s=120.0)
+    sender = WeightSender(secret=secret, bucket_mb=256, backend=args.backend, timeout_s=120.0)
     pool = ServerPool(ServerSpec(engine_kwargs(cfg), num_cpus=0, env_vars={"VLLM_CPU_KVCACHE_SPACE": "1"},
-                                 sender_address=sender.address), 1)
+                                 sync=SyncEndpoint(sender.address, secret)), 1)
     samples: list[tuple[int, dict[str, float]]] = []
     try:
         asyncio.run(pool.start())

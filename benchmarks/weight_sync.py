@@ -57,7 +57,10 @@ def main() -> int:
     from async_rl.rollout.engine_args import engine_kwargs
     from async_rl.rollout.pool import ServerPool, ServerSpec
     from async_rl.sync.buckets import tensor_specs
+    from async_rl.sync.auth import RunSecret, SyncEndpoint
     from async_rl.sync.sender import WeightSender
+
+    secret = RunSecret.generate()  # seals this benchmark's weight-sync control messages
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model
@@ -74,9 +77,9 @@ def main() -> int:
         nbytes = sum(s.nbytes for s in specs)
 
         init_ray(num_cpus=os.cpu_count() or 1)
-        senders = {b: WeightSender(bucket_mb=args.bucket_mb, backend=b, timeout_s=120.0) for b in BACKENDS}
+        senders = {b: WeightSender(secret=secret, bucket_mb=args.bucket_mb, backend=b, timeout_s=120.0) for b in BACKENDS}
         env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
-        pools = {b: ServerPool(ServerSpec(engine_kwargs(cfg), num_cpus=0, env_vars=env, sender_address=s.address), 1)
+        pools = {b: ServerPool(ServerSpec(engine_kwargs(cfg), num_cpus=0, env_vars=env, sync=SyncEndpoint(s.address, secret)), 1)
                  for b, s in senders.items()}
         runs: dict[str, list[dict[str, float]]] = {b: [] for b in BACKENDS}
         try:

@@ -55,6 +55,7 @@ from async_rl.rollout.pool import ServerPool, ServerSpec
 from async_rl.rollout.episodes import EpisodeSampler
 from async_rl.rollout.types import Sampling
 from async_rl.rollout.validation import ValidationResult, ValPrompt, validate, validate_episodes
+from async_rl.sync.auth import RunSecret, SyncEndpoint
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -132,6 +133,10 @@ class _Run:
         self.learner_restarts = 0
         """Times the learner group was restarted from its checkpoint after a rank died."""
         self._sender_address: str | None = None
+        self._control_dropped: dict[str, float] = {}
+        """The weight sender's ``sync/control_dropped/*`` counts at the last step."""
+        self._secret = RunSecret.generate()
+        """Seals the weight-sync control messages; reaches the learner and the servers as an actor argument only."""
         """The learner's weight sender (rank 0), which the servers register with."""
         self._learner_pids: list[int] = []
 
@@ -238,10 +243,9 @@ class _Run:
         # After trainer.resume=fresh moved the old state aside, the learner starts from the base model.
         await self._start_learners(replace(cfg, trainer=replace(cfg.trainer, resume="off")) if cfg.trainer.resume == "fresh" else cfg)
         stack.callback(self._kill_learners)
-        sender_address = self._sender_address
 
         env = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, round(cfg.rollout.vllm.kv_cache_space_gb)))} if not on_gpu() else {}
-        spec = ServerSpec(engine_kwargs(cfg), cfg.rollout.cpus_per_server, cfg.rollout.gpus_per_server, env, sender_address=sender_address,
+        spec = ServerSpec(engine_kwargs(cfg), cfg.rollout.cpus_per_server, cfg.rollout.gpus_per_server, env, sync=self._sync_endpoint(),
                           openai_api=openai_api_settings(cfg))
         self.pool = ServerPool(spec, cfg.rollout.num_servers, on_start=self._on_server_start,
                                env_per_server=[{"VLLM_CPU_OMP_THREADS_BIND": cores} for cores in layout.servers] if layout else None,
@@ -311,7 +315,7 @@ class _Run:
         reconcile the ledger at their version. ``live``: a restart while the rollout workers
         run (their open tickets stay; the new weight sender takes the old one's port)."""
         previous = self._sender_address if live else None
-        self.learners = await asyncio.to_thread(start_learners, cfg, self._redis_url, self._rank_cores, previous)
+        self.learners = await asyncio.to_thread(start_learners, cfg, self._redis_url, self._secret, self._rank_cores, previous)
         starts = await asyncio.gather(*(a.run.remote(0) for a in self.learners))
         self.version = starts[0]["version"]  # > 0 after a resume
         self._sender_address = await self.learners[0].sync_address.remote()
@@ -327,6 +331,10 @@ class _Run:
         if found.returned or found.groups_started != found.groups_started_before:
             log.info("ledger reconciled at version %d: %d prompts returned (claimed, never enqueued), %d groups queued, "
                      "groups_started %d -> %d", self.version, found.returned, found.queued, found.groups_started_before, found.groups_started)
+
+    def _sync_endpoint(self) -> SyncEndpoint | None:
+        """Where the servers register for weight updates (None: the learner has no sender)."""
+        return None if self._sender_address is None else SyncEndpoint(self._sender_address, self._secret)
 
     async def _restart_learners(self, why: str) -> bool:
         """A learner rank died: restart the whole group from the last checkpoint, as a resume
@@ -346,9 +354,9 @@ class _Run:
         except (ray.exceptions.RayError, TimeoutError) as exc:
             self._fail(f"{why}; the learner's restart failed: {_cause(exc)}")
             return False
-        if self._sender_address != self.pool.spec.sender_address:  # rank 0 landed on another node: servers must re-register
+        if self.pool.spec.sync != (sync := self._sync_endpoint()):  # rank 0 landed on another node: servers must re-register
             self._say(f"the weight sender moved to {self._sender_address}: replacing the servers")
-            self.pool.spec.sender_address = self._sender_address
+            self.pool.spec.sync = sync
             for i in range(self.pool.num_servers):
                 await self.pool.restart(i, self.pool.handle(i))
         self._write_servers()
@@ -371,14 +379,15 @@ class _Run:
 
     def _write_servers(self) -> None:
         """(Re)write ``servers.json``: the driver's Prometheus URL, the id, pid, vLLM engine
-        process ids, OpenAI API URL and vLLM metrics URL of every started server, and each
-        learner rank's pid."""
+        process ids, OpenAI API URL and vLLM metrics URL of every started server, each
+        learner rank's pid and the weight sender's control address."""
         servers = [{"server_id": h.server_id, "pid": h.pid, "engine_pids": h.engine_pids, "openai_url": h.openai_url,
                     "metrics_url": vllm_metrics_url(h.openai_url)}
                    for h in self.pool.started if h is not None]
         prometheus = self.tracker.prometheus
         learners = [{"rank": rank, "pid": pid} for rank, pid in enumerate(self._learner_pids)]
-        doc = {"prometheus_url": prometheus.url if prometheus is not None else None, "servers": servers, "learners": learners}
+        doc = {"prometheus_url": prometheus.url if prometheus is not None else None, "servers": servers, "learners": learners,
+               "weight_sync_address": self._sender_address}
         (self.run_dir / "servers.json").write_text(json.dumps(doc, indent=1) + "\n")
 
     async def _await_current_weights(self, index: int, handle: Any) -> None:
@@ -470,6 +479,7 @@ class _Run:
             for metrics in results[0]["steps"]:
                 metrics.update(await self._rollout_now())
                 metrics["learner/restarts"] = float(self.learner_restarts)
+                self._say_control_drops(metrics)
                 self.tracker.log(metrics)
                 self._last_step = time.monotonic()
                 self._maybe_validate()
@@ -479,6 +489,18 @@ class _Run:
             log.error("final checkpoint failed: %s", _cause(exc))
             if self.failure is None:
                 self._fail(f"the final checkpoint failed: {_cause(exc)}")
+
+    def _say_control_drops(self, metrics: dict[str, float]) -> None:
+        """Name on the console the control messages the weight sender dropped since the last
+        step (the counts are the sender's since it started: a restarted learner counts anew)."""
+        prefix = "sync/control_dropped/"
+        counts = {k.removeprefix(prefix): v for k, v in metrics.items() if k.startswith(prefix)}
+        new = {r: n - self._control_dropped.get(r, 0.0) if n >= self._control_dropped.get(r, 0.0) else n for r, n in counts.items()}
+        self._control_dropped = counts
+        if any(new.values()):
+            self._say(f"the weight sender dropped control messages ({', '.join(f'{r} {n:.0f}' for r, n in new.items() if n)}) at "
+                      f"{self._sender_address}: something other than this run's servers reaches it; training goes on "
+                      "(docs/security.md)")
 
     def _fail(self, reason: str) -> None:
         """End the run with exit status 1 and ``reason`` (the first failure wins)."""

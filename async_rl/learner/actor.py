@@ -16,6 +16,7 @@ import torch
 from async_rl.config import Config
 from async_rl.learner.loop import LearnerLoop
 from async_rl.learner.model import host_rendezvous_store
+from async_rl.sync.auth import RunSecret
 from async_rl.sync.sender import WeightSender
 
 
@@ -39,13 +40,15 @@ class LearnerActor:
         host = ray.util.get_node_ip_address()
         return host, host_rendezvous_store(host, self.world_size, self.cfg.sync.timeout_s)
 
-    def setup(self, master_addr: str, master_port: int, sender_port: int = 0) -> None:
+    def setup(self, master_addr: str, master_port: int, secret: RunSecret | None = None, sender_port: int = 0) -> None:
         """Join the process group, load and shard the model, resume (collective: call on all ranks at once).
-        ``sender_port``: rank 0's weight sender binds it (a restarted learner keeps the
+        ``secret``: the run's, for rank 0's weight sender (None: no sender, as on the other ranks);
+        ``sender_port``: the sender binds it (a restarted learner keeps the
         address the servers already reach; 0: any free port)."""
-        if self.rank == 0:
+        if self.rank == 0 and secret is not None:
             s = self.cfg.sync
-            self.sender = WeightSender(host=master_addr, port=sender_port, bucket_mb=s.bucket_mb, backend=s.backend, timeout_s=s.timeout_s)
+            self.sender = WeightSender(secret=secret, host=master_addr, port=sender_port, bucket_mb=s.bucket_mb, backend=s.backend,
+                                       timeout_s=s.timeout_s)
         self.loop = LearnerLoop(self.cfg, self.rank, self.world_size, master_addr, master_port, self.redis_url, self.sender)
 
     def _loop(self) -> LearnerLoop:
@@ -84,10 +87,12 @@ class LearnerActor:
             self.sender.close()
 
 
-def start_learners(cfg: Config, redis_url: str, cpu_cores: list[list[int]] | None = None, sender_address: str | None = None) -> list[Any]:
+def start_learners(cfg: Config, redis_url: str, secret: RunSecret | None, cpu_cores: list[list[int]] | None = None,
+                   sender_address: str | None = None) -> list[Any]:
     """Start ``learner.world_size`` actors (resources from ``learner.cpus_per_rank`` and
     ``gpus_per_rank``; ``cpu_cores[rank]`` pins a rank), form their process group and return
-    the handles, rank 0 first. ``sender_address``: a dead learner's weight sender, whose port
+    the handles, rank 0 first. ``secret``: the run's, given to rank 0's weight sender as an
+    actor argument (None: no sender). ``sender_address``: a dead learner's weight sender, whose port
     the new one binds when rank 0 is on the same node (the servers reconnect to it)."""
     lrn = cfg.learner
     remote = ray.remote(num_cpus=lrn.cpus_per_rank, num_gpus=lrn.gpus_per_rank)(LearnerActor)
@@ -96,5 +101,6 @@ def start_learners(cfg: Config, redis_url: str, cpu_cores: list[list[int]] | Non
     sender_port = 0
     if sender_address is not None and sender_address.removeprefix("tcp://").rsplit(":", 1)[0] == addr:
         sender_port = int(sender_address.rsplit(":", 1)[1])
-    ray.get([a.setup.remote(addr, port, sender_port if rank == 0 else 0) for rank, a in enumerate(actors)], timeout=cfg.sync.timeout_s)
+    ray.get([a.setup.remote(addr, port, secret, sender_port) if rank == 0 else a.setup.remote(addr, port) for rank, a in enumerate(actors)],
+            timeout=cfg.sync.timeout_s)
     return actors

@@ -44,6 +44,10 @@ class WeightPublisher(Protocol):
     def servers(self) -> dict[str, int | None]:
         """Registered servers and the version each holds."""
 
+    @property
+    def dropped(self) -> dict[str, int]:
+        """Control messages dropped so far, by reason."""
+
 
 @dataclass
 class _Sending:
@@ -141,11 +145,14 @@ class Publication:
             state.announced = state.served
 
     def take_metrics(self) -> dict[str, float]:
-        """The ``sync/*`` timings of the updates settled since the last call (rank 0; {} elsewhere)."""
+        """The ``sync/*`` timings of the updates settled since the last call, and the control
+        messages the sender dropped so far (``sync/control_dropped/<reason>``, a count since the
+        learner started; rank 0; {} elsewhere)."""
         if self._rank0 is None:
             return {}
         metrics, self._rank0.metrics = self._rank0.metrics, {}
-        return metrics
+        dropped = {f"sync/control_dropped/{reason}": float(n) for reason, n in self._rank0.sender.dropped.items()}
+        return {**metrics, **dropped}
 
     def _lagging(self) -> list[str]:
         """Rank 0: registered servers older than the served version (a catch-up sends the

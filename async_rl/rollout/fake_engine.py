@@ -18,6 +18,7 @@ from typing import Any
 
 from async_rl.rollout.server import InferenceServer, ServerHealth
 from async_rl.rollout.types import Completion, Sampling
+from async_rl.sync.auth import SyncEndpoint
 
 FAKE_TOKENS_PER_S = 2000.0
 """Default throughput of one fake server, tokens per second."""
@@ -50,7 +51,7 @@ class FakeServer(InferenceServer):
         self._free_at = 0.0
         """Monotonic time when the fake accelerator finishes the requests queued so far."""
 
-    async def start(self, sender_address: str | None = None, control_timeout_s: float = 10.0) -> ServerHealth:
+    async def start(self, sync: SyncEndpoint | None = None, control_timeout_s: float = 10.0) -> ServerHealth:
         return await self.health()
 
     def tokenizer(self) -> Any:

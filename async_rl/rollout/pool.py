@@ -29,6 +29,7 @@ from async_rl.rollout.host import WorkerHost, WorkerHostSpec
 from async_rl.rollout.openai_api import OpenAIApiSettings
 from async_rl.rollout.server import InferenceServer, ServerHealth
 from async_rl.rollout.types import Completion, GenerateFn, Sampling
+from async_rl.sync.auth import SyncEndpoint
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +46,9 @@ class ServerSpec:
     """Environment of the actor (and so of the vLLM processes it starts)."""
     start_timeout_s: float = 600.0
     """Longest a server may take to build its engine, seconds."""
-    sender_address: str | None = None
-    """``WeightSender.address`` the servers register with for weight updates; None for none."""
+    sync: SyncEndpoint | None = None
+    """The weight sender the servers register with for weight updates (its address and the
+    run's secret, handed over as an actor argument); None for none."""
     openai_api: OpenAIApiSettings | None = None
     """Where the servers serve vLLM's OpenAI-compatible HTTP API (server ``i`` on port + i if fixed); None for none."""
     server_cls: type = InferenceServer
@@ -122,7 +124,7 @@ class ServerPool:
         )
         openai_api = self.spec.openai_api.for_server(i) if self.spec.openai_api is not None else None
         handle = actor_cls.remote(f"server-{i}", self.spec.engine_kwargs, self.version(), openai_api)
-        health = await asyncio.wait_for(handle.start.remote(self.spec.sender_address), self.spec.start_timeout_s)
+        health = await asyncio.wait_for(handle.start.remote(self.spec.sync), self.spec.start_timeout_s)
         self.started[i] = health
         if health.openai_url is not None:
             log.info("server-%d (pid %d) serves the OpenAI API at %s", i, health.pid, health.openai_url)

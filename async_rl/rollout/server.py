@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from async_rl.rollout.openai_api import OpenAIApi, OpenAIApiSettings
 from async_rl.rollout.types import Completion, HostFactory, RolloutHost, Sampling
+from async_rl.sync.auth import SyncEndpoint
 
 if TYPE_CHECKING:
     from async_rl.data.prompts import PromptRow
@@ -131,10 +132,10 @@ class InferenceServer:
         """Outcomes of the successful weight updates (``async_rl.sync.server.UpdateOutcome``)."""
         self._host: RolloutHost | None = None
 
-    async def start(self, sender_address: str | None = None, control_timeout_s: float = 10.0) -> ServerHealth:
+    async def start(self, sync: SyncEndpoint | None = None, control_timeout_s: float = 10.0) -> ServerHealth:
         """Build the engine (about 15 s on CPU for the tiny model) and its HTTP API; idempotent.
 
-        With ``sender_address`` (a ``WeightSender``'s), the server registers for weight
+        With ``sync`` (a ``WeightSender``'s address and the run's secret), the server registers for weight
         updates and applies them in the background for the rest of its life.
         """
         if self._engine is None:
@@ -148,10 +149,10 @@ class InferenceServer:
             self._engine_watch = asyncio.create_task(self._watch_engine())
         if self.openai_api is not None and self._http is None:
             self._http = await OpenAIApi.start(self._engine, self.engine_kwargs["model"], self.openai_api)
-        if sender_address is not None and self._sync is None:
+        if sync is not None and self._sync is None:
             from async_rl.sync.server import WeightUpdateServer
 
-            self._sync = WeightUpdateServer(self._engine, sender_address, self.server_id, version=self._version, control_timeout_s=control_timeout_s)
+            self._sync = WeightUpdateServer(self._engine, sync, self.server_id, version=self._version, control_timeout_s=control_timeout_s)
             await self._sync.start()
             self._sync_task = asyncio.create_task(self._sync.serve(on_outcome=self._on_update))
         return await self.health()

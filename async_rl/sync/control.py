@@ -14,20 +14,47 @@ also re-registers it with a restarted sender). Sequence of one update, per serve
     sender -> server  Abort(update_id, reason)         (instead of/after Start on failure)
 
 Every send and receive takes a timeout (``poll``) and raises :class:`ControlTimeout`.
+Every message is sealed with the run's secret (:mod:`async_rl.sync.auth`); what a socket
+receives that is oversized, unauthenticated, stale, replayed or malformed is dropped and
+counted (:attr:`SenderChannel.dropped`), and the receive goes on waiting: nothing a peer
+sends raises out of a receive. Fields a server sets are bounded in their types.
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from typing import Literal
+from collections import Counter
+from typing import Annotated, Literal
 
 import msgspec
 import zmq
 import zmq.asyncio
 
+from async_rl.sync.auth import FrameDropped, RunSecret, Sealer
 from async_rl.sync.buckets import Bucket, TensorSpec
 from async_rl.sync.group import Rendezvous
 from async_rl.sync.ipc import ShmSource
+
+
+log = logging.getLogger(__name__)
+
+MAX_TO_SENDER_BYTES = 64 << 10
+"""Longest frame the sender accepts (a server's Hello, Ready or Ack is well under 16 KiB)."""
+MAX_TO_SERVER_BYTES = 64 << 20
+"""Longest frame a server accepts (an Announce lists every tensor of the model)."""
+ZMQ_MAX_FACTOR = 16
+"""ZeroMQ itself closes a connection sending a frame over this many times the bound, before
+it is buffered whole (those are not counted: only the connection's end is seen)."""
+MAX_WORKERS = 4096
+"""Most vLLM workers (weight-group ranks) one server may declare."""
+MAX_ERROR_CHARS = 4096
+"""A server's error text is cut to this before it is sent."""
+
+ServerId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+Version = Annotated[int, msgspec.Meta(ge=0)]
+ErrorText = Annotated[str, msgspec.Meta(max_length=MAX_ERROR_CHARS)]
+Seconds = Annotated[float, msgspec.Meta(ge=0.0)]
 
 
 class ControlError(RuntimeError):
@@ -48,12 +75,12 @@ so the server gets its weights over the broadcast group from then on."""
 class Hello(msgspec.Struct, tag=True, frozen=True):
     """A server registers (at start, then every heartbeat)."""
 
-    server_id: str
-    num_workers: int
+    server_id: ServerId
+    num_workers: Annotated[int, msgspec.Meta(ge=1, le=MAX_WORKERS)]
     """vLLM workers of this engine (TP x PP); each is one rank of the weight group."""
-    version: int | None
+    version: Version | None
     """Weights version the server holds; None before it received any."""
-    host: str = ""
+    host: Annotated[str, msgspec.Meta(max_length=256)] = ""
     """The server's :func:`~async_rl.sync.ipc.host_identity` ("": never served over shared memory)."""
 
 
@@ -69,9 +96,9 @@ class Announce(msgspec.Struct, tag=True, frozen=True):
 class Ready(msgspec.Struct, tag=True, frozen=True):
     """The server takes part in ``update_id`` (``error`` set: it declines)."""
 
-    update_id: int
-    server_id: str
-    error: str | None = None
+    update_id: Version
+    server_id: ServerId
+    error: ErrorText | None = None
 
 
 class Start(msgspec.Struct, tag=True, frozen=True):
@@ -97,19 +124,19 @@ class Abort(msgspec.Struct, tag=True, frozen=True):
 class Ack(msgspec.Struct, tag=True, frozen=True):
     """Outcome of ``update_id`` on one server."""
 
-    update_id: int
-    server_id: str
-    version: int | None
+    update_id: Version
+    server_id: ServerId
+    version: Version | None
     """Version the server serves now (the new one on success, the old one on failure)."""
-    error: str | None = None
+    error: ErrorText | None = None
     fatal: bool = False
     """The load itself failed after it had begun: the engine's weights are undefined and
     the server must be restarted (transfer failures are never fatal)."""
-    receive_s: float = 0.0
+    receive_s: Seconds = 0.0
     """Start received -> all buckets staged on every worker, seconds."""
-    load_s: float = 0.0
+    load_s: Seconds = 0.0
     """Loading the staged buckets into the model, seconds."""
-    pause_s: float = 0.0
+    pause_s: Seconds = 0.0
     """Generation paused (pause -> resume), seconds."""
     error_kind: ErrorKind | None = None
     """The failure's kind where the sender acts on it (None: any other failure, or none)."""
@@ -122,34 +149,85 @@ _decoder = msgspec.msgpack.Decoder(Message)
 
 
 def encode(msg: Message) -> bytes:
+    """A message's body (MessagePack, unsealed: the channels seal it; the receiver
+    extension gets Announce and Start this way from its own server)."""
     return _encoder.encode(msg)
 
 
 def decode(data: bytes) -> Message:
     try:
         return _decoder.decode(data)
-    except msgspec.DecodeError as e:
+    except msgspec.DecodeError as e:  # includes a bound of a field broken (ValidationError)
         raise ControlError(f"bad control message: {e}") from e
+
+
+def clip_error(text: str) -> str:
+    """``text`` cut to what a server may send (:data:`MAX_ERROR_CHARS`)."""
+    return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 20] + " [... cut]"
 
 
 def _ms(timeout_s: float) -> int:
     return max(0, int(timeout_s * 1000))
 
 
+class _Inbox:
+    """What a socket's receives have in common: open sealed frames, count and log the drops."""
+
+    LOG_EVERY_S = 60.0
+    """A drop reason is logged at most this often (with the count since), so a flood cannot fill the log."""
+
+    def __init__(self, sealer: Sealer, side: str) -> None:
+        self.sealer, self.side = sealer, side
+        self.dropped: Counter[str] = Counter()
+        """Frames dropped so far, by :data:`~async_rl.sync.auth.DropReason`."""
+        self._logged: dict[str, tuple[float, int]] = {}
+
+    def open(self, frames: list[bytes], source: str) -> Message | None:
+        """The message of one received multipart ``frames`` (None: dropped and counted)."""
+        try:
+            if len(frames) != 1:
+                raise FrameDropped("malformed", f"{len(frames)} frames, not one")
+            body = self.sealer.open(frames[0])
+            try:
+                return decode(body)
+            except ControlError as e:
+                raise FrameDropped("malformed", str(e)) from None
+        except FrameDropped as e:
+            self._count(e, source)
+            return None
+
+    def _count(self, e: FrameDropped, source: str) -> None:
+        self.dropped[e.reason] += 1
+        last, count_then = self._logged.get(e.reason, (float("-inf"), 0))
+        now = time.monotonic()
+        if now - last >= self.LOG_EVERY_S:
+            since = self.dropped[e.reason] - count_then
+            log.warning("weight sync %s: dropped a control message from %s (%s); %d dropped for this reason since the last warning",
+                        self.side, source, e, since)
+            self._logged[e.reason] = (now, self.dropped[e.reason])
+
+
 class SenderChannel:
     """The sender's ROUTER socket (synchronous: the learner is plain torch code)."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, secret: RunSecret, host: str = "127.0.0.1", port: int = 0):
         """Bind ``tcp://host:port``; port 0 picks a free port (see :attr:`address`).
         ``host`` must be reachable by the servers (the learner node's address)."""
+        self._inbox = _Inbox(Sealer(secret, "to_server", MAX_TO_SENDER_BYTES), "sender")
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         # Raise on a departed peer instead of silently dropping its messages.
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, ZMQ_MAX_FACTOR * MAX_TO_SENDER_BYTES)
         self._sock.bind(f"tcp://{host}:{port or '*'}")
         self.address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         """Endpoint servers connect to, e.g. ``tcp://127.0.0.1:40123``."""
+
+    @property
+    def dropped(self) -> Counter[str]:
+        """Received frames dropped so far, by reason (see :mod:`async_rl.sync.auth`)."""
+        return self._inbox.dropped
 
     def send(self, peer: bytes, msg: Message, timeout_s: float) -> None:
         """Send to one server; ``ControlError`` if it is gone, ``ControlTimeout`` if
@@ -157,22 +235,24 @@ class SenderChannel:
         if not self._sock.poll(_ms(timeout_s), zmq.POLLOUT):
             raise ControlTimeout(f"send of {type(msg).__name__} timed out after {timeout_s} s")
         try:
-            self._sock.send_multipart([peer, encode(msg)], zmq.NOBLOCK)
+            self._sock.send_multipart([peer, self._inbox.sealer.seal(encode(msg))], zmq.NOBLOCK)
         except zmq.ZMQError as e:
             if e.errno == zmq.EAGAIN:
                 raise ControlTimeout(f"send of {type(msg).__name__} would block") from e
             raise ControlError(f"send of {type(msg).__name__} failed: {e}") from e
 
     def recv(self, timeout_s: float) -> tuple[bytes, Message]:
-        """Next ``(peer, message)``; ``ControlTimeout`` after ``timeout_s`` seconds."""
-        if not self._sock.poll(_ms(timeout_s), zmq.POLLIN):
-            raise ControlTimeout(f"no control message within {timeout_s} s")
-        peer, data = self._sock.recv_multipart(zmq.NOBLOCK)
-        return peer, decode(data)
+        """Next accepted ``(peer, message)``; ``ControlTimeout`` after ``timeout_s`` seconds."""
+        return self.recv_until(time.monotonic() + timeout_s)
 
     def recv_until(self, deadline: float) -> tuple[bytes, Message]:
         """:meth:`recv` with an absolute ``time.monotonic()`` deadline."""
-        return self.recv(max(0.0, deadline - time.monotonic()))
+        while self._sock.poll(_ms(deadline - time.monotonic()), zmq.POLLIN):
+            peer, *frames = self._sock.recv_multipart(zmq.NOBLOCK)
+            msg = self._inbox.open(frames, f"peer {peer.hex()}")
+            if msg is not None:
+                return peer, msg
+        raise ControlTimeout("no control message by the deadline")
 
     def close(self) -> None:
         self._sock.close(linger=0)
@@ -182,24 +262,34 @@ class SenderChannel:
 class ServerChannel:
     """A server's DEALER socket (asyncio: the server actor hosts an async engine)."""
 
-    def __init__(self, sender_address: str):
+    def __init__(self, sender_address: str, secret: RunSecret):
+        self._inbox = _Inbox(Sealer(secret, "to_sender", MAX_TO_SERVER_BYTES), "server")
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, ZMQ_MAX_FACTOR * MAX_TO_SERVER_BYTES)
         self._sock.connect(sender_address)
+
+    @property
+    def dropped(self) -> Counter[str]:
+        """Received frames dropped so far, by reason."""
+        return self._inbox.dropped
 
     async def send(self, msg: Message, timeout_s: float) -> None:
         """Send to the sender; ``ControlTimeout`` when it cannot be queued in time (a
         DEALER queues while disconnected, so this only fails on a full queue)."""
         if not await self._sock.poll(_ms(timeout_s), zmq.POLLOUT):
             raise ControlTimeout(f"send of {type(msg).__name__} timed out after {timeout_s} s")
-        await self._sock.send(encode(msg), zmq.NOBLOCK)
+        await self._sock.send(self._inbox.sealer.seal(encode(msg)), zmq.NOBLOCK)
 
     async def recv(self, timeout_s: float) -> Message:
-        """Next message from the sender; ``ControlTimeout`` after ``timeout_s`` seconds."""
-        if not await self._sock.poll(_ms(timeout_s), zmq.POLLIN):
-            raise ControlTimeout(f"no control message within {timeout_s} s")
-        return decode(await self._sock.recv(zmq.NOBLOCK))
+        """Next accepted message from the sender; ``ControlTimeout`` after ``timeout_s`` seconds."""
+        deadline = time.monotonic() + timeout_s
+        while await self._sock.poll(_ms(deadline - time.monotonic()), zmq.POLLIN):
+            msg = self._inbox.open(await self._sock.recv_multipart(zmq.NOBLOCK), "the sender")
+            if msg is not None:
+                return msg
+        raise ControlTimeout(f"no control message within {timeout_s} s")
 
     def close(self) -> None:
         self._sock.close(linger=0)

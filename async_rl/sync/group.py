@@ -5,14 +5,18 @@ touches (nor needs) ``torch.distributed``'s default group: the learner's FSDP gr
 vLLM's own TP group live beside it untouched. One code path for both backends: gloo
 moves CPU tensors, NCCL moves CUDA tensors on the current device.
 
-The sender hosts one ``TCPStore`` for its lifetime; each group "epoch" uses its own key
-prefix, so a new group (after a membership change or a failure) needs no new port.
+The sender hosts one ``TCPStore`` from the first update that needs a group on; each group
+"epoch" uses its own key prefix, so a new group (after a membership change or a failure)
+needs no new port. The prefix holds 128 random bits and travels only inside the sealed
+``Start`` message: a process that reaches the store without the run's secret cannot name a
+key of the group (the rank-0 address, the NCCL id) to read or overwrite it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -39,9 +43,16 @@ class Rendezvous(msgspec.Struct, frozen=True):
     host: str
     port: int
     epoch: int
-    """Key prefix of this group in the store; a new epoch is a new group."""
+    """A new epoch is a new group (for logs: :attr:`key_prefix` names its keys)."""
     world_size: int
     backend: Backend
+    key_prefix: str
+    """The group's keys in the store: ``wsync/<epoch>/<32 random hex>`` (:func:`new_key_prefix`)."""
+
+
+def new_key_prefix(epoch: int) -> str:
+    """An unguessable store prefix for ``epoch`` (128 random bits)."""
+    return f"wsync/{epoch}/{secrets.token_hex(16)}"
 
 
 def resolve_backend(backend: Literal["auto", "gloo", "nccl"]) -> Backend:
@@ -106,7 +117,7 @@ class WeightGroup:
         t0 = time.monotonic()
         timeout = timedelta(seconds=timeout_s)
         store.set_timeout(timeout)
-        prefixed = dist.PrefixStore(f"wsync/{rv.epoch}", store)
+        prefixed = dist.PrefixStore(rv.key_prefix, store)
         try:
             if rv.backend == "gloo":
                 pg = dist.ProcessGroupGloo(prefixed, rank, rv.world_size, timeout)

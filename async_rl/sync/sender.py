@@ -22,6 +22,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from async_rl.sync.auth import RunSecret
 from async_rl.sync.buckets import Bucket, TensorSpec, bucket_in_place, iter_bucket_tensors, pack_bucket, plan_buckets
 from async_rl.sync.control import (
     Abort,
@@ -40,6 +41,7 @@ from async_rl.sync.group import (
     Rendezvous,
     WeightGroup,
     host_store,
+    new_key_prefix,
     resolve_backend,
 )
 from async_rl.sync.ipc import IpcUnavailable, ShmSource, ShmWriter, host_identity, sweep_segments
@@ -175,6 +177,7 @@ class WeightSender:
     def __init__(
         self,
         *,
+        secret: RunSecret,
         host: str = "127.0.0.1",
         port: int = 0,
         bucket_mb: int = 256,
@@ -184,6 +187,8 @@ class WeightSender:
     ):
         """
         Args:
+            secret: the run's secret; every control message is sealed with it and
+                every received one that is not is dropped (:mod:`async_rl.sync.auth`).
             host: address servers reach this process at (control socket and store).
             port: control socket port (0: any free port; see :attr:`address`).
             bucket_mb: bucket size in MiB; bounds the sender's and each server's extra
@@ -209,8 +214,10 @@ class WeightSender:
         self.timeout_s = timeout_s
         self.control_timeout_s = control_timeout_s
         self._bind_host = host
-        self._channel = SenderChannel(host, port)
-        self._store = host_store(host, timeout_s)
+        self._channel = SenderChannel(secret, host, port)
+        self._store: dist.TCPStore | None = None
+        """The weight group's store, from the first update with a server to broadcast to."""
+        self._key_prefix = ""
         self._servers: dict[str, _Server] = {}
         self._update_id = 0
         self._epoch = 0
@@ -222,6 +229,12 @@ class WeightSender:
     def address(self) -> str:
         """Control endpoint the servers connect to, e.g. ``tcp://10.0.0.1:40123``."""
         return self._channel.address
+
+    @property
+    def dropped(self) -> dict[str, int]:
+        """Control messages dropped so far by reason (oversized, unauthenticated, stale,
+        replayed, malformed; see :mod:`async_rl.sync.auth`)."""
+        return dict(self._channel.dropped)
 
     @property
     def servers(self) -> dict[str, int | None]:
@@ -332,8 +345,11 @@ class WeightSender:
         if members and (members != self._members or self._group is None):
             self._drop_group()
             self._epoch += 1
+            self._key_prefix = new_key_prefix(self._epoch)
+        if members and self._store is None:
+            self._store = host_store(self._bind_host, self.timeout_s)
         world = 1 + sum(n for _, _, n in members)
-        rv = Rendezvous(self._bind_host, self._store.port, self._epoch, world, self.backend)
+        rv = Rendezvous(self._bind_host, self._store.port if self._store is not None else 0, self._epoch, world, self.backend, self._key_prefix)
         offset = 1
         for sid, peer, n in members:
             start = Start(uid, rv, offset, max(0.0, deadline - time.monotonic()))
@@ -350,7 +366,7 @@ class WeightSender:
         group_s = 0.0
         nbytes = 0
         try:
-            if members and self._group is None:
+            if members and self._group is None and self._store is not None:
                 self._group = WeightGroup.join(rv, 0, self._store, deadline - time.monotonic())
                 self._members = members
                 group_s = self._group.create_s

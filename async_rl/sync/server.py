@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from async_rl.sync.auth import SyncEndpoint
 from async_rl.sync.control import (
     Abort,
     Ack,
@@ -30,6 +31,7 @@ from async_rl.sync.control import (
     Ready,
     ServerChannel,
     Start,
+    clip_error,
     encode,
 )
 from async_rl.sync.ipc import host_identity
@@ -107,7 +109,7 @@ class WeightUpdateServer:
     def __init__(
         self,
         engine: Any,
-        sender_address: str,
+        endpoint: SyncEndpoint,
         server_id: str,
         *,
         version: int | None = None,
@@ -118,7 +120,7 @@ class WeightUpdateServer:
         """
         Args:
             engine: ``AsyncLLM`` or ``LLM`` built with the receiver extension.
-            sender_address: :attr:`WeightSender.address`.
+            endpoint: the sender's :attr:`WeightSender.address` and the run's secret.
             server_id: stable name of this server (a restarted one keeps it).
             version: weights version the engine was started with (None: unknown, the
                 sender will see this server as behind and send it the current weights).
@@ -132,7 +134,7 @@ class WeightUpdateServer:
         self.heartbeat_s = heartbeat_s
         self.control_timeout_s = control_timeout_s
         self.poll_s = poll_s
-        self._channel = ServerChannel(sender_address)
+        self._channel = ServerChannel(endpoint.address, endpoint.secret)
         self._num_workers = 0
         self._pending: Announce | None = None
         """An Announce that arrived while another update was running."""
@@ -172,7 +174,7 @@ class WeightUpdateServer:
                     self.version = None
                     outcome = UpdateOutcome(msg.update_id, None, f"{type(e).__name__}: {e}", fatal=True)
                 await self._send(
-                    Ack(outcome.update_id, self.server_id, outcome.version, outcome.error,
+                    Ack(outcome.update_id, self.server_id, outcome.version, None if outcome.error is None else clip_error(outcome.error),
                         outcome.fatal, outcome.receive_s, outcome.load_s, outcome.pause_s, outcome.error_kind)
                 )
                 if outcome.ok:
@@ -183,6 +185,11 @@ class WeightUpdateServer:
             elif isinstance(msg, Abort) and announce is not None and msg.update_id == announce.update_id:
                 announce = None
         return None
+
+    @property
+    def dropped(self) -> dict[str, int]:
+        """Control messages this server dropped so far, by reason (:mod:`async_rl.sync.auth`)."""
+        return dict(self._channel.dropped)
 
     def close(self) -> None:
         self._channel.close()

@@ -11,6 +11,7 @@ from learner_helpers import learner_config, make_groups
 
 from async_rl.launch.ray_cluster import init_ray
 from async_rl.learner.actor import start_learners
+from async_rl.sync.auth import RunSecret
 from async_rl.learner.checkpoint import list_checkpoints
 from async_rl.queue import ReplayQueue
 
@@ -24,7 +25,7 @@ def test_two_rank_actors_train_checkpoint_and_commit(tiny_model: Path, redis_url
     cfg = learner_config(tiny_model, tmp_path, run, "learner.world_size=2", "trainer.total_steps=2", "learner.cpus_per_rank=0.5")
     init_ray(num_cpus=2)
     try:
-        actors = start_learners(cfg, redis_url)
+        actors = start_learners(cfg, redis_url, RunSecret.generate())
         assert ray.get(actors[0].sync_address.remote()).startswith("tcp://")
         assert ray.get(actors[1].sync_address.remote()) is None
         results = ray.get([a.run.remote() for a in actors], timeout=180)

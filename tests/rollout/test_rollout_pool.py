@@ -29,6 +29,7 @@ from async_rl.rollout.types import Sampling
 from async_rl.rollout.worker import RolloutWorker, WorkerSettings
 from async_rl.sync.buckets import tensor_specs
 from async_rl.sync.sender import WeightSender
+from async_rl.sync.auth import RunSecret, SyncEndpoint
 
 pytestmark = pytest.mark.integration
 
@@ -53,9 +54,12 @@ def cfg(tiny_assets):
     )
 
 
+SECRET = RunSecret.generate()
+
+
 @pytest.fixture(scope="module")
 def sender():
-    s = WeightSender(bucket_mb=1, timeout_s=60.0)
+    s = WeightSender(secret=SECRET, bucket_mb=1, timeout_s=60.0)
     yield s
     s.close()
 
@@ -65,7 +69,7 @@ def pool(cfg, sender):
     init_ray(num_cpus=2)
     kwargs = engine_kwargs(cfg)
     env = {"VLLM_CPU_KVCACHE_SPACE": os.environ["VLLM_CPU_KVCACHE_SPACE"]}
-    spec = ServerSpec(kwargs, num_cpus=1, env_vars=env, sender_address=sender.address, openai_api=openai_api_settings(cfg))
+    spec = ServerSpec(kwargs, num_cpus=1, env_vars=env, sync=SyncEndpoint(sender.address, SECRET), openai_api=openai_api_settings(cfg))
     pool = ServerPool(spec, num_servers=1)
     loop = asyncio.new_event_loop()
     loop.run_until_complete(pool.start())

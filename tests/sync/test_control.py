@@ -1,4 +1,4 @@
-"""Control messages and the sender's handling of unresponsive or vanished servers."""
+"""Control messages, their authentication, and the sender's handling of unresponsive or vanished servers."""
 
 import errno
 import os
@@ -11,11 +11,54 @@ import torch
 import zmq
 
 from async_rl.sync import ipc
+from async_rl.sync.auth import REPLAY_WINDOW_S, FrameDropped, RunSecret, Sealer, SyncEndpoint
 from async_rl.sync.buckets import plan_buckets, tensor_specs
-from async_rl.sync.control import Ack, Announce, ControlTimeout, ErrorKind, Hello, Ready, Start, decode, encode
+from async_rl.sync.control import (
+    MAX_TO_SENDER_BYTES,
+    Ack,
+    Announce,
+    ControlTimeout,
+    ErrorKind,
+    Hello,
+    Message,
+    Ready,
+    Start,
+    decode,
+    encode,
+)
 from async_rl.sync.group import Rendezvous
 from async_rl.sync.ipc import host_identity
 from async_rl.sync.sender import WeightSender
+
+SECRET = RunSecret.generate()
+
+
+def _sender(**kwargs) -> WeightSender:
+    return WeightSender(secret=SECRET, **kwargs)
+
+
+class RawServer:
+    """A server's control socket without an engine: sends and receives sealed messages with
+    ``secret`` (another run's secret: an intruder)."""
+
+    def __init__(self, sender: WeightSender, secret: RunSecret = SECRET, clock_ns=time.time_ns):
+        self.sealer = Sealer(secret, "to_sender", 1 << 30, clock_ns)
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(sender.address)
+
+    def send(self, msg: Message) -> bytes:
+        frame = self.sealer.seal(encode(msg))
+        self.sock.send(frame)
+        return frame
+
+    def recv(self, timeout_ms: int = 5000) -> Message:
+        if not self.sock.poll(timeout_ms):
+            raise TimeoutError("no message from the sender")
+        return decode(self.sealer.open(self.sock.recv()))
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 def test_messages_round_trip_as_msgpack():
@@ -23,7 +66,7 @@ def test_messages_round_trip_as_msgpack():
     msgs = [
         Hello("s0", 2, None),
         Announce(3, 7, tuple(specs), tuple(plan_buckets(specs, 1024))),
-        Start(3, Rendezvous("10.0.0.1", 1234, 5, 3, "nccl"), 1, 12.5),
+        Start(3, Rendezvous("10.0.0.1", 1234, 5, 3, "nccl", "wsync/5/00ff"), 1, 12.5),
         Ack(3, "s0", 7, None, False, 0.1, 0.2, 0.05),
         Ack(3, "s0", 6, "IpcUnavailable: cannot map", error_kind="ipc_unavailable"),
     ]
@@ -32,20 +75,17 @@ def test_messages_round_trip_as_msgpack():
     assert b"\x80\x04" not in encode(msgs[1])  # MessagePack, never a pickle
 
 
-def _registered(sender: WeightSender) -> zmq.Socket:
+def _registered(sender: WeightSender) -> RawServer:
     """A server that registers and then never answers (hung process)."""
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(sender.address)
-    sock.send(encode(Hello("mute", 1, None)))
+    server = RawServer(sender)
+    server.send(Hello("mute", 1, None))
     sender.wait_for_servers(1, timeout_s=5.0)
-    return sock
+    return server
 
 
 def test_unresponsive_server_is_reported_within_the_control_timeout():
-    sender = WeightSender(backend="gloo", timeout_s=30.0, control_timeout_s=0.5)
-    sock = _registered(sender)
+    sender = _sender(backend="gloo", timeout_s=30.0, control_timeout_s=0.5)
+    server = _registered(sender)
     assert sender.behind(1) == ["mute"]
     named = [("w", torch.ones(4))]
     t0 = time.monotonic()
@@ -53,13 +93,13 @@ def test_unresponsive_server_is_reported_within_the_control_timeout():
     assert time.monotonic() - t0 < 3.0
     assert not result.ok and "no Ready" in result.failed["mute"]
     assert sender.servers == {}  # dropped until its next Hello
-    assert isinstance(decode(sock.recv(zmq.NOBLOCK)), Announce)
-    sock.close()
+    assert isinstance(server.recv(0), Announce)
+    server.close()
     sender.close()
 
 
 def test_wait_for_servers_times_out():
-    sender = WeightSender(backend="gloo", timeout_s=5.0)
+    sender = _sender(backend="gloo", timeout_s=5.0)
     with pytest.raises(ControlTimeout):
         sender.wait_for_servers(1, timeout_s=0.3)
     sender.close()
@@ -73,10 +113,8 @@ class _ShmServer:
     def __init__(self, sender: WeightSender, error: str, error_kind: ErrorKind | None):
         self.starts: list[Start] = []
         self._error, self._kind = error, error_kind
-        self._sock = zmq.Context.instance().socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(sender.address)
-        self._sock.send(encode(Hello("local", 1, None, host_identity())))
+        self._peer = RawServer(sender)
+        self._peer.send(Hello("local", 1, None, host_identity()))
         sender.wait_for_servers(1, timeout_s=5.0)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, daemon=True)
@@ -84,20 +122,21 @@ class _ShmServer:
 
     def _serve(self) -> None:
         while not self._stop.is_set():
-            if not self._sock.poll(50):
+            try:
+                msg = self._peer.recv(50)
+            except TimeoutError:
                 continue
-            msg = decode(self._sock.recv())
             if isinstance(msg, Announce):
-                self._sock.send(encode(Ready(msg.update_id, "local")))
+                self._peer.send(Ready(msg.update_id, "local"))
             elif isinstance(msg, Start):
                 self.starts.append(msg)
                 if msg.shm is not None:
-                    self._sock.send(encode(Ack(msg.update_id, "local", None, self._error, error_kind=self._kind)))
+                    self._peer.send(Ack(msg.update_id, "local", None, self._error, error_kind=self._kind))
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(5)
-        self._sock.close()
+        self._peer.close()
 
 
 @pytest.mark.parametrize(
@@ -108,7 +147,7 @@ class _ShmServer:
 def test_a_server_is_moved_to_the_group_by_the_acks_error_kind_not_its_text(kind: ErrorKind | None, then_group: bool):
     """The Ack's typed ``error_kind`` decides whether a same-host server gets the group from
     then on; an error text that merely names ``IpcUnavailable`` does not."""
-    sender = WeightSender(backend="ipc", timeout_s=1.0, control_timeout_s=1.0)
+    sender = _sender(backend="ipc", timeout_s=1.0, control_timeout_s=1.0)
     server = _ShmServer(sender, "IpcUnavailable: cannot map shared memory", kind)
     named = [("w", torch.ones(4))]
     try:
@@ -129,7 +168,7 @@ def test_shared_memory_that_cannot_be_reserved_sends_the_update_over_the_group(m
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(ipc.os, "posix_fallocate", no_space)
-    sender = WeightSender(backend="ipc", timeout_s=1.0, control_timeout_s=1.0)
+    sender = _sender(backend="ipc", timeout_s=1.0, control_timeout_s=1.0)
     server = _ShmServer(sender, "unused", None)
     named = [("w", torch.ones(4))]
     try:
@@ -147,30 +186,26 @@ def test_a_sender_using_shared_memory_sweeps_dead_owners_segments_at_start(monke
     proc.wait()
     segment = tmp_path / f"{ipc.SHM_PREFIX}{proc.pid}-{ipc._pid_namespace()}-{'a' * 16}"
     segment.write_bytes(b"left by a killed learner")
-    WeightSender(backend=backend, timeout_s=5.0).close()  # type: ignore[arg-type]
+    _sender(backend=backend, timeout_s=5.0).close()  # type: ignore[arg-type]
     assert segment.exists() != swept
 
 
 def test_a_replacement_registering_ends_the_wait_for_the_dead_servers_ack():
     """A server that took an update and died before acknowledging it (its process killed) is
     reported failed as soon as its replacement registers, not after the update's timeout."""
-    sender = WeightSender(backend="ipc", timeout_s=60.0, control_timeout_s=1.0)
-    dead = zmq.Context.instance().socket(zmq.DEALER)
-    dead.setsockopt(zmq.LINGER, 0)
-    dead.connect(sender.address)
-    dead.send(encode(Hello("s0", 1, None, host_identity())))
+    sender = _sender(backend="ipc", timeout_s=60.0, control_timeout_s=1.0)
+    dead = RawServer(sender)
+    dead.send(Hello("s0", 1, None, host_identity()))
     sender.wait_for_servers(1, timeout_s=5.0)
     named = [("w", torch.ones(4))]
-    ready = threading.Thread(target=lambda: (dead.poll(5000), dead.send(encode(Ready(decode(dead.recv()).update_id, "s0")))), daemon=True)
+    ready = threading.Thread(target=lambda: dead.send(Ready(dead.recv().update_id, "s0")), daemon=True)
     ready.start()
     pending = sender.begin(iter(named), 1, specs=tensor_specs(named))  # Ready, then Start over shared memory
     ready.join(5)
-    assert isinstance(decode(dead.recv()), Start) and not pending.acknowledged
+    assert isinstance(dead.recv(), Start) and not pending.acknowledged
     dead.close()  # it dies without an Ack
-    replacement = zmq.Context.instance().socket(zmq.DEALER)
-    replacement.setsockopt(zmq.LINGER, 0)
-    replacement.connect(sender.address)
-    replacement.send(encode(Hello("s0", 1, None, host_identity())))
+    replacement = RawServer(sender)
+    replacement.send(Hello("s0", 1, None, host_identity()))
     t0 = time.monotonic()
     result = sender.complete(pending)
     assert time.monotonic() - t0 < 5.0
@@ -195,10 +230,10 @@ def test_a_server_with_a_dead_engine_declines_updates_at_once():
 
     from async_rl.sync.server import WeightUpdateServer
 
-    sender = WeightSender(backend="gloo", timeout_s=60.0, control_timeout_s=5.0)
+    sender = _sender(backend="gloo", timeout_s=60.0, control_timeout_s=5.0)
 
     async def go():
-        server = WeightUpdateServer(_DeadEngine(), sender.address, "s0", version=0)
+        server = WeightUpdateServer(_DeadEngine(), SyncEndpoint(sender.address, SECRET), "s0", version=0)
         await server.start()
         await asyncio.to_thread(sender.wait_for_servers, 1, 5.0)
         serving = asyncio.ensure_future(server.serve_one(10.0))
@@ -212,3 +247,56 @@ def test_a_server_with_a_dead_engine_declines_updates_at_once():
     result, took = asyncio.run(go())
     assert took < 3.0 and not result.ok and "declined: the vLLM engine is dead" in result.failed["s0"]
     sender.close()
+
+
+def test_what_is_not_this_runs_sealed_message_is_dropped_and_counted_never_raised():
+    """Garbage, another secret's Hello, an oversized frame, a copy of a real Hello sent from
+    another connection, a stale one, a multipart one and an authenticated Hello with an
+    unbounded field: each is dropped and counted under its reason; the real server stays
+    registered at its own connection and takes the update."""
+    sender = _sender(backend="ipc", timeout_s=10.0, control_timeout_s=2.0)
+    real, intruder = RawServer(sender), RawServer(sender, RunSecret.generate())
+    late = RawServer(sender, clock_ns=lambda: time.time_ns() - int(2 * REPLAY_WINDOW_S * 1e9))
+    try:
+        captured = real.send(Hello("server-0", 1, 0, host_identity()))
+        sender.wait_for_servers(1, timeout_s=5.0)
+        intruder.sock.send(b"\x00garbage")
+        intruder.send(Hello("server-0", 1, 0, host_identity()))
+        intruder.sock.send(b"x" * (MAX_TO_SENDER_BYTES + 1))
+        intruder.sock.send(captured)  # a replay: sealed with the run's secret, but seen already
+        late.send(Hello("server-0", 1, 0, host_identity()))
+        intruder.sock.send_multipart([captured, captured])
+        real.send(Hello("server-0", 10**9, 0, host_identity()))  # more workers than a server can have
+        sender.poll(1.0)
+        assert sender.dropped == {"unauthenticated": 2, "oversized": 1, "replayed": 1, "stale": 1, "malformed": 2}
+        assert sender.servers == {"server-0": 0}
+        named = [("w", torch.ones(4))]
+        answer = threading.Thread(target=lambda: real.send(Ready(real.recv().update_id, "server-0")), daemon=True)
+        answer.start()
+        pending = sender.begin(iter(named), 1, specs=tensor_specs(named))
+        answer.join(5)
+        start = real.recv()  # the real server's connection got the update, nobody else's
+        assert isinstance(start, Start) and start.shm is not None and not pending.acknowledged
+        with pytest.raises(TimeoutError):
+            intruder.recv(100)
+    finally:
+        for peer in (real, intruder, late):
+            peer.close()
+        sender.close()
+
+
+def test_a_frame_is_bound_to_its_direction_and_secret():
+    """A message the sender sealed cannot be reflected back to it; another run's frames and
+    a flipped bit do not open."""
+    to_server = Sealer(SECRET, "to_server", 1 << 20)
+    at_server = Sealer(SECRET, "to_sender", 1 << 20)
+    frame = to_server.seal(b"body")
+    assert at_server.open(frame) == b"body"
+    with pytest.raises(FrameDropped, match="unauthenticated"):
+        Sealer(SECRET, "to_server", 1 << 20).open(frame)  # reflected back to the sender
+    for bad in (Sealer(RunSecret.generate(), "to_server", 1 << 20).seal(b"body"), frame[:-1] + b"x"):
+        with pytest.raises(FrameDropped, match="unauthenticated"):
+            at_server.open(bad)
+    assert repr(SECRET) == "RunSecret()"
+    with pytest.raises(ValueError, match="at least 32 bytes"):
+        RunSecret(b"short")

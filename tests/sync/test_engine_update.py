@@ -21,6 +21,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 import transformers  # noqa: E402
 import vllm  # noqa: E402
 
+from async_rl.sync.auth import RunSecret, SyncEndpoint  # noqa: E402
 from async_rl.sync.buckets import plan_buckets, tensor_specs  # noqa: E402
 from async_rl.sync.sender import SendResult, WeightSender  # noqa: E402
 from async_rl.sync.server import UpdateOutcome, WeightUpdateServer  # noqa: E402
@@ -77,12 +78,15 @@ def assert_serves(llm, expected) -> None:
         assert lps == pytest.approx(ref_lps, abs=LOGPROB_ATOL)
 
 
+SECRET = RunSecret.generate()
+
+
 class Rig:
     def __init__(self, llm, loop: asyncio.AbstractEventLoop):
         self.llm = llm
         self.loop = loop
-        self.sender = WeightSender(bucket_mb=1, backend="gloo", timeout_s=TIMEOUT_S, control_timeout_s=5.0)
-        self.server = WeightUpdateServer(llm, self.sender.address, "s0", version=0, heartbeat_s=0.5)
+        self.sender = WeightSender(secret=SECRET, bucket_mb=1, backend="gloo", timeout_s=TIMEOUT_S, control_timeout_s=5.0)
+        self.server = WeightUpdateServer(llm, SyncEndpoint(self.sender.address, SECRET), "s0", version=0, heartbeat_s=0.5)
         loop.run_until_complete(self.server.start())
         self.sender.wait_for_servers(1, timeout_s=10.0)
 
@@ -90,7 +94,7 @@ class Rig:
         """Replace the server (a new connection, no version) and wait until the sender sees it
         behind version ``behind_of``."""
         self.server.close()
-        self.server = WeightUpdateServer(self.llm, self.sender.address, "s0", version=None, heartbeat_s=0.5)
+        self.server = WeightUpdateServer(self.llm, SyncEndpoint(self.sender.address, SECRET), "s0", version=None, heartbeat_s=0.5)
         self.loop.run_until_complete(self.server.start())
         deadline = time.monotonic() + 10
         while self.sender.behind(behind_of) != ["s0"]:
@@ -218,8 +222,8 @@ def ipc_rig(rig: Rig) -> Iterator[Rig]:
     """The same engine behind a sender in ``ipc`` mode (shared memory: it is on this host)."""
     ipc = Rig.__new__(Rig)
     ipc.llm, ipc.loop = rig.llm, rig.loop
-    ipc.sender = WeightSender(bucket_mb=1, backend="ipc", timeout_s=TIMEOUT_S, control_timeout_s=5.0)
-    ipc.server = WeightUpdateServer(rig.llm, ipc.sender.address, "s0", version=None, heartbeat_s=0.5)
+    ipc.sender = WeightSender(secret=SECRET, bucket_mb=1, backend="ipc", timeout_s=TIMEOUT_S, control_timeout_s=5.0)
+    ipc.server = WeightUpdateServer(rig.llm, SyncEndpoint(ipc.sender.address, SECRET), "s0", version=None, heartbeat_s=0.5)
     rig.loop.run_until_complete(ipc.server.start())
     ipc.sender.wait_for_servers(1, timeout_s=10.0)
     yield ipc
