@@ -7,12 +7,13 @@ VENV="${1:-.venv}"
 EXTRAS="${2:-cpu,test,math,bench}"
 cd "$(dirname "$0")/.."
 
-# System packages: redis-server for the replay queue (embedded or tests); openssl makes the TLS test certificate.
-if ! command -v redis-server >/dev/null 2>&1 || ! command -v openssl >/dev/null 2>&1; then
-  echo "[setup] installing redis-server and openssl (apt)"
+# System packages: redis-server for the replay queue (embedded or tests); openssl makes the TLS test certificate;
+# strace lets the security test read a server's control frames off the wire (a passive tap) to replay them.
+if ! command -v redis-server >/dev/null 2>&1 || ! command -v openssl >/dev/null 2>&1 || ! command -v strace >/dev/null 2>&1; then
+  echo "[setup] installing redis-server, openssl and strace (apt)"
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server openssl >/dev/null
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server openssl strace >/dev/null
 fi
 # The Debian package starts a system redis on 6379; we never use it (we start our own per run).
 if command -v systemctl >/dev/null 2>&1; then systemctl disable --now redis-server >/dev/null 2>&1 || true; fi
