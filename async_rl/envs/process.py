@@ -156,6 +156,11 @@ def frame(msg: msgspec.Struct) -> bytes:
     return _LENGTH.pack(len(data)) + data
 
 
+MAX_FRAME_BYTES = 16 << 20
+"""Longest message either side accepts: an observation's 1,000,000 characters
+(:data:`MAX_OBSERVATION_CHARS`) are at most 4 MB of UTF-8; a longer length prefix is a broken peer."""
+
+
 class Frames:
     """Splits the bytes read from the socket into messages' bytes."""
 
@@ -163,11 +168,14 @@ class Frames:
         self._buf = bytearray()
 
     def feed(self, data: bytes) -> list[bytes]:
-        """The messages completed by ``data``."""
+        """The messages completed by ``data``; ``msgspec.DecodeError`` for a length over
+        :data:`MAX_FRAME_BYTES` (before any of it is buffered)."""
         self._buf += data
         out = []
         while len(self._buf) >= _LENGTH.size:
             (n,) = _LENGTH.unpack_from(self._buf)
+            if n > MAX_FRAME_BYTES:
+                raise msgspec.DecodeError(f"a message of {n} bytes announced, more than {MAX_FRAME_BYTES}")
             if len(self._buf) < _LENGTH.size + n:
                 break
             out.append(bytes(self._buf[_LENGTH.size:_LENGTH.size + n]))

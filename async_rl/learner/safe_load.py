@@ -69,6 +69,11 @@ class SafeFileSystemReader(FileSystemReader):
             metadata = _MetadataUnpickler(cast(IO[bytes], f), path).load()
         if not isinstance(metadata, Metadata):
             raise CheckpointContentError(f"{path}: holds a {type(metadata).__name__}, not DCP metadata")
+        for info in (metadata.storage_data or {}).values():
+            # DCP writes its data files beside the metadata (``__0_0.distcp``); any other path reads a file elsewhere
+            name = getattr(info, "relative_path", None)
+            if not isinstance(name, str) or name in ("", ".", "..") or os.path.basename(name) != name:
+                raise CheckpointContentError(f"{path}: names the data file {name!r}, not a file of the checkpoint's directory")
         if metadata.storage_meta is None:  # as FileSystemReader: checkpoints of torch < 2.4 have none
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id

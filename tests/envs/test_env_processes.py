@@ -18,12 +18,13 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Self
 
+import msgspec
 import pytest
 from run_helpers import process_alive
 
 from async_rl.config import EnvConfig
 from async_rl.envs import EnvLost, EnvPool, EnvStartupError, Trajectory, run_episode
-from async_rl.envs.process import BLOCK_LIMIT_S
+from async_rl.envs.process import BLOCK_LIMIT_S, MAX_FRAME_BYTES, Cancel, Frames, frame
 
 SAMPLES = Path(__file__).with_name("sample_envs.py")
 
@@ -319,3 +320,11 @@ def test_a_retiring_process_kills_its_last_episodes_after_the_grace(monkeypatch:
     hung, long = _with_pool("Faulty", go, step_timeout_s=0.5, num_workers=1, kwargs={"turns": 10})
     assert hung.failure.kind == "env_timeout"
     assert isinstance(long, EnvLost) and str(long).startswith("the environment process was restarted because Faulty.step hung in a thread (at ")
+
+
+def test_frames_split_the_stream_and_refuse_a_length_over_the_bound_before_buffering_it():
+    data = frame(Cancel(1)) + frame(Cancel(2))
+    frames = Frames()
+    assert frames.feed(data[:3]) == [] and len(frames.feed(data[3:])) == 2
+    with pytest.raises(msgspec.DecodeError, match="more than"):
+        Frames().feed((MAX_FRAME_BYTES + 1).to_bytes(4, "little") + b"x")

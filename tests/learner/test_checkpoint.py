@@ -165,6 +165,20 @@ def test_a_dcp_value_or_metadata_that_is_not_data_is_refused(one_rank: DistInfo,
         dcp_load({"w": torch.zeros(2)}, tmp_path / "dcp", no_dist=True)
 
 
+def test_dcp_metadata_naming_a_data_file_outside_its_directory_is_refused(tmp_path: Path) -> None:
+    """The metadata says which file holds each tensor; one that points elsewhere (``../``,
+    an absolute path) would read a file of the attacker's choosing: refused before any read."""
+    dcp.save({"w": torch.ones(2)}, checkpoint_id=tmp_path / "dcp", no_dist=True)
+    metadata_file = tmp_path / "dcp" / ".metadata"
+    metadata = pickle.loads(metadata_file.read_bytes())
+    for elsewhere in ("../other/__0_0.distcp", "/etc/passwd"):
+        for info in metadata.storage_data.values():
+            info.relative_path = elsewhere
+        metadata_file.write_bytes(pickle.dumps(metadata))
+        with pytest.raises(CheckpointContentError, match="not a file of the checkpoint's directory"):
+            dcp_load({"w": torch.zeros(2)}, tmp_path / "dcp", no_dist=True)
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("kill_at", ["shards", "moved_aside"])
 def test_a_sigkill_during_a_save_leaves_the_previous_checkpoint(trainer: Trainer, tiny_model: Path, tmp_path: Path, kill_at: str) -> None:
