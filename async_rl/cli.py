@@ -11,10 +11,11 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+import yaml
 from rich.console import Console
 from rich.table import Table
 
-from async_rl.config import ConfigError, load_config, reference_markdown, to_yaml
+from async_rl.config import ConfigError, load_config, reference_markdown, shareable
 
 app = typer.Typer(
     help="async-rl: asynchronous RL post-training of language models (vLLM rollouts, Redis replay queue, FSDP2 learner).",
@@ -51,9 +52,9 @@ def _load(config: Path | None, overrides: list[str] | None):
 
 @config_app.command("show")
 def config_show(config: ConfigArg, overrides: OverridesArg = None) -> None:
-    """Print the fully resolved config (defaults + file + overrides) as YAML."""
+    """Print the fully resolved config (defaults + file + overrides) as YAML, secrets shown as ***."""
     cfg = _load(config, overrides)
-    sys.stdout.write(to_yaml(cfg))
+    sys.stdout.write(yaml.safe_dump(shareable(cfg), sort_keys=False, default_flow_style=False))
 
 
 @config_app.command("docs")

@@ -26,6 +26,8 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import ipaddress
+import os
 import textwrap
 import types
 import typing
@@ -64,6 +66,14 @@ milliseconds of Redis and of poll)."""
 def _seconds(default: float) -> float:
     """A timeout or lifetime field in seconds: finite, > 0 and at most a week."""
     return bounded(default, gt=0, le=_WEEK_S)
+
+
+OPENAI_API_KEY_ENV = "ASYNC_RL_OPENAI_API_KEY"
+"""Environment variable that sets ``rollout.openai_api_key`` (it wins over the config's value)."""
+MIN_API_KEY_LENGTH = 16
+"""Fewest characters ``rollout.openai_api_key`` may have."""
+LOOPBACK_NAMES = ("localhost",)
+"""Host names that mean loopback (besides the loopback addresses 127.0.0.0/8 and ::1)."""
 
 
 def _port(default: int | None) -> int | None:
@@ -204,11 +214,13 @@ class RolloutConfig:
     openai_api: bool = True
     """Each server also serves vLLM's OpenAI-compatible HTTP API from its engine (same weights); URLs go to ``servers.json`` in the run directory."""
     openai_host: str = "127.0.0.1"
-    """Address the HTTP API binds to; ``0.0.0.0`` for every interface (the reported URL then names the node's IP)."""
+    """Address the HTTP API binds to; ``0.0.0.0`` for every interface (the reported URL then names the node's IP). Anything but loopback (``127.0.0.1``, ``::1``, ``localhost``) needs ``rollout.openai_api_key``."""
     openai_port: int = _port(0)
     """TCP port of server 0's HTTP API (server i uses port + i); 0 picks a free port per server."""
     openai_model_name: Optional[str] = None
     """Model name the HTTP API serves (the ``model`` of requests); null is the basename of ``learner.model_path``."""
+    openai_api_key: str | None = field(default=None, repr=False)
+    """Key every request to the HTTP API must send (``Authorization: Bearer <key>``; ``/health`` stays open): at least 16 visible ASCII characters, e.g. ``openssl rand -hex 32``. ``ASYNC_RL_OPENAI_API_KEY`` in the environment, when set, takes precedence (it keeps the key off command lines and out of files). Needed when ``rollout.openai_host`` is not loopback; shown as ``***`` in every copy of the config."""
     vllm: VllmConfig = field(default_factory=VllmConfig)
     """vLLM engine arguments."""
     reward: RewardConfig = field(default_factory=RewardConfig)
@@ -571,6 +583,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     except OmegaConfBaseException as exc:
         raise ConfigError(f"cannot merge or resolve the config: {exc}") from None
     cfg = from_dict(Config, resolved)
+    if env_key := os.environ.get(OPENAI_API_KEY_ENV):
+        cfg.rollout.openai_api_key = env_key
     validate(cfg)
     return cfg
 
@@ -688,7 +702,8 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
 
 
 def _wrong_type(key: str, value: Any, expected: str) -> typing.NoReturn:
-    raise ConfigError(f"{key}={value!r} has type {type(value).__name__}, expected {expected}")
+    shown = REDACTED if key in SECRET_KEYS else repr(value)  # an all-digit key reads as an int: never echo it
+    raise ConfigError(f"{key}={shown} has type {type(value).__name__}, expected {expected}")
 
 
 def _type_name(tp: Any) -> str:
@@ -731,10 +746,26 @@ def validate(cfg: Config) -> None:
 def _key_problems(cfg: Config) -> list[str]:
     """The rules of one key that are not a numeric range."""
     problems = [] if cfg.rollout.openai_host else ["rollout.openai_host must not be empty (0.0.0.0 binds every interface)"]
+    key = cfg.rollout.openai_api_key
+    if key is not None and (len(key) < MIN_API_KEY_LENGTH or not all("!" <= c <= "~" for c in key)):
+        # The message never quotes the key: it may be a real one with a typo.
+        problems.append(f"rollout.openai_api_key (or {OPENAI_API_KEY_ENV}) must be at least {MIN_API_KEY_LENGTH} visible ASCII "
+                        "characters, no spaces (e.g. the output of `openssl rand -hex 32`); null for no key")
     for name, optim in (("learner.optim", cfg.learner.optim), ("learner.critic.optim", cfg.learner.critic.optim)):
         if len(optim.betas) != 2:
             problems.append(f"{name}.betas={optim.betas} must be two numbers")
     return problems
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` reaches this machine only: ``localhost`` or a loopback address
+    (``127.0.0.0/8``, ``::1``); ``0.0.0.0`` and every other name or address is not."""
+    if host.lower() in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _cross_field_problems(cfg: Config) -> list[str]:
@@ -750,6 +781,12 @@ def _cross_field_problems(cfg: Config) -> list[str]:
         r.openai_port == 0 or r.openai_port <= 65536 - r.num_servers,
         f"rollout.openai_port={r.openai_port} must be 0 (free ports) or in [1, {65536 - r.num_servers}] "
         f"(server i uses port + i, rollout.num_servers={r.num_servers})",
+    )
+    need(
+        not r.openai_api or r.openai_api_key is not None or is_loopback(r.openai_host),
+        f"rollout.openai_host={r.openai_host!r} is not loopback: the OpenAI-compatible API would answer anyone who reaches it. "
+        f"Set a key (rollout.openai_api_key, or better the environment variable {OPENAI_API_KEY_ENV}), "
+        "or keep rollout.openai_host=127.0.0.1 (or rollout.openai_api=false)",
     )
     need(lrn.batch_size % lrn.critic.ppo_mini_batches == 0,
          f"learner.critic.ppo_mini_batches={lrn.critic.ppo_mini_batches} must divide learner.batch_size={lrn.batch_size}")
@@ -802,6 +839,10 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
 SECRET_URL_KEYS = ("queue.redis_url",)
 """Keys whose value is a URL that may carry a password: :func:`shareable` redacts them."""
+SECRET_KEYS = ("rollout.openai_api_key",)
+"""Keys whose whole value is a secret: :func:`shareable` replaces it by ``***``."""
+REDACTED = "***"
+"""What a secret is replaced by."""
 
 
 def redact_url(url: str) -> str:
@@ -810,8 +851,8 @@ def redact_url(url: str) -> str:
     parts = urlsplit(url)
     netloc = parts.netloc
     if parts.password is not None:
-        netloc = f"{parts.username or ''}:***@{netloc.rsplit('@', 1)[1]}"
-    query = urlencode([(k, "***" if k == "password" else v) for k, v in parse_qsl(parts.query, keep_blank_values=True)], safe="*")
+        netloc = f"{parts.username or ''}:{REDACTED}@{netloc.rsplit('@', 1)[1]}"
+    query = urlencode([(k, REDACTED if k == "password" else v) for k, v in parse_qsl(parts.query, keep_blank_values=True)], safe="*")
     return urlunsplit(parts._replace(netloc=netloc, query=query))
 
 
@@ -819,13 +860,13 @@ def shareable(cfg: Config) -> dict[str, Any]:
     """:func:`to_dict` of ``cfg`` with every secret redacted: what ``resolved_config.yaml``,
     W&B and any other copy of the config get (the run itself keeps the real values)."""
     data = to_dict(cfg)
-    for key in SECRET_URL_KEYS:
+    for key in (*SECRET_URL_KEYS, *SECRET_KEYS):
         *path, name = key.split(".")
         section = data
         for part in path:
             section = section[part]
         if section[name]:
-            section[name] = redact_url(section[name])
+            section[name] = redact_url(section[name]) if key in SECRET_URL_KEYS else REDACTED
     return data
 
 

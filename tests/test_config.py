@@ -20,6 +20,7 @@ from async_rl.config import Config, ConfigError, LossConfig, load_config, redact
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
+API_KEY = "k3y-0123456789abcdef"
 
 
 def _error(overrides, path=None) -> str:
@@ -201,10 +202,11 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_cli_show_and_exit_codes():
-    res = _cli("config", "show", str(QUICKSTART), "learner.optim.lr=1e-6")
+    res = _cli("config", "show", str(QUICKSTART), "learner.optim.lr=1e-6", f"rollout.openai_api_key={API_KEY}")
     assert res.returncode == 0, res.stderr
     shown = yaml.safe_load(res.stdout)
     assert shown["learner"]["optim"]["lr"] == pytest.approx(1e-6)
+    assert shown["rollout"]["openai_api_key"] == "***" and API_KEY not in res.stdout
     res = _cli("config", "show", str(QUICKSTART), "learner.optim.lrr=1e-6")
     assert res.returncode == 2
     assert "did you mean learner.optim.lr?" in res.stderr
@@ -248,11 +250,40 @@ def test_redact_url_hides_the_password_wherever_the_url_carries_it(url: str, sho
     assert redact_url(url) == shown
 
 
-def test_copies_of_the_config_carry_no_password(tmp_path: Path) -> None:
-    cfg = load_config(overrides=["queue.redis_url=redis://trainer:s3cret@10.0.0.5:6379/0"])
+def test_copies_of_the_config_carry_no_password(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ASYNC_RL_OPENAI_API_KEY", raising=False)
+    cfg = load_config(overrides=["queue.redis_url=redis://trainer:s3cret@10.0.0.5:6379/0", f"rollout.openai_api_key={API_KEY}"])
     assert shareable(cfg)["queue"]["redis_url"] == "redis://trainer:***@10.0.0.5:6379/0"
-    assert "s3cret" not in save_resolved(cfg, tmp_path).read_text()
+    assert shareable(cfg)["rollout"]["openai_api_key"] == "***"
+    text = save_resolved(cfg, tmp_path).read_text()
+    assert "s3cret" not in text and API_KEY not in text and API_KEY not in repr(cfg)
     assert cfg.queue.redis_url == "redis://trainer:s3cret@10.0.0.5:6379/0"  # the run itself keeps it
+    assert cfg.rollout.openai_api_key == API_KEY
+    assert shareable(load_config())["rollout"]["openai_api_key"] is None  # no key: nothing to hide
+
+
+def test_a_non_loopback_openai_host_needs_a_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ASYNC_RL_OPENAI_API_KEY", raising=False)
+    for host in ("0.0.0.0", "10.1.2.3", "fd00::1", "node7.cluster"):
+        msg = _error([f"rollout.openai_host={host}"])
+        assert f"rollout.openai_host={host!r} is not loopback" in msg and "rollout.openai_api_key" in msg and "ASYNC_RL_OPENAI_API_KEY" in msg
+    for host in ("127.0.0.1", "127.0.0.2", "::1", "localhost"):
+        assert load_config(None, [f"rollout.openai_host={host}"]).rollout.openai_host == host
+    assert load_config(None, ["rollout.openai_host=0.0.0.0", "rollout.openai_api=false"]).rollout.openai_api_key is None
+    assert load_config(None, ["rollout.openai_host=0.0.0.0", f"rollout.openai_api_key={API_KEY}"]).rollout.openai_api_key == API_KEY
+    monkeypatch.setenv("ASYNC_RL_OPENAI_API_KEY", "from-the-environment-0123")
+    cfg = load_config(None, ["rollout.openai_host=0.0.0.0", f"rollout.openai_api_key={API_KEY}"])
+    assert cfg.rollout.openai_api_key == "from-the-environment-0123"  # the environment wins
+    monkeypatch.setenv("ASYNC_RL_OPENAI_API_KEY", "")
+    assert load_config().rollout.openai_api_key is None  # empty: unset
+
+
+def test_a_weak_or_mistyped_key_is_refused_without_echoing_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ASYNC_RL_OPENAI_API_KEY", raising=False)
+    for key in ("short-key", "0123456789abcdef 0123", "12345678901234567890"):
+        msg = _error([f"rollout.openai_api_key={key}"])
+        assert "rollout.openai_api_key" in msg and key not in msg
+    assert "rollout.openai_api_key=*** has type int, expected str" in _error(["rollout.openai_api_key=12345678901234567890"])
 
 
 def _numeric_keys(cls: type = Config, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field[Any], type, bool]]:

@@ -23,6 +23,7 @@ from async_rl.learner.memory import (
     resolve_gradient_checkpointing,
     servers_gpu_share,
 )
+from async_rl.rollout.openai_api import dev_mode_problem
 
 
 @dataclass
@@ -110,6 +111,8 @@ def make_plan(cfg: Config) -> Plan:
     _check_memory(cfg, plan)
     if problem := run_state.refusal(cfg):
         plan.errors.append(problem)
+    if r.openai_api and (problem := dev_mode_problem(os.environ)):
+        plan.errors.append(problem)
     if note := run_state.plan_note(cfg):
         plan.warnings.append(note)
     if cfg.ray.address is not None and cfg.queue.redis_url is None:
@@ -129,7 +132,8 @@ def _openai_api(cfg: Config, index: int) -> str:
     r = cfg.rollout
     if not r.openai_api:
         return ""
-    return f", OpenAI API on {r.openai_host}:{r.openai_port + index if r.openai_port else '(free port)'}"
+    key = "API key required" if r.openai_api_key else "no API key"
+    return f", OpenAI API on {r.openai_host}:{r.openai_port + index if r.openai_port else '(free port)'} ({key})"
 
 
 def _check_files(cfg: Config, plan: Plan) -> None:

@@ -8,6 +8,13 @@ from typing import Any
 from async_rl.config import Config
 from async_rl.rollout.openai_api import OpenAIApiSettings
 
+NO_MEDIA_DOMAINS = ["invalid"]
+"""``allowed_media_domains`` of every engine: a name that never resolves (RFC 6761 reserves
+``.invalid``). vLLM reads an empty list as "any domain", so this one name is how to allow
+none: a request's ``http(s)://`` image URL is refused before anything is fetched. With
+``allowed_local_media_path`` empty (vLLM's default, set explicitly), ``file://`` URLs are
+refused too; data URIs still work. Rollouts hand the engine decoded images, never URLs."""
+
 
 def on_gpu() -> bool:
     """True when a CUDA device is visible (the GPU build of vLLM is expected then)."""
@@ -33,6 +40,8 @@ def engine_kwargs(cfg: Config, model_path: str | None = None) -> dict[str, Any]:
         "max_model_len": v.max_model_len or cfg.data.max_prompt_length + cfg.rollout.max_response_length,
         "seed": cfg.trainer.seed,
         "enforce_eager": v.enforce_eager,
+        "allowed_media_domains": list(NO_MEDIA_DOMAINS),
+        "allowed_local_media_path": "",
     }
     if gpu:
         kwargs["gpu_memory_utilization"] = v.gpu_memory_utilization
@@ -41,6 +50,7 @@ def engine_kwargs(cfg: Config, model_path: str | None = None) -> dict[str, Any]:
 
 
 def openai_api_settings(cfg: Config) -> OpenAIApiSettings | None:
-    """Where the servers serve the OpenAI-compatible HTTP API (``rollout.openai_*``); None when off."""
+    """Where the servers serve the OpenAI-compatible HTTP API (``rollout.openai_*``, the key
+    included: it reaches each server as an argument of its Ray actor); None when off."""
     r = cfg.rollout
-    return OpenAIApiSettings(r.openai_host, r.openai_port, r.openai_model_name) if r.openai_api else None
+    return OpenAIApiSettings(r.openai_host, r.openai_port, r.openai_model_name, api_key=r.openai_api_key) if r.openai_api else None

@@ -4,15 +4,27 @@ The FastAPI app of ``vllm serve`` (``vllm.entrypoints.launchers``) is built arou
 inference server's own ``AsyncLLM`` and served by uvicorn as a task on the caller's event
 loop (the Ray actor's), so HTTP requests share the engine, its weights and its batch with
 the token-in/token-out rollouts: no second engine is started.
+
+Secure by default (docs/security.md): with a key, every route but ``/health`` answers 401
+unless the request sends ``Authorization: Bearer <key>`` (:class:`BearerKeyMiddleware`; vLLM's
+own ``--api-key`` middleware guards only ``/v1``, ``/v2``, ``/inference`` and ``/cohere``, not
+``/invocations``, ``/tokenize`` or ``/metrics``); the elastic-EP admin routes are removed; and
+the API refuses to start where ``VLLM_SERVER_DEV_MODE`` would add vLLM's unauthenticated
+development routes (``/collective_rpc``, ``/sleep``, ...).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
+import hmac
+import json
 import logging
+import os
 import socket
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +32,69 @@ log = logging.getLogger(__name__)
 
 ANY_ADDRESS = ("", "0.0.0.0", "::")
 """Bind addresses that mean every interface (the reported URL then names this node's IP)."""
+DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
+"""vLLM's switch for its development routes (``/collective_rpc``, ``/sleep``, ``/reset_prefix_cache``,
+``/server_info``, RL weight updates): unauthenticated by its own key, so a server refuses it."""
+OPEN_PATHS = frozenset({"/health"})
+"""Routes that answer without the key (liveness only, as with vLLM's own ``--api-key``)."""
+ADMIN_PATHS = frozenset({"/scale_elastic_ep", "/is_scaling_elastic_ep"})
+"""Routes of vLLM's app that the servers do not serve: the pool owns the engine's shape."""
+
+
+class DevModeError(RuntimeError):
+    """``VLLM_SERVER_DEV_MODE`` is on where an OpenAI-compatible API would start."""
+
+
+def dev_mode_problem(environ: Mapping[str, str]) -> str | None:
+    """Why the API must not start in ``environ`` (``VLLM_SERVER_DEV_MODE`` set to anything but
+    empty or ``0``: vLLM's own reading, ``bool(int(...))``, fails on other words), or None."""
+    value = environ.get(DEV_MODE_ENV, "").strip()
+    if value in ("", "0"):
+        return None
+    return (f"{DEV_MODE_ENV}={value!r} is set: vLLM would add unauthenticated development routes (/collective_rpc, "
+            "/sleep, weight updates) to the OpenAI-compatible API; unset it (or set rollout.openai_api=false)")
+
+
+def refuse_dev_mode() -> None:
+    """Raise :class:`DevModeError` when this process's environment turns vLLM's dev mode on."""
+    if problem := dev_mode_problem(os.environ):
+        raise DevModeError(problem)
+
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+UNAUTHORIZED = json.dumps({"error": {"message": "Incorrect or missing API key: send the header 'Authorization: Bearer <key>'",
+                                     "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}}).encode()
+"""Body of a 401 answer, in the OpenAI API's error shape (its clients raise ``AuthenticationError``)."""
+
+
+class BearerKeyMiddleware:
+    """ASGI middleware: an HTTP request or WebSocket to any path but :data:`OPEN_PATHS` passes
+    only with ``Authorization: Bearer <key>``; others get 401 (a WebSocket: closed, code 1008).
+    The key is compared as SHA-256 digests with :func:`hmac.compare_digest` (constant time,
+    whatever the length sent)."""
+
+    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], key: str):
+        self.app = app
+        self._digest = hashlib.sha256(key.encode()).digest()
+
+    def authorized(self, headers: list[tuple[bytes, bytes]]) -> bool:
+        """Whether ``headers`` (an ASGI scope's) carry the key as a bearer token."""
+        sent = next((value for name, value in headers if name.lower() == b"authorization"), b"")
+        scheme, _, token = sent.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(hashlib.sha256(token.strip()).digest(), self._digest)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket") or scope["path"] in OPEN_PATHS or self.authorized(scope["headers"]):
+            await self.app(scope, receive, send)
+        elif scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008})
+        else:
+            await send({"type": "http.response.start", "status": 401,
+                        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(UNAUTHORIZED)).encode()),
+                                    (b"www-authenticate", b"Bearer")]})
+            await send({"type": "http.response.body", "body": UNAUTHORIZED})
 
 
 @dataclass
@@ -32,6 +107,8 @@ class OpenAIApiSettings:
     """TCP port of server 0 (server ``i`` binds ``port + i``); 0 binds a free port per server."""
     model_name: str | None = None
     """Model name clients send in requests; None is the basename of the model path."""
+    api_key: str | None = field(default=None, repr=False)
+    """Key every request but ``/health`` must send (``Authorization: Bearer <key>``); None: no key."""
     start_timeout_s: float = 60.0
     """Longest the HTTP server may take to start listening, seconds."""
     stop_timeout_s: float = 10.0
@@ -55,7 +132,11 @@ class OpenAIApi:
 
     @classmethod
     async def start(cls, engine: Any, model: str, settings: OpenAIApiSettings) -> OpenAIApi:
-        """Serve the OpenAI API of ``engine`` (an ``AsyncLLM`` serving ``model``, a path or hub id)."""
+        """Serve the OpenAI API of ``engine`` (an ``AsyncLLM`` serving ``model``, a path or hub id).
+
+        Raises :class:`DevModeError` when ``VLLM_SERVER_DEV_MODE`` is on in this process.
+        """
+        refuse_dev_mode()
         import uvicorn
         from vllm import envs
         from vllm.entrypoints.launchers.api_server.app_state import init_app_state
@@ -75,8 +156,11 @@ class OpenAIApi:
         try:
             tasks = await engine.get_supported_tasks()
             app = build_app(args, tasks, engine.model_config)
+            app.router.routes[:] = [route for route in app.router.routes if getattr(route, "path", None) not in ADMIN_PATHS]
+            # Outermost, around vLLM's own middleware (whose stack build_app has already built).
+            asgi = app if settings.api_key is None else BearerKeyMiddleware(app, settings.api_key)
             await init_app_state(engine, app.state, args, tasks)
-            config = uvicorn.Config(app, host=settings.host, port=sock.getsockname()[1], log_level="warning", access_log=False,
+            config = uvicorn.Config(asgi, host=settings.host, port=sock.getsockname()[1], log_level="warning", access_log=False,
                                     timeout_keep_alive=envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE, timeout_graceful_shutdown=settings.stop_timeout_s)
             server = NoSignalServer(config)  # signals stay with the actor's process
             app.state.server = server  # vLLM's error handlers stop it if the engine has died
@@ -95,7 +179,7 @@ class OpenAIApi:
         host = get_ip() if settings.host in ANY_ADDRESS else settings.host
         host = f"[{host}]" if ":" in host else host
         url = f"http://{host}:{sock.getsockname()[1]}/v1"
-        log.info("OpenAI-compatible API for model %r at %s", name, url)
+        log.info("OpenAI-compatible API for model %r at %s (%s)", name, url, "API key required" if settings.api_key else "no API key")
         return cls(server, task, sock, url, settings.stop_timeout_s)
 
     @property

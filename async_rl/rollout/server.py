@@ -19,7 +19,7 @@ from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from async_rl.rollout.openai_api import OpenAIApi, OpenAIApiSettings
+from async_rl.rollout.openai_api import OpenAIApi, OpenAIApiSettings, refuse_dev_mode
 from async_rl.rollout.types import Completion, HostFactory, RolloutHost, Sampling
 from async_rl.sync.auth import SyncEndpoint
 
@@ -136,8 +136,12 @@ class InferenceServer:
         """Build the engine (about 15 s on CPU for the tiny model) and its HTTP API; idempotent.
 
         With ``sync`` (a ``WeightSender``'s address and the run's secret), the server registers for weight
-        updates and applies them in the background for the rest of its life.
+        updates and applies them in the background for the rest of its life. With an HTTP
+        API to serve, ``VLLM_SERVER_DEV_MODE`` in this process's environment raises
+        :class:`~async_rl.rollout.openai_api.DevModeError` before the engine is built.
         """
+        if self.openai_api is not None:
+            refuse_dev_mode()  # the driver checked its own environment; this is the actor's (a node's `ray start`)
         if self._engine is None:
             from vllm import AsyncEngineArgs
             from vllm.v1.engine.async_llm import AsyncLLM

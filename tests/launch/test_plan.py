@@ -92,6 +92,18 @@ def test_plan_lists_openai_api_ports(data: Path):
     assert "OpenAI API on 127.0.0.1:8100" in text and "OpenAI API on 127.0.0.1:8101" in text
     assert "OpenAI API on 127.0.0.1:(free port)" in render(make_plan(load_config(None, [f"data.train_files={data}"])))
     assert "OpenAI API on" not in render(make_plan(load_config(None, [f"data.train_files={data}", "rollout.openai_api=false"])))
+    assert "(no API key)" in text
+    keyed = load_config(None, [f"data.train_files={data}", "rollout.openai_host=0.0.0.0", "rollout.openai_api_key=k3y-0123456789abcdef"])
+    assert "OpenAI API on 0.0.0.0:(free port) (API key required)" in render(make_plan(keyed)) and "k3y-" not in render(make_plan(keyed))
+
+
+def test_the_plan_refuses_vllm_dev_mode_where_the_api_is_served(data: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
+    errors = make_plan(load_config(None, [f"data.train_files={data}"])).errors
+    assert [e for e in errors if e.startswith("VLLM_SERVER_DEV_MODE='1' is set: vLLM would add unauthenticated")], errors
+    assert not [e for e in make_plan(load_config(None, [f"data.train_files={data}", "rollout.openai_api=false"])).errors if "DEV_MODE" in e]
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "0")
+    assert not [e for e in make_plan(load_config(None, [f"data.train_files={data}"])).errors if "DEV_MODE" in e]
 
 
 @pytest.mark.parametrize("override, key", [

@@ -33,6 +33,10 @@ from async_rl.sync.auth import RunSecret, SyncEndpoint
 
 pytestmark = pytest.mark.integration
 
+API_KEY = "k3y-0123456789abcdef"
+"""The servers' OpenAI API key (``rollout.openai_api_key``)."""
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
 
 @pytest.fixture(scope="module")
 def cfg(tiny_assets):
@@ -50,6 +54,7 @@ def cfg(tiny_assets):
             "learner.batch_size=2",
             "queue.max_depth=64",
             "learner.max_tokens_per_microbatch=512",
+            f"rollout.openai_api_key={API_KEY}",
         ],
     )
 
@@ -369,14 +374,14 @@ def test_openai_api_serves_the_same_engine(cfg, pool):
     assert pool_.openai_urls() == [url]
     name = Path(cfg.learner.model_path).name
 
-    models = httpx.get(f"{url}/models", timeout=30.0)
+    models = httpx.get(f"{url}/models", headers=AUTH, timeout=30.0)
     assert models.status_code == 200, models.text
     assert [m["id"] for m in models.json()["data"]] == [name]
 
     tok = AutoTokenizer.from_pretrained(cfg.learner.model_path)
     prompt = PromptFormatter(tok).token_ids("What is 12+34?")
     body = {"model": name, "prompt": prompt, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
-    res = httpx.post(f"{url}/completions", json=body, timeout=60.0)
+    res = httpx.post(f"{url}/completions", json=body, headers=AUTH, timeout=60.0)
     assert res.status_code == 200, res.text
     data = res.json()
     choice = data["choices"][0]
@@ -390,6 +395,28 @@ def test_openai_api_serves_the_same_engine(cfg, pool):
     served = loop.run_until_complete(handle.generate.remote(prompt, 1, Sampling(temperature=0.0, max_tokens=8, ignore_eos=True)))[0]
     assert choice["token_ids"] == served.token_ids
     assert choice["text"] == served.text
+
+
+def test_openai_api_answers_only_with_the_key(cfg, pool):
+    """Every route of vLLM's app but /health needs the key (vLLM's own key would leave
+    /invocations, /tokenize and /metrics open); the elastic-EP and dev routes are not served."""
+    pool_, loop = pool
+    base = loop.run_until_complete(pool_.handle(0).health.remote()).openai_url.removesuffix("/v1")
+    name = Path(cfg.learner.model_path).name
+    body = {"model": name, "prompt": "1+1=", "max_tokens": 1}
+    with httpx.Client(base_url=base, timeout=60.0) as client:
+        for method, path, json in (("GET", "/v1/models", None), ("POST", "/v1/completions", body), ("POST", "/invocations", body),
+                                   ("POST", "/tokenize", {"model": name, "prompt": "1+1="}), ("GET", "/metrics", None),
+                                   ("GET", "/version", None), ("POST", "/scale_elastic_ep", {"new_data_parallel_size": 2})):
+            assert client.request(method, path, json=json).status_code == 401, path
+            wrong = client.request(method, path, json=json, headers={"Authorization": "Bearer wrong-key-0123456789"})
+            assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key", path
+        assert client.get("/health").status_code == 200
+        assert client.get("/v1/models", headers=AUTH).status_code == 200
+        assert client.post("/v1/completions", json=body, headers=AUTH).status_code == 200
+        assert client.get("/metrics", headers=AUTH).status_code == 200
+        for path in ("/scale_elastic_ep", "/is_scaling_elastic_ep", "/collective_rpc", "/sleep", "/update_weights"):
+            assert client.post(path, json={}, headers=AUTH).status_code == 404, path
 
 
 def test_heal_replaces_a_server_that_lags_the_learner(cfg, pool):

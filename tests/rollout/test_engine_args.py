@@ -1,0 +1,43 @@
+"""Engine arguments from the config: what a request to the OpenAI-compatible API may make the
+server read (vLLM's own media connector, built with the engine's values)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import socket
+
+import pytest
+from PIL import Image
+
+from async_rl.config import load_config
+from async_rl.rollout.engine_args import engine_kwargs, openai_api_settings
+
+
+def test_the_key_reaches_the_server_settings_and_no_repr_shows_it() -> None:
+    key = "k3y-0123456789abcdef"
+    settings = openai_api_settings(load_config(None, ["rollout.openai_host=0.0.0.0", f"rollout.openai_api_key={key}"]))
+    assert settings is not None and settings.api_key == key and settings.for_server(1).api_key == key
+    assert key not in repr(settings)
+
+
+def test_media_urls_and_local_files_are_refused_data_uris_are_read(tmp_path) -> None:
+    from vllm.multimodal.media import MEDIA_CONNECTOR_REGISTRY, ImageMediaIO
+
+    kwargs = engine_kwargs(load_config())
+    connector = MEDIA_CONNECTOR_REGISTRY.load("http", allowed_local_media_path=kwargs["allowed_local_media_path"],
+                                              allowed_media_domains=kwargs["allowed_media_domains"])
+    with socket.create_server(("127.0.0.1", 0)) as listener:  # a URL that would answer, were it fetched
+        listener.settimeout(0.2)
+        with pytest.raises(ValueError, match="allowed domains"):
+            connector.load_from_url(f"http://127.0.0.1:{listener.getsockname()[1]}/cat.png", ImageMediaIO())
+        with pytest.raises(TimeoutError):
+            listener.accept()  # nothing connected
+    image = tmp_path / "cat.png"
+    Image.new("RGB", (4, 4), "red").save(image)
+    with pytest.raises(RuntimeError, match="allowed-local-media-path"):
+        connector.load_from_url(image.as_uri(), ImageMediaIO())
+    png = io.BytesIO()
+    Image.new("RGB", (4, 4), "red").save(png, format="PNG")
+    data_uri = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    assert connector.load_from_url(data_uri, ImageMediaIO()).size == (4, 4)
