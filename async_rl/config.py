@@ -214,7 +214,7 @@ class RolloutConfig:
     openai_api: bool = True
     """Each server also serves vLLM's OpenAI-compatible HTTP API from its engine (same weights); URLs go to ``servers.json`` in the run directory."""
     openai_host: str = "127.0.0.1"
-    """Address the HTTP API binds to; ``0.0.0.0`` for every interface (the reported URL then names the node's IP). Anything but loopback (``127.0.0.1``, ``::1``, ``localhost``) needs ``rollout.openai_api_key``."""
+    """Address the HTTP API binds to; ``0.0.0.0`` for every interface (the reported URL then names the node's IP, ``127.0.0.1`` on a single-node run). Anything but loopback (``127.0.0.1``, ``::1``, ``localhost``) needs ``rollout.openai_api_key``."""
     openai_port: int = _port(0)
     """TCP port of server 0's HTTP API (server i uses port + i); 0 picks a free port per server."""
     openai_model_name: Optional[str] = None
@@ -494,7 +494,7 @@ class RayConfig:
     """Where the processes run."""
 
     address: Optional[str] = None
-    """Address of an existing Ray cluster (``auto`` or ``host:port``); null starts a local one."""
+    """Address of an existing Ray cluster (``auto`` or ``host:port``); null starts a local one, whose processes all listen on 127.0.0.1 (a single-node run, docs/security.md)."""
     num_cpus: Optional[int] = bounded(None, ge=1)
     """CPUs of the local Ray instance; null uses all."""
 

@@ -19,18 +19,29 @@ from pathlib import Path
 
 import pytest
 import redis
+from listening import Listener, table, tree_listeners
 from prometheus_client.parser import text_string_to_metric_families
-from run_helpers import ROOT, queue_state, train_cli, wait_gone, write_config
+from run_helpers import (
+    ROOT,
+    queue_state,
+    step_versions,
+    train_cli,
+    wait_gone,
+    write_config,
+)
 from wandb_records import history
 
 from async_rl.launch.plots import PLOTS
+from async_rl.launch.ray_cluster import LOOPBACK
 
 pytestmark = pytest.mark.integration
 
 
 def test_train_runs_the_whole_pipeline(tiny_assets, tmp_path):
     """The quickstart end to end, with a reward function (EasyR1 batch form) that raises on the
-    responses ending in 7: only those samples are left out, and the console names the error."""
+    responses ending in 7: only those samples are left out, and the console names the error.
+    While it trains, every process of the run (Ray's daemons, the driver, the learner, the
+    server and its vLLM processes, Redis) listens on 127.0.0.1 only (docs/security.md, "Ports")."""
     reward = tmp_path / "reward.py"
     reward.write_text("def compute_score(items):\n"
                       "    return [score(i) for i in items]\n\n\n"
@@ -40,9 +51,20 @@ def test_train_runs_the_whole_pipeline(tiny_assets, tmp_path):
                       "    return {'overall': float(item['response'].strip() == item['ground_truth'])}\n")
     config = write_config(tiny_assets, tmp_path, steps=4, rollout={"reward": {"function": f"{reward}:compute_score"}})
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "async_rl.cli", "train", str(config)], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    out, err = tmp_path / "stdout.log", tmp_path / "stderr.log"
+    with out.open("w") as stdout, err.open("w") as stderr:
+        running = subprocess.Popen([sys.executable, "-m", "async_rl.cli", "train", str(config)], cwd=ROOT, stdout=stdout, stderr=stderr, text=True)
+    try:
+        found = _listeners_until_the_first_step(running, run_dir)
+        running.wait(timeout=900)
+    finally:
+        running.kill()
+    proc = subprocess.CompletedProcess(running.args, running.returncode, out.read_text(), err.read_text())
     (tmp_path / "train.log").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    names = " ".join(x.name for x in found)
+    assert all(n in names for n in ("gcs_server", "raylet", "LearnerActor", "InferenceServer", "redis-server")), table(found)
+    assert [x for x in found if x.address != LOOPBACK] == [], table(found)
     assert "run summary" in proc.stdout
     failures = [json.loads(line) for line in (run_dir / "reward_errors.jsonl").read_text().splitlines()]
     assert failures and all(f["kind"] == "reward_error" and f["input"].strip().endswith("7") for f in failures)
@@ -84,6 +106,21 @@ def test_train_runs_the_whole_pipeline(tiny_assets, tmp_path):
     assert readable == [], readable[:20]
     assert queue_state(run_dir, config)["stats"]["pending"] == 0  # every consumed entry was committed
     _export_serves_in_vllm(final, tmp_path / "export")
+
+
+def _listeners_until_the_first_step(proc: subprocess.Popen[str], run_dir: Path, timeout_s: float = 600) -> list[Listener]:
+    """The listening sockets of the run's processes (:func:`listening.tree_listeners`), listed
+    about once a second from the moment its servers are up (``servers.json``) until its first
+    learner step is logged, the weight sync's included: all of them together."""
+    found: set[Listener] = set()
+    deadline = time.monotonic() + timeout_s
+    while not ((run_dir / "servers.json").exists() and found and step_versions(run_dir)):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"the run ended (exit {proc.returncode}) or took {timeout_s} s before its first step")
+        if (run_dir / "servers.json").exists():
+            found.update(tree_listeners(proc.pid))
+        time.sleep(1.0)
+    return sorted(found)
 
 
 def test_the_multiturn_quickstart_trains_on_episodes(tiny_assets, tmp_path):

@@ -22,6 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageText
 from async_rl.config import FsdpConfig, LearnerConfig
 from async_rl.learner import attention, kernels, memory, vision
 from async_rl.learner.logprobs import install_logprob_head
+from async_rl.netbind import master_store
 
 log = logging.getLogger(__name__)
 
@@ -42,15 +43,15 @@ _hosted_store: dist.TCPStore | None = None
 
 def host_rendezvous_store(host: str, world_size: int, timeout_s: float) -> int:
     """Rank 0, before the ranks join: bind the learner's TCP store on a free port of ``host``
-    and return that port (give it to every rank's :func:`init_distributed`).
+    (that address only: :func:`async_rl.netbind.master_store`) and return that port (give it
+    to every rank's :func:`init_distributed`).
 
     The store holds the port from the bind on, so no other process can take it between the
     choice of the port and the rendezvous. It is kept in this process until rank 0's
     :func:`init_distributed` uses it; calling this again replaces one not yet used.
     """
     global _hosted_store
-    _hosted_store = dist.TCPStore(host, 0, world_size, is_master=True, wait_for_workers=False,
-                                  timeout=datetime.timedelta(seconds=timeout_s))
+    _hosted_store = master_store(host, 0, timeout_s, world_size)
     return int(_hosted_store.port)
 
 
@@ -58,7 +59,7 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
     """Join the learner's default process group (NCCL with CUDA, else gloo); idempotent.
 
     Rank 0 uses the store :func:`host_rendezvous_store` bound on ``master_port`` if there is
-    one, else it binds ``master_port`` itself; the other ranks connect to it. ``timeout_s``
+    one, else it binds ``master_addr:master_port`` itself; the other ranks connect to it. ``timeout_s``
     bounds every collective of the group (a dead peer raises instead of hanging).
     """
     global _hosted_store
@@ -71,8 +72,10 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
         if rank == 0 and _hosted_store is not None and _hosted_store.port == master_port:
             store, _hosted_store = _hosted_store, None
             store.set_timeout(timeout)
+        elif rank == 0:
+            store = master_store(master_addr, master_port, timeout_s, world_size)
         else:
-            store = dist.TCPStore(master_addr, master_port, world_size, is_master=rank == 0, timeout=timeout)
+            store = dist.TCPStore(master_addr, master_port, world_size, is_master=False, timeout=timeout)
         dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
     return DistInfo(dist.get_rank(), dist.get_world_size(), device)
 

@@ -26,6 +26,8 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from async_rl.netbind import master_store
+
 Backend = Literal["gloo", "nccl"]
 
 
@@ -70,10 +72,9 @@ def group_device(backend: Backend) -> torch.device:
 
 
 def host_store(host: str, timeout_s: float) -> dist.TCPStore:
-    """Start the sender's store on a free port of ``host`` (read it from ``.port``)."""
-    return dist.TCPStore(
-        host, 0, None, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
-    )
+    """Start the sender's store on a free port of ``host``, listening on that address only
+    (read the port from ``.port``)."""
+    return master_store(host, 0, timeout_s)
 
 
 def connect_store(rv: Rendezvous, timeout_s: float) -> dist.TCPStore:
