@@ -13,15 +13,16 @@ import time
 
 import zmq
 
-from async_rl.sync.auth import HEADER_BYTES, RunSecret, Sealer
+from async_rl.sync.auth import HEADER_BYTES, RunSecret, Sealer, new_connection_id
 from async_rl.sync.control import MAX_TO_SENDER_BYTES, Hello, decode, encode
 
 _SEND = re.compile(r'(?:sendto|write)\(\d+, "((?:\\x[0-9a-f]{2})+)"')
 
 
-def tap_hello(server_pid: int, timeout_s: float = 20.0) -> bytes:
-    """One sealed control frame (a Hello heartbeat, sent every 5 s while the server waits)
-    as server process ``server_pid`` writes it to the sender's TCP connection."""
+def tap_frame(server_pid: int, timeout_s: float = 30.0) -> bytes:
+    """One sealed control frame (a Hello heartbeat, sent every 5 s while the server waits, a
+    Ready or an Ack of an update) as server process ``server_pid`` writes it to the sender's
+    TCP connection."""
     tap = subprocess.Popen(["strace", "-f", "-qq", "-p", str(server_pid), "-e", "trace=sendto,write", "-s", "8192", "-xx"],
                            stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + timeout_s
@@ -38,14 +39,14 @@ def tap_hello(server_pid: int, timeout_s: float = 20.0) -> bytes:
             if len(data) > HEADER_BYTES + 2 and data[0] == 0 and data[1] == len(data) - 2:
                 frame = data[2:]
                 try:
-                    if isinstance(decode(frame[HEADER_BYTES:]), Hello):
-                        return frame
+                    decode(frame[HEADER_BYTES:])
+                    return frame
                 except Exception:  # noqa: BLE001 - another write of the process that looks alike
                     continue
     finally:
         tap.kill()
         tap.wait()
-    raise TimeoutError(f"no Hello from pid {server_pid} within {timeout_s} s")
+    raise TimeoutError(f"no control message from pid {server_pid} within {timeout_s} s")
 
 
 def attack(address: str, captured: bytes) -> dict[str, int]:
@@ -57,7 +58,8 @@ def attack(address: str, captured: bytes) -> dict[str, int]:
     sock.connect(address)
     try:
         sock.send(b"\x00garbage")
-        sock.send(Sealer(RunSecret.generate(), "to_sender", MAX_TO_SENDER_BYTES).seal(encode(Hello("server-0", 1, None))))
+        forged = Sealer(RunSecret.generate(), "to_sender", MAX_TO_SENDER_BYTES).seal(encode(Hello("server-0", 1, None)), new_connection_id())
+        sock.send(forged)
         sock.send(b"x" * (MAX_TO_SENDER_BYTES + 1))
         sock.send(captured)
         time.sleep(1.0)  # let ZeroMQ deliver before the socket closes

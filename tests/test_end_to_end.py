@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from control_attack import attack, tap_frame
 from listening import Listener, table, tree_listeners
 from prometheus_client.parser import text_string_to_metric_families
 from run_helpers import (
@@ -41,7 +42,10 @@ def test_train_runs_the_whole_pipeline(tiny_assets, tmp_path):
     """The quickstart end to end, with a reward function (EasyR1 batch form) that raises on the
     responses ending in 7: only those samples are left out, and the console names the error.
     While it trains, every process of the run (Ray's daemons, the driver, the learner, the
-    server and its vLLM processes, Redis) listens on 127.0.0.1 only (docs/security.md, "Ports")."""
+    server and its vLLM processes, Redis) listens on 127.0.0.1 only (docs/security.md, "Ports"),
+    and an intruder sends the weight sender's control socket garbage, a forged Hello, an
+    oversized frame and a real server's frame read off the wire: the run trains to the end,
+    each is counted and named on the console, and no server is replaced."""
     reward = tmp_path / "reward.py"
     reward.write_text("def compute_score(items):\n"
                       "    return [score(i) for i in items]\n\n\n"
@@ -54,11 +58,15 @@ def test_train_runs_the_whole_pipeline(tiny_assets, tmp_path):
     out, err = tmp_path / "stdout.log", tmp_path / "stderr.log"
     with out.open("w") as stdout, err.open("w") as stderr:
         running = subprocess.Popen([sys.executable, "-m", "async_rl.cli", "train", str(config)], cwd=ROOT, stdout=stdout, stderr=stderr, text=True)
+    intrusion: dict[str, object] = {}
+    intruder = threading.Thread(target=_intrude, args=(run_dir, intrusion), daemon=True)
+    intruder.start()
     try:
         found = _listeners_until_the_first_step(running, run_dir)
         running.wait(timeout=900)
     finally:
         running.kill()
+        intruder.join(60)
     proc = subprocess.CompletedProcess(running.args, running.returncode, out.read_text(), err.read_text())
     (tmp_path / "train.log").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -90,6 +98,9 @@ def test_train_runs_the_whole_pipeline(tiny_assets, tmp_path):
            [(r["version"], r["val/greedy_accuracy"]) for r in vals]
     assert sorted(p.name for p in run_dir.glob("*.png")) == sorted(PLOTS) and "validation_accuracy.png" in proc.stdout
 
+    counted = {k.removeprefix("sync/control_dropped/"): v for k, v in steps[-1].items() if k.startswith("sync/control_dropped/")}
+    assert "sent" in intrusion and counted == intrusion["sent"], (counted, intrusion)  # nothing of the run's own was dropped
+    assert "the weight sender dropped control messages" in proc.stdout and steps[-1]["rollout/server_restarts"] == 0
     dropped = steps[-1].get("counters/dropped/reward_error", 0) + 4 * steps[-1].get("queue/dropped/reward_error", 0)
     samples = sum(r["batch/samples"] for r in steps)
     assert dropped > 0 and samples / (samples + dropped) > 0.5, (samples, dropped)  # the groups' other samples trained
@@ -106,6 +117,24 @@ def test_train_runs_the_whole_pipeline(tiny_assets, tmp_path):
     assert readable == [], readable[:20]
     assert queue_state(run_dir, config)["stats"]["pending"] == 0  # every consumed entry was committed
     _export_serves_in_vllm(final, tmp_path / "export")
+
+
+def _intrude(run_dir: Path, into: dict[str, object], timeout_s: float = 600) -> None:
+    """Once the run's server is up, read one of its control frames off the wire and attack the
+    weight sender's control socket (:mod:`control_attack`); ``into["sent"]``: the drops it must
+    cause (``into["error"]`` if it could not)."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            doc = json.loads((run_dir / "servers.json").read_text()) if (run_dir / "servers.json").exists() else {}
+            if doc.get("servers") and doc.get("weight_sync_address"):
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError("no server in servers.json")
+            time.sleep(0.5)
+        into["sent"] = attack(doc["weight_sync_address"], tap_frame(doc["servers"][0]["pid"]))
+    except Exception as exc:  # noqa: BLE001 - reported by the test's assertion
+        into["error"] = f"{type(exc).__name__}: {exc}"
 
 
 def _listeners_until_the_first_step(proc: subprocess.Popen[str], run_dir: Path, timeout_s: float = 600) -> list[Listener]:

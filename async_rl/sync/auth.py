@@ -4,14 +4,19 @@ The driver makes one :class:`RunSecret` per run and hands it to the learner's ra
 every inference server as a Ray actor argument (never a command line, an environment
 variable or a log line: its ``repr`` hides it). Every control message travels sealed::
 
-    frame = mac (32 B) | time_ns (8 B, big-endian) | nonce (8 B) | body (MessagePack)
-    mac   = HMAC-SHA256(secret, direction | time_ns | nonce | body)
+    frame = mac (32 B) | connection (16 B) | time_ns (8 B, big-endian) | nonce (8 B) | body (MessagePack)
+    mac   = HMAC-SHA256(secret, direction | connection | time_ns | nonce | body)
 
 ``direction`` tells the two ways apart (a server's message cannot be reflected back to a
-server as the sender's). A receiver keeps a frame only when it is at most ``max_bytes``
-long, its MAC verifies, its time is within :data:`REPLAY_WINDOW_S` of the receiver's clock
-and the same frame was not seen in that window; anything else is dropped and counted under
-one :data:`DropReason` (:class:`FrameDropped`), never raised to the caller.
+server as the sender's). ``connection`` is the ZeroMQ routing id of the server's connection
+(:func:`new_connection_id`, random per server process): a frame is valid only on the
+connection it was sealed for, so a copy sent from another connection is dropped even before
+the original was read (the sender's ROUTER reads its connections in turn), and the ROUTER
+refuses a second connection claiming a routing id in use. A receiver keeps a frame only when
+it is at most ``max_bytes`` long, its MAC verifies, it was sealed for the connection it came
+on, its time is within :data:`REPLAY_WINDOW_S` of the receiver's clock and the same frame
+was not seen in that window; anything else is dropped and counted under one
+:data:`DropReason` (:class:`FrameDropped`), never raised to the caller.
 """
 
 from __future__ import annotations
@@ -34,8 +39,9 @@ frames inside it are remembered so a copy is dropped as ``replayed``. It bounds 
 difference between the learner's node and the servers' nodes (NTP keeps it in milliseconds)."""
 
 _MAC = hashlib.sha256().digest_size
+CONNECTION_ID_BYTES = 16
 _STAMP = struct.Struct("!Q8s")
-HEADER_BYTES = _MAC + _STAMP.size
+HEADER_BYTES = _MAC + CONNECTION_ID_BYTES + _STAMP.size
 """Bytes a sealed frame adds to its body."""
 
 Direction = Literal["to_sender", "to_server"]
@@ -43,8 +49,15 @@ DropReason = Literal["oversized", "unauthenticated", "stale", "replayed", "malfo
 DROP_REASONS: tuple[DropReason, ...] = ("oversized", "unauthenticated", "stale", "replayed", "malformed")
 """Why a control frame was dropped: longer than the receiver's bound; no valid MAC (garbage,
 a forged or a truncated frame, another run's secret); stamped outside the replay window; a
-copy of a frame already received; authenticated but not a message this version understands
-(or a multipart frame)."""
+copy of a frame already received, or of one sealed for another connection; authenticated but
+not a message this version understands (or a multipart frame)."""
+
+
+def new_connection_id() -> bytes:
+    """A server connection's ZeroMQ routing id: 16 random bytes, the first never zero (ZeroMQ
+    reserves ids that start with a zero byte for the ones it makes up)."""
+    raw = secrets.token_bytes(CONNECTION_ID_BYTES)
+    return bytes([raw[0] | 0x80]) + raw[1:]
 
 
 @dataclass(frozen=True)
@@ -99,12 +112,16 @@ class Sealer:
     def _mac(self, direction: bytes, stamp: bytes, body: bytes) -> bytes:
         return hmac.new(self._key, direction + stamp + body, hashlib.sha256).digest()
 
-    def seal(self, body: bytes) -> bytes:
-        stamp = _STAMP.pack(self._clock_ns(), secrets.token_bytes(8))
+    def seal(self, body: bytes, connection: bytes) -> bytes:
+        """``body`` sealed for the server connection ``connection`` (its routing id)."""
+        if len(connection) != CONNECTION_ID_BYTES:
+            raise ValueError(f"a connection id is {CONNECTION_ID_BYTES} bytes, not {len(connection)}")
+        stamp = connection + _STAMP.pack(self._clock_ns(), secrets.token_bytes(8))
         return self._mac(self._out, stamp, body) + stamp + body
 
-    def open(self, frame: bytes) -> bytes:
-        """The body of an accepted ``frame``; :class:`FrameDropped` otherwise."""
+    def open(self, frame: bytes, connection: bytes) -> bytes:
+        """The body of ``frame``, received on the server connection ``connection``, if it is
+        accepted; :class:`FrameDropped` otherwise."""
         if len(frame) > self.max_bytes:
             raise FrameDropped("oversized", f"{len(frame)} bytes, more than {self.max_bytes}")
         if len(frame) < HEADER_BYTES:
@@ -112,6 +129,9 @@ class Sealer:
         mac, stamp, body = frame[:_MAC], frame[_MAC:HEADER_BYTES], frame[HEADER_BYTES:]
         if not hmac.compare_digest(mac, self._mac(self._in, stamp, body)):
             raise FrameDropped("unauthenticated", "its MAC does not verify with this run's secret")
+        if not hmac.compare_digest(stamp[:CONNECTION_ID_BYTES], connection):
+            raise FrameDropped("replayed", "a copy of a frame sealed for another connection")
+        stamp = stamp[CONNECTION_ID_BYTES:]
         now = self._clock_ns()
         sent_ns = _STAMP.unpack(stamp)[0]
         if abs(now - sent_ns) > self._window_ns:

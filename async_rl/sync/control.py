@@ -31,7 +31,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from async_rl.sync.auth import FrameDropped, RunSecret, Sealer
+from async_rl.sync.auth import FrameDropped, RunSecret, Sealer, new_connection_id
 from async_rl.sync.buckets import Bucket, TensorSpec
 from async_rl.sync.group import Rendezvous
 from async_rl.sync.ipc import ShmSource
@@ -182,12 +182,13 @@ class _Inbox:
         """Frames dropped so far, by :data:`~async_rl.sync.auth.DropReason`."""
         self._logged: dict[str, tuple[float, int]] = {}
 
-    def open(self, frames: list[bytes], source: str) -> Message | None:
-        """The message of one received multipart ``frames`` (None: dropped and counted)."""
+    def open(self, frames: list[bytes], connection: bytes, source: str) -> Message | None:
+        """The message of one multipart ``frames`` received on the server connection
+        ``connection`` (None: dropped and counted)."""
         try:
             if len(frames) != 1:
                 raise FrameDropped("malformed", f"{len(frames)} frames, not one")
-            body = self.sealer.open(frames[0])
+            body = self.sealer.open(frames[0], connection)
             try:
                 return decode(body)
             except ControlError as e:
@@ -218,6 +219,8 @@ class SenderChannel:
         self._sock = self._ctx.socket(zmq.ROUTER)
         # Raise on a departed peer instead of silently dropping its messages.
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # A second connection claiming a server's routing id is refused, not handed the id.
+        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, ZMQ_MAX_FACTOR * MAX_TO_SENDER_BYTES)
         self._sock.bind(f"tcp://{host}:{port or '*'}")
@@ -235,7 +238,7 @@ class SenderChannel:
         if not self._sock.poll(_ms(timeout_s), zmq.POLLOUT):
             raise ControlTimeout(f"send of {type(msg).__name__} timed out after {timeout_s} s")
         try:
-            self._sock.send_multipart([peer, self._inbox.sealer.seal(encode(msg))], zmq.NOBLOCK)
+            self._sock.send_multipart([peer, self._inbox.sealer.seal(encode(msg), peer)], zmq.NOBLOCK)
         except zmq.ZMQError as e:
             if e.errno == zmq.EAGAIN:
                 raise ControlTimeout(f"send of {type(msg).__name__} would block") from e
@@ -249,7 +252,7 @@ class SenderChannel:
         """:meth:`recv` with an absolute ``time.monotonic()`` deadline."""
         while self._sock.poll(_ms(deadline - time.monotonic()), zmq.POLLIN):
             peer, *frames = self._sock.recv_multipart(zmq.NOBLOCK)
-            msg = self._inbox.open(frames, f"peer {peer.hex()}")
+            msg = self._inbox.open(frames, peer, f"peer {peer.hex()}")
             if msg is not None:
                 return peer, msg
         raise ControlTimeout("no control message by the deadline")
@@ -264,9 +267,13 @@ class ServerChannel:
 
     def __init__(self, sender_address: str, secret: RunSecret):
         self._inbox = _Inbox(Sealer(secret, "to_sender", MAX_TO_SERVER_BYTES), "server")
+        self.connection = new_connection_id()
+        """This socket's routing id: the sender's ROUTER knows the server's connection by it
+        (and refuses a second connection that claims it), and every frame is sealed for it."""
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.ROUTING_ID, self.connection)
         self._sock.setsockopt(zmq.MAXMSGSIZE, ZMQ_MAX_FACTOR * MAX_TO_SERVER_BYTES)
         self._sock.connect(sender_address)
 
@@ -280,13 +287,13 @@ class ServerChannel:
         DEALER queues while disconnected, so this only fails on a full queue)."""
         if not await self._sock.poll(_ms(timeout_s), zmq.POLLOUT):
             raise ControlTimeout(f"send of {type(msg).__name__} timed out after {timeout_s} s")
-        await self._sock.send(self._inbox.sealer.seal(encode(msg)), zmq.NOBLOCK)
+        await self._sock.send(self._inbox.sealer.seal(encode(msg), self.connection), zmq.NOBLOCK)
 
     async def recv(self, timeout_s: float) -> Message:
         """Next accepted message from the sender; ``ControlTimeout`` after ``timeout_s`` seconds."""
         deadline = time.monotonic() + timeout_s
         while await self._sock.poll(_ms(deadline - time.monotonic()), zmq.POLLIN):
-            msg = self._inbox.open(await self._sock.recv_multipart(zmq.NOBLOCK), "the sender")
+            msg = self._inbox.open(await self._sock.recv_multipart(zmq.NOBLOCK), self.connection, "the sender")
             if msg is not None:
                 return msg
         raise ControlTimeout(f"no control message within {timeout_s} s")

@@ -11,7 +11,7 @@ import torch
 import zmq
 
 from async_rl.sync import ipc
-from async_rl.sync.auth import REPLAY_WINDOW_S, FrameDropped, RunSecret, Sealer, SyncEndpoint
+from async_rl.sync.auth import REPLAY_WINDOW_S, FrameDropped, RunSecret, Sealer, SyncEndpoint, new_connection_id
 from async_rl.sync.buckets import plan_buckets, tensor_specs
 from async_rl.sync.control import (
     MAX_TO_SENDER_BYTES,
@@ -43,19 +43,21 @@ class RawServer:
 
     def __init__(self, sender: WeightSender, secret: RunSecret = SECRET, clock_ns=time.time_ns):
         self.sealer = Sealer(secret, "to_sender", 1 << 30, clock_ns)
+        self.connection = new_connection_id()
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTING_ID, self.connection)
         self.sock.connect(sender.address)
 
     def send(self, msg: Message) -> bytes:
-        frame = self.sealer.seal(encode(msg))
+        frame = self.sealer.seal(encode(msg), self.connection)
         self.sock.send(frame)
         return frame
 
     def recv(self, timeout_ms: int = 5000) -> Message:
         if not self.sock.poll(timeout_ms):
             raise TimeoutError("no message from the sender")
-        return decode(self.sealer.open(self.sock.recv()))
+        return decode(self.sealer.open(self.sock.recv(), self.connection))
 
     def close(self) -> None:
         self.sock.close()
@@ -251,24 +253,31 @@ def test_a_server_with_a_dead_engine_declines_updates_at_once():
 
 def test_what_is_not_this_runs_sealed_message_is_dropped_and_counted_never_raised():
     """Garbage, another secret's Hello, an oversized frame, a copy of a real Hello sent from
-    another connection, a stale one, a multipart one and an authenticated Hello with an
+    another connection and from its own, one from a connection claiming the real one's id
+    (refused by ZeroMQ, uncounted), a stale one, a multipart one and an authenticated Hello with an
     unbounded field: each is dropped and counted under its reason; the real server stays
     registered at its own connection and takes the update."""
     sender = _sender(backend="ipc", timeout_s=10.0, control_timeout_s=2.0)
     real, intruder = RawServer(sender), RawServer(sender, RunSecret.generate())
     late = RawServer(sender, clock_ns=lambda: time.time_ns() - int(2 * REPLAY_WINDOW_S * 1e9))
+    impostor = zmq.Context.instance().socket(zmq.DEALER)  # claims the real connection's id: refused by the ROUTER
+    impostor.setsockopt(zmq.LINGER, 0)
+    impostor.setsockopt(zmq.ROUTING_ID, real.connection)
     try:
         captured = real.send(Hello("server-0", 1, 0, host_identity()))
         sender.wait_for_servers(1, timeout_s=5.0)
         intruder.sock.send(b"\x00garbage")
         intruder.send(Hello("server-0", 1, 0, host_identity()))
         intruder.sock.send(b"x" * (MAX_TO_SENDER_BYTES + 1))
-        intruder.sock.send(captured)  # a replay: sealed with the run's secret, but seen already
+        intruder.sock.send(captured)  # a replay from another connection: sealed for the real one's
+        real.sock.send(captured)  # a replay on the real connection: seen already
+        impostor.connect(sender.address)
+        impostor.send(captured)
         late.send(Hello("server-0", 1, 0, host_identity()))
         intruder.sock.send_multipart([captured, captured])
         real.send(Hello("server-0", 10**9, 0, host_identity()))  # more workers than a server can have
         sender.poll(1.0)
-        assert sender.dropped == {"unauthenticated": 2, "oversized": 1, "replayed": 1, "stale": 1, "malformed": 2}
+        assert sender.dropped == {"unauthenticated": 2, "oversized": 1, "replayed": 2, "stale": 1, "malformed": 2}
         assert sender.servers == {"server-0": 0}
         named = [("w", torch.ones(4))]
         answer = threading.Thread(target=lambda: real.send(Ready(real.recv().update_id, "server-0")), daemon=True)
@@ -282,6 +291,7 @@ def test_what_is_not_this_runs_sealed_message_is_dropped_and_counted_never_raise
     finally:
         for peer in (real, intruder, late):
             peer.close()
+        impostor.close()
         sender.close()
 
 
@@ -290,13 +300,16 @@ def test_a_frame_is_bound_to_its_direction_and_secret():
     a flipped bit do not open."""
     to_server = Sealer(SECRET, "to_server", 1 << 20)
     at_server = Sealer(SECRET, "to_sender", 1 << 20)
-    frame = to_server.seal(b"body")
-    assert at_server.open(frame) == b"body"
+    connection, other = new_connection_id(), new_connection_id()
+    frame = to_server.seal(b"body", connection)
+    assert at_server.open(frame, connection) == b"body"
     with pytest.raises(FrameDropped, match="unauthenticated"):
-        Sealer(SECRET, "to_server", 1 << 20).open(frame)  # reflected back to the sender
-    for bad in (Sealer(RunSecret.generate(), "to_server", 1 << 20).seal(b"body"), frame[:-1] + b"x"):
+        Sealer(SECRET, "to_server", 1 << 20).open(frame, connection)  # reflected back to the sender
+    for bad in (Sealer(RunSecret.generate(), "to_server", 1 << 20).seal(b"body", connection), frame[:-1] + b"x"):
         with pytest.raises(FrameDropped, match="unauthenticated"):
-            at_server.open(bad)
+            at_server.open(bad, connection)
+    with pytest.raises(FrameDropped, match="replayed: a copy of a frame sealed for another connection"):
+        at_server.open(to_server.seal(b"body", other), connection)
     assert repr(SECRET) == "RunSecret()"
     with pytest.raises(ValueError, match="at least 32 bytes"):
         RunSecret(b"short")
