@@ -10,6 +10,7 @@ carries them as spans, so a generation that straddles a weight update is tagged 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -345,7 +346,9 @@ class InferenceServer:
             self._http = None
         if self._sync_task is not None:
             self._sync_task.cancel()
-            self._sync.close()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._sync_task  # the socket is the loop's until it stopped
+            await self._sync.leave("the server stops")
             self._sync_task = self._sync = None
         if self._engine is not None:
             self._engine.shutdown()

@@ -13,6 +13,9 @@ also re-registers it with a restarted sender). Sequence of one update, per serve
     server -> sender  Ack(update_id, version, error, timings, error_kind)
     sender -> server  Abort(update_id, reason)         (instead of/after Start on failure)
 
+A server that stops (a pool scaled down, a run ending) says :class:`Leave` last: the sender
+forgets it at once and never waits for it again (an update it was part of goes on without it).
+
 Every send and receive takes a timeout (``poll``) and raises :class:`ControlTimeout`.
 Every message is sealed with the run's secret (:mod:`async_rl.sync.auth`); what a socket
 receives that is oversized, unauthenticated, stale, replayed or malformed is dropped and
@@ -142,7 +145,14 @@ class Ack(msgspec.Struct, tag=True, frozen=True):
     """The failure's kind where the sender acts on it (None: any other failure, or none)."""
 
 
-Message = Hello | Announce | Ready | Start | Abort | Ack
+class Leave(msgspec.Struct, tag=True, frozen=True):
+    """The server stops: forget it (its pending Ready or Ack will not come)."""
+
+    server_id: ServerId
+    reason: ErrorText = ""
+
+
+Message = Hello | Announce | Ready | Start | Abort | Ack | Leave
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

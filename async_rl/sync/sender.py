@@ -31,6 +31,7 @@ from async_rl.sync.control import (
     ControlError,
     ControlTimeout,
     Hello,
+    Leave,
     Message,
     Ready,
     SenderChannel,
@@ -440,6 +441,11 @@ class WeightSender:
                 pending.reports[msg.server_id] = ServerReport(msg.server_id, False, "replaced during the update (its process died)")
                 pending.settled_at = time.monotonic()
             self._servers[msg.server_id] = _Server(peer, msg.num_workers, msg.version, msg.host)
+        elif isinstance(msg, Leave) and (known := self._servers.get(msg.server_id)) is not None and known.peer == peer:
+            del self._servers[msg.server_id]
+            log.info("weight sync: server %s left (%s)", msg.server_id, msg.reason or "no reason given")
+            if pending is not None and pending.waiting.pop(peer, None) is not None:
+                pending.settled_at = time.monotonic()  # the update goes on without it: no Ack to wait for
 
     def _send_or_report(
         self, peer: bytes, sid: str, msg: Message, reports: dict[str, ServerReport]
@@ -471,7 +477,10 @@ class WeightSender:
                 peer, msg = self._channel.recv_until(deadline)
             except ControlTimeout:
                 break
-            if isinstance(msg, Ready) and msg.update_id == announce.update_id and peer in asked:
+            if isinstance(msg, Leave) and asked.get(peer) == msg.server_id:
+                del asked[peer]  # it stops: no Ready to wait for, and no target any more
+                self._handle(peer, msg)
+            elif isinstance(msg, Ready) and msg.update_id == announce.update_id and peer in asked:
                 sid = asked.pop(peer)
                 if msg.error is None:
                     ready[sid] = targets[sid]

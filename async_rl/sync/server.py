@@ -12,6 +12,7 @@ are frozen, not dropped, and continue on the new weights after ``resume_generati
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import time
@@ -27,6 +28,7 @@ from async_rl.sync.control import (
     ControlTimeout,
     ErrorKind,
     Hello,
+    Leave,
     Message,
     Ready,
     ServerChannel,
@@ -185,6 +187,17 @@ class WeightUpdateServer:
             elif isinstance(msg, Abort) and announce is not None and msg.update_id == announce.update_id:
                 announce = None
         return None
+
+    async def leave(self, reason: str) -> None:
+        """Tell the sender this server stops (best effort: a sender that is gone has nothing
+        to forget), then close the socket. Call once :meth:`serve` is no longer running."""
+        try:
+            await self._send(Leave(self.server_id, clip_error(reason)))
+            await asyncio.sleep(0.05)  # the socket closes without lingering: give ZeroMQ a moment to write it
+        except ControlTimeout:
+            log.warning("weight sync: %s could not tell the sender it leaves", self.server_id)
+        finally:
+            self.close()
 
     @property
     def dropped(self) -> dict[str, int]:

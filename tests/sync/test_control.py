@@ -20,6 +20,7 @@ from async_rl.sync.control import (
     ControlTimeout,
     ErrorKind,
     Hello,
+    Leave,
     Message,
     Ready,
     Start,
@@ -313,3 +314,33 @@ def test_a_frame_is_bound_to_its_direction_and_secret():
     assert repr(SECRET) == "RunSecret()"
     with pytest.raises(ValueError, match="at least 32 bytes"):
         RunSecret(b"short")
+
+
+@pytest.mark.parametrize("leaves_after", ["announce", "start"])
+def test_a_server_that_leaves_is_forgotten_and_never_waited_for(leaves_after: str):
+    """A server that says Leave (a pool scaled down) instead of its Ready or its Ack: the
+    update ends at once without it, not at a timeout, and it is no longer registered."""
+    sender = _sender(backend="ipc", timeout_s=60.0, control_timeout_s=30.0)
+    server = RawServer(sender)
+    server.send(Hello("server-1", 1, 0, host_identity()))
+    sender.wait_for_servers(1, timeout_s=5.0)
+
+    def serve() -> None:
+        announce = server.recv()
+        if leaves_after == "start":
+            server.send(Ready(announce.update_id, "server-1"))
+            server.recv()
+        server.send(Leave("server-1", "scaled down"))
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    named = [("w", torch.ones(4))]
+    t0 = time.monotonic()
+    try:
+        result = sender.send(iter(named), 1, specs=tensor_specs(named))
+        thread.join(5)
+        assert time.monotonic() - t0 < 5.0 and result.servers == {} and sender.servers == {}
+        assert sender.behind(1) == []
+    finally:
+        server.close()
+        sender.close()
