@@ -357,7 +357,7 @@ class _Run:
         if self.pool.spec.sync != (sync := self._sync_endpoint()):  # rank 0 landed on another node: servers must re-register
             self._say(f"the weight sender moved to {self._sender_address}: replacing the servers")
             self.pool.spec.sync = sync
-            for i in range(self.pool.num_servers):
+            for i in self.pool.indices:
                 await self.pool.restart(i, self.pool.handle(i))
         self._write_servers()
         self._say(f"learner restarted at version {self.version} (it was at {before}); steps {self.version + 1}-{before} are redone")

@@ -11,6 +11,13 @@ the pool starts the server's rollout workers in its process (it sends the server
 owner name ``server-<i>#<start>``, unique per server process: when a server is replaced,
 ``on_lost(owner)`` ends the dead process's open tickets (their prompts are served again),
 so a group is neither lost nor duplicated.
+
+The pool resizes while it serves (:meth:`ServerPool.scale_to`, docs/rollout.md "Scaling a
+live run"): a new server gets the next index, catches up to the current weights in
+``on_start`` before its workers admit anything, and produces; a server taken away drains:
+its workers stop admitting, finish their groups in flight within a grace period or return
+their prompts and end their tickets, then it says ``Leave`` to the weight sender (which never
+waits on it again) and stops. Servers keep their index for life; the highest go first.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Awaitable, Callable
@@ -55,8 +63,35 @@ class ServerSpec:
     """The actor class (``InferenceServer``; the benchmarks' ``FakeServer`` has the same interface)."""
 
 
+@dataclass
+class _Slot:
+    """One server of the pool, for its whole life (its actor is replaced when it dies)."""
+
+    env: dict[str, str]
+    """Added to ``spec.env_vars`` for this server (e.g. its CPU cores)."""
+    handle: Any = None
+    """The Ray actor of its current process (None while it starts or after it stopped)."""
+    started: ServerHealth | None = None
+    """Health it reported at its (latest) start, before ``on_start`` runs."""
+    owner: str | None = None
+    """The ticket owner of its running workers (None: no workers running)."""
+    starts: int = 0
+    watcher: asyncio.Task | None = None
+    """The task waiting for its engine's death (:meth:`ServerPool._watch_engine`)."""
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    """Held while it is replaced or removed."""
+    behind_since: float | None = None
+    """``time.monotonic()`` since when it lags the learner's version (see :meth:`ServerPool.heal`)."""
+
+
+def _same_servers(items: list[tuple[int, _Slot]], healths: list[ServerHealth | str]) -> bool:
+    """Whether ``healths`` (a :meth:`ServerPool.health`) were taken of the servers ``items``, in order."""
+    return len(items) == len(healths) and all(
+        (h.server_id if isinstance(h, ServerHealth) else h.split(":")[0].split(" ")[0]) == f"server-{i}" for (i, _), h in zip(items, healths, strict=True))
+
+
 class ServerPool:
-    """``num_servers`` :class:`InferenceServer` actors, restarted when they die."""
+    """:class:`InferenceServer` actors, restarted when they die, resized on demand."""
 
     def __init__(
         self,
@@ -70,21 +105,18 @@ class ServerPool:
         on_lost: Callable[[str], int] | None = None,
         report: Callable[[str], None] | None = None,
     ):
-        """``env_per_server[i]`` adds to ``spec.env_vars`` for server ``i`` (e.g. its CPU cores).
-        With ``workers``, every server runs rollout workers over ``rows`` (the prompt rows,
-        best a ``ray.put`` reference: stored once, fetched once per server), and
-        ``on_lost(owner)`` (``ReplayQueue.release_owner``) ends the tickets of a replaced one.
-        ``report(line)`` tells the user why a server is replaced (the driver's console;
+        """``env_per_server[i]`` adds to ``spec.env_vars`` for server ``i`` (e.g. its CPU
+        cores); a server added later takes ``env_per_server[i % len(env_per_server)]`` (it
+        shares those cores). With ``workers``, every server runs rollout workers over ``rows``
+        (the prompt rows, best a ``ray.put`` reference: stored once, fetched once per server),
+        and ``on_lost(owner)`` (``ReplayQueue.release_owner``) ends the tickets of a replaced
+        one. ``report(line)`` tells the user why a server is replaced (the driver's console;
         default: a warning in the log)."""
         self.spec = spec
         self.workers = workers
         self.rows = rows
         self.on_lost = on_lost
-        self._owners: list[str | None] = [None] * num_servers
-        """Per server, the ticket owner of its running workers (None: no workers running)."""
-        self._starts = [0] * num_servers
-        self.env_per_server = env_per_server or [{} for _ in range(num_servers)]
-        self.num_servers = num_servers
+        self.env_per_server = env_per_server or [{}]
         self.version = version
         self.on_start = on_start
         self.report = report or (lambda line: log.warning("%s", line))
@@ -92,48 +124,69 @@ class ServerPool:
         """Servers replaced (dead, broken or lagging)."""
         self.engine_deaths = 0
         """Servers whose vLLM engine process died while the server lived (each one replaced)."""
-        self._watchers: list[asyncio.Task | None] = [None] * num_servers
-        """Per server, the task waiting for its engine's death (:meth:`_watch_engine`)."""
-        self._handles: list[Any] = [None] * num_servers
-        self.started: list[ServerHealth | None] = [None] * num_servers
+        self._slots: dict[int, _Slot] = {}
+        self._next = 0
+        for _ in range(num_servers):
+            self._new_slot()
+
+    def _new_slot(self) -> int:
+        i, self._next = self._next, self._next + 1
+        self._slots[i] = _Slot(dict(self.env_per_server[i % len(self.env_per_server)]))
+        return i
+
+    @property
+    def num_servers(self) -> int:
+        """Servers in the pool now (starting ones included, draining ones not)."""
+        return len(self._slots)
+
+    @property
+    def indices(self) -> list[int]:
+        """The servers' indices (``server-<i>``), oldest first."""
+        return list(self._slots)
+
+    @property
+    def started(self) -> list[ServerHealth | None]:
         """Health each server reported at its (latest) start, before ``on_start`` runs."""
-        self._locks = [asyncio.Lock() for _ in range(num_servers)]
-        self._behind_since: list[float | None] = [None] * num_servers
-        """Per server, ``time.monotonic()`` since when it lags the learner's version (see :meth:`heal`)."""
+        return [slot.started for slot in self._slots.values()]
+
+    def _items(self) -> Iterator[tuple[int, _Slot]]:
+        return iter(list(self._slots.items()))
 
     async def start(self, workers: bool = True) -> list[ServerHealth]:
         """Start every server (concurrently); returns their health. With ``workers=False``
         the rollout workers wait for :meth:`start_workers` (e.g. for a validation of the
         starting weights that no update interrupts); a server restarted meanwhile starts its own."""
-        return list(await asyncio.gather(*(self._launch(i, workers) for i in range(self.num_servers))))
+        return list(await asyncio.gather(*(self._launch(i, workers) for i in self._slots)))
 
     async def start_workers(self) -> None:
         """Start the rollout workers of every server that runs none."""
-        await asyncio.gather(*(self._start_workers(i, h) for i, h in enumerate(self._handles) if h is not None and self._owners[i] is None))
+        await asyncio.gather(*(self._start_workers(i, slot.handle) for i, slot in self._items()
+                               if slot.handle is not None and slot.owner is None))
 
     def handle(self, i: int) -> Any:
         """Ray actor handle of server ``i``."""
-        return self._handles[i]
+        return self._slots[i].handle
 
     async def _launch(self, i: int, workers: bool = True) -> ServerHealth:
+        slot = self._slots[i]
         actor_cls = ray.remote(self.spec.server_cls).options(
             num_cpus=self.spec.num_cpus,
             num_gpus=self.spec.num_gpus,
-            runtime_env={"env_vars": {**self.spec.env_vars, **self.env_per_server[i]}},
+            runtime_env={"env_vars": {**self.spec.env_vars, **slot.env}},
             name=None,
         )
         openai_api = self.spec.openai_api.for_server(i) if self.spec.openai_api is not None else None
         handle = actor_cls.remote(f"server-{i}", self.spec.engine_kwargs, self.version(), openai_api)
         health = await asyncio.wait_for(handle.start.remote(self.spec.sync), self.spec.start_timeout_s)
-        self.started[i] = health
+        slot.started = health
         if health.openai_url is not None:
             log.info("server-%d (pid %d) serves the OpenAI API at %s", i, health.pid, health.openai_url)
         if self.on_start is not None:
             await self.on_start(i, handle)
         if workers:
             await self._start_workers(i, handle)
-        self._handles[i] = handle
-        self._watchers[i] = asyncio.create_task(self._watch_engine(i, handle))
+        slot.handle = handle
+        slot.watcher = asyncio.create_task(self._watch_engine(i, handle))
         return health
 
     async def _watch_engine(self, i: int, handle: Any) -> None:
@@ -144,9 +197,10 @@ class ServerPool:
             reason = await handle.engine_died.remote()
         except (RayActorError, RayTaskError):
             return  # the actor itself died or stopped: a failing request or heal() replaces it
-        if self._handles[i] is not handle:
+        slot = self._slots.get(i)
+        if slot is None or slot.handle is not handle:
             return
-        self._watchers[i] = None  # this task does the restart: it must not cancel itself
+        slot.watcher = None  # this task does the restart: it must not cancel itself
         self.engine_deaths += 1
         try:
             await self.restart(i, handle, f"lost its engine: {reason}; its groups in flight go back to the queue")
@@ -155,37 +209,39 @@ class ServerPool:
 
     async def _start_workers(self, i: int, handle: Any) -> None:
         if self.workers is not None:
-            owner = f"server-{i}#{self._starts[i]}"
-            self._starts[i] += 1
+            slot = self._slots[i]
+            owner = f"server-{i}#{slot.starts}"
+            slot.starts += 1
             await handle.start_workers.remote(partial(WorkerHost, self.workers), self.rows, owner)
-            self._owners[i] = owner
+            slot.owner = owner
 
-    async def _release(self, i: int) -> None:
+    async def _release(self, slot: _Slot, i: int) -> None:
         """End the open tickets of server ``i``'s workers, whose process is gone."""
-        owner, self._owners[i] = self._owners[i], None
+        owner, slot.owner = slot.owner, None
         if owner is not None and self.on_lost is not None:
             released = await asyncio.to_thread(self.on_lost, owner)
             if released:
                 log.warning("server-%d: %d groups in flight were lost with its process; their prompts are served again", i, released)
 
+    async def _stop_workers(self, i: int, slot: _Slot, grace_s: float) -> dict[str, float]:
+        """Stop server ``i``'s rollout workers (groups in flight get ``grace_s`` seconds, then
+        end their tickets); one that cannot be reached has its tickets ended by ``on_lost``."""
+        if slot.handle is None or slot.owner is None:
+            return {}
+        try:
+            totals = await asyncio.wait_for(slot.handle.stop_workers.remote(grace_s), grace_s + 30)
+            slot.owner = None
+            return totals
+        except (RayActorError, RayTaskError, asyncio.TimeoutError) as exc:
+            log.warning("server-%d: rollout workers did not stop cleanly (%s: %s)", i, type(exc).__name__, exc)
+            await self._release(slot, i)
+            return {}
+
     async def stop_workers(self, grace_s: float) -> list[dict[str, float]]:
         """Stop every server's rollout workers (groups in flight get ``grace_s`` seconds, then
         end their tickets); a server that cannot be reached has its tickets ended by
         ``on_lost``. Returns each stopped host's counters."""
-
-        async def one(i: int, h: Any) -> dict[str, float]:
-            if h is None or self._owners[i] is None:
-                return {}
-            try:
-                totals = await asyncio.wait_for(h.stop_workers.remote(grace_s), grace_s + 30)
-                self._owners[i] = None
-                return totals
-            except (RayActorError, RayTaskError, asyncio.TimeoutError) as exc:
-                log.warning("server-%d: rollout workers did not stop cleanly (%s: %s)", i, type(exc).__name__, exc)
-                await self._release(i)
-                return {}
-
-        return list(await asyncio.gather(*(one(i, h) for i, h in enumerate(self._handles))))
+        return list(await asyncio.gather(*(self._stop_workers(i, slot, grace_s) for i, slot in self._items())))
 
     def openai_urls(self) -> list[str | None]:
         """Per server, the base URL of its OpenAI-compatible API (None: not served or not started)."""
@@ -193,7 +249,7 @@ class ServerPool:
 
     async def generate(self, i: int, prompt_token_ids: list[int], n: int, sampling: Sampling, images: list[Any] | None = None) -> list[Completion]:
         """Generate on server ``i``; if it died, replace it before re-raising (the caller retries)."""
-        handle = self._handles[i]
+        handle = self._slots[i].handle
         try:
             return await handle.generate.remote(prompt_token_ids, n, sampling, images)
         except RayActorError as exc:
@@ -206,19 +262,73 @@ class ServerPool:
 
     async def restart(self, i: int, dead: Any, reason: str = "failed") -> None:
         """Replace server ``i`` if ``dead`` is still its handle (one restart however many callers
-        saw it die): kill it, end its workers' open tickets (``on_lost``), start a new one.
-        ``reason`` completes "server-i ..." in the line reported to the user."""
-        async with self._locks[i]:
-            if self._handles[i] is not dead:
+        saw it die; none once it was removed): kill it, end its workers' open tickets
+        (``on_lost``), start a new one. ``reason`` completes "server-i ..." in the line reported
+        to the user."""
+        slot = self._slots.get(i)
+        if slot is None:
+            return
+        async with slot.lock:
+            if slot.handle is not dead or self._slots.get(i) is not slot:
                 return
             self.report(f"server-{i} {reason}: starting a replacement")
-            if (watcher := self._watchers[i]) is not None:
+            if (watcher := slot.watcher) is not None:
                 watcher.cancel()
-                self._watchers[i] = None
+                slot.watcher = None
             ray.kill(dead, no_restart=True)
-            await self._release(i)
+            await self._release(slot, i)
             await self._launch(i)
             self.restarts += 1
+
+    async def add(self, workers: bool = True) -> int:
+        """Start one more server (the next index); returns its index once it serves (its
+        ``on_start`` ran: caught up) and, with ``workers``, its rollout workers run. A start that
+        fails removes the server again and raises."""
+        i = self._new_slot()
+        try:
+            await self._launch(i, workers)
+        except BaseException:
+            slot = self._slots.pop(i)
+            if slot.handle is not None:
+                ray.kill(slot.handle, no_restart=True)
+            raise
+        return i
+
+    async def remove(self, i: int, grace_s: float) -> dict[str, float]:
+        """Drain server ``i`` and stop it: its workers stop admitting, their groups in flight
+        get ``grace_s`` seconds, then end their tickets (prompts served again); it tells the
+        weight sender it leaves, stops and is killed. Returns its workers' counters."""
+        slot = self._slots[i]
+        async with slot.lock:  # after a replacement in progress; heal() skips it from here on
+            del self._slots[i]
+            if (watcher := slot.watcher) is not None:
+                watcher.cancel()
+                slot.watcher = None
+            totals = await self._stop_workers(i, slot, grace_s)
+            handle, slot.handle = slot.handle, None
+            if handle is not None:
+                try:
+                    await asyncio.wait_for(handle.shutdown.remote(), 60)  # says Leave to the weight sender
+                except (RayActorError, RayTaskError, asyncio.TimeoutError) as exc:
+                    log.warning("server-%d did not stop cleanly (%s: %s)", i, type(exc).__name__, exc)
+                ray.kill(handle, no_restart=True)
+            await self._release(slot, i)  # tickets a worker could not end itself
+        return totals
+
+    async def scale_to(self, n: int, grace_s: float) -> list[str]:
+        """Add or remove servers (the newest first) until ``n`` serve; returns a line per change."""
+        if n < 1:
+            raise ValueError(f"a pool needs at least 1 server, not {n}")
+        if n > self.num_servers:
+            added = await asyncio.gather(*(self.add() for _ in range(n - self.num_servers)), return_exceptions=True)
+            failed = [a for a in added if isinstance(a, BaseException)]
+            lines = [f"server-{a} added" for a in added if isinstance(a, int)]
+            if failed:
+                lines.append(f"{len(failed)} servers could not start: {type(failed[0]).__name__}: {failed[0]}")
+            return lines
+        leaving = sorted(self._slots, reverse=True)[: self.num_servers - n]
+        await asyncio.gather(*(self.remove(i, grace_s) for i in leaving))
+        return [f"server-{i} drained and stopped" for i in leaving]
 
     async def health(self, timeout_s: float = 30.0) -> list[ServerHealth | str]:
         """Health of every server, or the error text for a dead, broken or unstarted one."""
@@ -231,7 +341,7 @@ class ServerPool:
             except (RayActorError, RayTaskError, asyncio.TimeoutError) as exc:
                 return f"server-{i}: {type(exc).__name__}: {exc}"
 
-        return list(await asyncio.gather(*(one(i, h) for i, h in enumerate(self._handles))))
+        return list(await asyncio.gather(*(one(i, slot.handle) for i, slot in self._items())))
 
     async def heal(self, version: int, max_lag_s: float, healths: list[ServerHealth | str] | None = None) -> list[str]:
         """Replace every server that is dead, broken (its health check raises, e.g. after a
@@ -240,20 +350,25 @@ class ServerPool:
         result just taken (else one is taken). Returns what was done, a line per server."""
         now = time.monotonic()
         actions = []
-        for i, (handle, health) in enumerate(zip(list(self._handles), healths or await self.health())):
-            if handle is None or self._locks[i].locked():  # being replaced already (e.g. its engine died)
+        items = list(self._items())
+        if healths is None or not _same_servers(items, healths):  # none given, or taken before the pool changed
+            healths = await self.health()
+            items = list(self._items())
+        for (i, slot), health in zip(items, healths, strict=False):
+            handle = slot.handle
+            if handle is None or slot.lock.locked() or self._slots.get(i) is not slot:  # being replaced or removed
                 continue
             if isinstance(health, str):
                 reason = f"is unhealthy ({health})"
             elif health.version >= version:
-                self._behind_since[i] = None
+                slot.behind_since = None
                 continue
             else:
-                since = self._behind_since[i] = self._behind_since[i] or now
+                since = slot.behind_since = slot.behind_since or now
                 if now - since < max_lag_s:
                     continue
                 reason = f"has held version {health.version} for {now - since:.0f} s while the learner is at {version} (sync.max_lag_s={max_lag_s:g})"
-            self._behind_since[i] = None
+            slot.behind_since = None
             try:
                 await self.restart(i, handle, reason)
                 actions.append(f"server-{i} {reason}: replaced")
@@ -263,15 +378,15 @@ class ServerPool:
 
     async def shutdown(self) -> None:
         """Stop every engine and actor."""
-        for watcher in self._watchers:
-            if watcher is not None:
-                watcher.cancel()
-        self._watchers = [None] * self.num_servers
-        for h in self._handles:
-            if h is None:
+        for _, slot in self._items():
+            if slot.watcher is not None:
+                slot.watcher.cancel()
+                slot.watcher = None
+        for _, slot in self._items():
+            if slot.handle is None:
                 continue
             try:
-                await asyncio.wait_for(h.shutdown.remote(), 60)
+                await asyncio.wait_for(slot.handle.shutdown.remote(), 60)
             except (RayActorError, asyncio.TimeoutError):
                 pass  # already dead: nothing to stop
-            ray.kill(h, no_restart=True)
+            ray.kill(slot.handle, no_restart=True)

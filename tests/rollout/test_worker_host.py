@@ -101,3 +101,46 @@ def test_workers_held_at_start_begin_only_when_asked(ray_local, tmp_path):
 
         asyncio.run(go())
         assert queue.stats()["inflight"] == 0
+
+
+def test_the_pool_scales_up_and_down_while_it_produces_and_loses_no_prompt(ray_local, tmp_path):
+    """1 -> 3 -> 1 servers while the workers produce: the new servers produce too (their
+    own ticket owners), the drained ones stop admitting and give back what they could not
+    finish; every prompt started is queued or returned exactly once, no ticket stays open."""
+    rows = [PromptRow(i + 1, f"question {i}", str(i % 10)) for i in range(10_000)]
+    with EmbeddedRedis(tmp_path / "redis") as url, ReplayQueue(url, RUN, max_depth=100_000) as queue:
+        pool = ServerPool(ServerSpec({"tokens_per_s": 2000.0}, num_cpus=0, server_cls=FakeServer), 1,
+                          workers=_spec(url), rows=ray.put(rows), on_lost=queue.release_owner)
+
+        async def produced(more: int, by: tuple[int, ...] = ()) -> None:
+            """``more`` groups queued, and servers ``by`` generated 400 tokens each (more than 8 groups in flight hold: some went through)."""
+            start = queue.stats()["depth"]
+            while queue.stats()["depth"] < start + more or min([(await pool.handle(i).health.remote()).generated_tokens for i in by] or [400]) < 400:
+                await asyncio.sleep(0.1)
+
+        async def go() -> tuple[list[str], list[str], list[int]]:
+            await pool.start()
+            await produced(10)
+            up = await pool.scale_to(3, grace_s=5.0)
+            assert pool.indices == [0, 1, 2] and [h.server_id for h in await pool.health()] == ["server-0", "server-1", "server-2"]
+            await produced(30, by=(1, 2))
+            leaving = [(await pool.handle(i).health.remote()).pid for i in (1, 2)]
+            down = await pool.scale_to(2, grace_s=10.0)  # server-2 finishes what it generated
+            down += await pool.scale_to(1, grace_s=0.0)  # no grace: what server-1 has in flight goes back to the queue
+            assert pool.indices == [0] and queue.stats()["inflight"] <= 8  # only server-0's own tickets are open
+            await produced(10)
+            await pool.stop_workers(grace_s=5.0)
+            await pool.shutdown()
+            return up, down, leaving
+
+        up, down, leaving = asyncio.run(go())
+        assert up == ["server-1 added", "server-2 added"] and down == ["server-2 drained and stopped", "server-1 drained and stopped"]
+        assert not any(os.path.exists(f"/proc/{pid}") for pid in leaving)  # their processes are gone
+        stats = queue.stats()
+        groups = [g for _, g in queue.get(100_000, timeout=1.0)]
+        queued = [g.prompt_id for g in groups]
+        returned = [int(i) for i in queue._client.lrange(queue.keys.returned, 0, -1)]
+        assert {g.server_id for g in groups} == {"server-0", "server-1", "server-2"}
+        assert pool.restarts == 0 and stats["inflight"] == 0
+        assert stats["groups_started"] == len(queued)
+        assert sorted(queued + returned) == list(range(stats["prompt_cursor"]))  # none skipped, none twice
