@@ -190,6 +190,33 @@ def export_cmd(
     out.print(f"exported {checkpoint} -> {out_dir}", highlight=False)
 
 
+@app.command("scale")
+def scale_cmd(
+    run_dir: Annotated[Path, typer.Argument(help="The running run's output_dir, e.g. runs/quickstart.")],
+    servers: Annotated[int, typer.Option("--servers", min=1, help="Inference servers to run from now on.")],
+    grace_s: Annotated[float, typer.Option("--grace-s", min=0.0, help="How long a leaving server's groups in flight may take to finish "
+                                           "before their prompts go back to the queue, seconds.")] = 30.0,
+    redis_url: Annotated[Optional[str], typer.Option("--redis-url", envvar="ASYNC_RL_REDIS_URL",
+                                                     help="The run's Redis, when it is not the embedded one (its password is redacted in the run directory).")] = None,
+    timeout_s: Annotated[float, typer.Option("--timeout-s", help="Longest wait for the driver's answer, seconds.")] = 1800.0,
+) -> None:
+    """Change the number of inference servers of a running run: new servers catch up to the current
+    weights and produce; leaving ones drain (nothing lost or produced twice). The run's driver does it."""
+    from async_rl.launch.scale import ScaleError, request_scale
+
+    try:
+        reply = request_scale(run_dir, servers, grace_s, redis_url, timeout_s, progress=lambda line: err.print(line, highlight=False))
+    except ScaleError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    for line in reply.lines:
+        out.print(line, highlight=False)
+    if not reply.ok:
+        typer.echo(f"error: {reply.error}", err=True)
+        raise typer.Exit(1)
+    out.print(f"{reply.servers} inference servers", highlight=False)
+
+
 def main() -> None:
     """Console-script entry point."""
     app()

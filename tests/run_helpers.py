@@ -120,10 +120,9 @@ def redis_pid(run_dir: Path) -> int:
     """The process id of the run's embedded redis-server, asked of the server itself (its
     port and password are in ``redis/redis.conf``)."""
     from async_rl.queue.client import connect
+    from async_rl.queue.embedded import url_of
 
-    conf = dict(line.split(" ", 1) for line in (run_dir / "redis" / "redis.conf").read_text().splitlines() if " " in line)
-    password = conf["requirepass"].strip('"')
-    client = connect(f"redis://:{password}@{conf['bind']}:{conf['port']}/0", socket_timeout_s=5.0)
+    client = connect(url_of(run_dir / "redis"), socket_timeout_s=5.0)
     try:
         return int(client.info("server")["process_id"])
     finally:

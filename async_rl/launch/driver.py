@@ -47,6 +47,7 @@ from async_rl.launch.tracking import Tracker
 from async_rl.learner.actor import start_learners
 from async_rl.queue import EmbeddedRedis, QueueUnavailableError, RedisExit, ReplayQueue
 from async_rl.queue.ownership import LEASE_RENEW_S, LeaseLostError, RunInUseError, RunOwnership
+from async_rl.queue.requests import Requests, ScaleReply
 from async_rl.rewards.pool import RewardPool
 from async_rl.rewards.scoring import RewardScorer, RewardStartupError, check_reward_function
 from async_rl.rollout.engine_args import engine_kwargs, on_gpu, openai_api_settings
@@ -70,6 +71,8 @@ RATE_WINDOW_S = 10.0
 """Generation tokens/s is measured over about this many seconds (groups land in bursts), seconds."""
 FAILURE_POLL_S = 1.0
 """How often the driver reads the servers' failure reports from the queue, seconds."""
+REQUEST_POLL_S = 1.0
+"""How often the driver looks for a request to the run (``async-rl scale``), seconds."""
 HEARTBEAT_S = 30.0
 """While no learner step has come for this long, the console shows what the rollout side is
 doing (and the counters go to every metrics sink) once per this many seconds."""
@@ -405,6 +408,7 @@ class _Run:
         learner = asyncio.create_task(self._drive_learner())
         watcher: asyncio.Task | None = None
         relay: asyncio.Task | None = None
+        requests: asyncio.Task | None = None
         try:
             try:
                 await self.pool.start(workers=False)
@@ -424,6 +428,7 @@ class _Run:
             if self.stop.is_set():
                 return
             await self.pool.start_workers()
+            requests = asyncio.create_task(self._serve_requests())
             started = self._last_step = time.monotonic()
             r = self.cfg.rollout
             self._say(f"rollout workers started: {r.num_servers} server(s) x {r.workers_per_server} worker(s); "
@@ -432,8 +437,11 @@ class _Run:
             self.train_wall_s = time.monotonic() - started
         finally:
             self.stop.set()
-            if watcher is not None:
-                watcher.cancel()
+            for task in (watcher, requests):
+                if task is not None:
+                    task.cancel()
+            if requests is not None:
+                await asyncio.gather(requests, return_exceptions=True)  # a scale in progress ends before the workers stop
             if not learner.done():
                 await learner
             # Workers end their tickets (prompts in flight go back to the queue) before the
@@ -550,6 +558,47 @@ class _Run:
         rollout, stats = await self._queue_now()
         return self._rollout_metrics(rollout, stats, self._generated.rate(rollout.get("tokens_generated", 0.0), time.monotonic()))
 
+    async def _serve_requests(self) -> None:
+        """About once a second: act on a request to this run (``async-rl scale``,
+        :mod:`async_rl.launch.scale`), one at a time; a failing poll is logged and retried."""
+        requests = Requests(self.queue.client, self.cfg.trainer.run_name)
+        while True:
+            await asyncio.sleep(REQUEST_POLL_S)
+            try:
+                request = await self._redis(requests.take)
+                if request is not None:
+                    reply = await self._scale(request.servers, request.grace_s)
+                    await self._redis(lambda: requests.answer(request.request_id, reply))
+            except QueueUnavailableError as exc:  # the watcher decides about Redis; the request waits there
+                log.warning("scale requests not read: %s", exc)
+            if requests.undecodable:
+                log.warning("dropped %d entries of the run's request list that were not requests", requests.undecodable)
+                requests.undecodable = 0
+
+    async def _scale(self, servers: int, grace_s: float) -> ScaleReply:
+        """Run ``servers`` inference servers from now on (refused, with the reason, when Ray lacks
+        the resources of the servers to add); the console, ``servers.json`` and the metrics follow."""
+        before, r = self.pool.num_servers, self.cfg.rollout
+        if servers > before:
+            free = ray.available_resources()
+            for resource, each in (("CPU", r.cpus_per_server), ("GPU", r.gpus_per_server)):
+                if (need := each * (servers - before)) > free.get(resource, 0.0) + 1e-9:
+                    error = (f"{servers - before} more servers need {need:g} {resource}s (rollout.{resource.lower()}s_per_server={each:g}); "
+                             f"the Ray cluster has {free.get(resource, 0.0):g} free: add a node, or lower rollout.{resource.lower()}s_per_server")
+                    self._say(f"scale to {servers} servers refused: {error}")
+                    return ScaleReply(False, before, error=error)
+        self._say(f"scaling the inference servers {before} -> {servers} (asked by async-rl scale)")
+        try:
+            lines = await self.pool.scale_to(servers, grace_s)
+        except (ray.exceptions.RayError, asyncio.TimeoutError, ValueError) as exc:
+            self._say(f"scale to {servers} servers failed: {_cause(exc)}")
+            return ScaleReply(False, self.pool.num_servers, error=_cause(exc))
+        for line in lines:
+            self._say(line)
+        self._write_servers()
+        ok = self.pool.num_servers == servers
+        return ScaleReply(ok, self.pool.num_servers, tuple(lines), None if ok else lines[-1])
+
     async def _relay_failures(self) -> None:
         """About once a second: the servers' failure reports to the console and the run's
         files; while no step comes, a heartbeat every :data:`HEARTBEAT_S` seconds."""
@@ -617,6 +666,7 @@ class _Run:
             "queue/dead_lettered": float(stats["dead_lettered"]),
             "queue/oldest_age_s": float(stats["oldest_age_s"]),
             "queue/returned_prompts": float(stats["returned_prompts"]),
+            "rollout/servers": float(self.pool.num_servers),
             "rollout/server_restarts": float(self.pool.restarts),
             "queue/redis_restarts": float(self.redis_restarts),
             "rollout/engine_deaths": float(self.pool.engine_deaths),

@@ -96,6 +96,16 @@ def _free_port(host: str) -> int:
         return int(sock.getsockname()[1])
 
 
+def url_of(data_dir: str | os.PathLike[str]) -> str:
+    """The ``redis://`` URL of the embedded server whose data directory is ``data_dir``, read
+    from its ``redis.conf`` (host, port, password): how another process of the run's user
+    reaches it. ``FileNotFoundError`` when there is none; ``PermissionError`` for another user."""
+    conf = dict(line.split(" ", 1) for line in (Path(data_dir) / "redis.conf").read_text().splitlines() if " " in line)
+    password = conf.get("requirepass", "").strip('"')
+    auth = f":{quote(password, safe='')}@" if password else ""
+    return f"redis://{auth}{conf['bind']}:{conf['port']}/0"
+
+
 class EmbeddedRedis:
     """Context manager running ``redis-server``; ``__enter__`` returns its ``redis://`` URL.
 

@@ -264,6 +264,11 @@ class ReplayQueue:
         """What the latest :meth:`get` or :meth:`recover` screened."""
         self._call("create consumer group", self._create_group)
 
+    @property
+    def client(self) -> redis.Redis:
+        """The connection to the run's Redis (for the run's other key families: :mod:`async_rl.queue.requests`)."""
+        return self._client
+
     def _call(self, what: str, op: Callable[[], T], deadline: float | None = None) -> T:
         if deadline is None:
             deadline = time.monotonic() + self.op_timeout_s

@@ -1,0 +1,74 @@
+"""Resize a running run's inference servers from another process: ``async-rl scale``.
+
+    reply = request_scale("runs/quickstart", servers=2)   # blocks until the driver answered
+
+The request goes through the run's Redis (:mod:`async_rl.queue.requests`); the running
+driver owns the change (:meth:`async_rl.launch.driver.Trainer` serves it between its other
+work): no second driver, no restart of the learner.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import redis
+import yaml
+
+from async_rl.queue.client import QueueUnavailableError, connect
+from async_rl.queue.embedded import url_of
+from async_rl.queue.requests import Requests, ScaleReply
+
+DEFAULT_GRACE_S = 30.0
+"""How long a leaving server's groups in flight may take to finish before their prompts go back, seconds."""
+
+
+class ScaleError(RuntimeError):
+    """The request could not be made or was not answered (the run's files, its Redis, its driver)."""
+
+
+def run_redis_url(run_dir: Path, redis_url: str | None = None) -> tuple[str, str]:
+    """``(run name, Redis URL)`` of the run in ``run_dir``: the name from its
+    ``resolved_config.yaml``; the URL given, else the embedded server's (``redis/redis.conf``),
+    else the config's ``queue.redis_url`` when it holds no redacted password."""
+    resolved = run_dir / "resolved_config.yaml"
+    if not resolved.is_file():
+        raise ScaleError(f"{resolved} does not exist: is {run_dir} the output_dir of a run?")
+    cfg = yaml.safe_load(resolved.read_text())
+    run = cfg["trainer"]["run_name"]
+    if redis_url:
+        return run, redis_url
+    if (run_dir / "redis" / "redis.conf").is_file():
+        return run, url_of(run_dir / "redis")
+    configured = cfg["queue"].get("redis_url")
+    if not configured or "***" in configured:
+        raise ScaleError(f"the run's Redis URL is not in {run_dir} (its password is redacted there): pass --redis-url")
+    return run, configured
+
+
+def request_scale(run_dir: str | Path, servers: int, grace_s: float = DEFAULT_GRACE_S, redis_url: str | None = None,
+                  timeout_s: float = 1800.0, progress: Callable[[str], None] | None = None) -> ScaleReply:
+    """Ask the driver of the run in ``run_dir`` for ``servers`` inference servers and wait (at
+    most ``timeout_s`` seconds) for its reply; ``progress(line)`` hears about the wait."""
+    run, url = run_redis_url(Path(run_dir), redis_url)
+    client = connect(url, socket_timeout_s=10.0)
+    try:
+        requests = Requests(client, run)
+        if client.get(requests.keys.lease) is None:
+            raise ScaleError(f"no driver runs {run!r} (its lease in Redis is gone): start or resume the run first")
+        request_id = requests.post(servers, grace_s)
+        start = time.monotonic()
+        said = start
+        while (reply := requests.reply(request_id)) is None:
+            if time.monotonic() - start > timeout_s:
+                raise ScaleError(f"the driver did not answer within {timeout_s:.0f} s (request {request_id} stays queued)")
+            if progress is not None and time.monotonic() - said >= 10.0:
+                said = time.monotonic()
+                progress(f"waiting for the driver: {said - start:.0f} s")
+            time.sleep(0.5)
+        return reply
+    except (QueueUnavailableError, redis.RedisError) as exc:
+        raise ScaleError(f"the run's Redis did not answer: {exc}") from exc
+    finally:
+        client.close()
