@@ -327,8 +327,8 @@ class ServerPool:
                 lines.append(f"{len(failed)} servers could not start: {type(failed[0]).__name__}: {failed[0]}")
             return lines
         leaving = sorted(self._slots, reverse=True)[: self.num_servers - n]
-        await asyncio.gather(*(self.remove(i, grace_s) for i in leaving))
-        return [f"server-{i} drained and stopped" for i in leaving]
+        totals = await asyncio.gather(*(self.remove(i, grace_s) for i in leaving))
+        return [f"server-{i} drained and stopped ({t.get('groups_put', 0):.0f} groups put by its workers)" for i, t in zip(leaving, totals, strict=True)]
 
     async def health(self, timeout_s: float = 30.0) -> list[ServerHealth | str]:
         """Health of every server, or the error text for a dead, broken or unstarted one."""
