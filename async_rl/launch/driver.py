@@ -328,6 +328,8 @@ class _Run:
             log.warning("checkpoints: %s", line)
         if started["checkpoint"] is not None:
             log.info("the learner resumed from %s (version %d)", started["checkpoint"], self.version)
+        if started["resharded"] is not None:  # learner.world_size changed since the checkpoint
+            log.info("%s", started["resharded"])
         # The learner resumed (its checkpoint's entries are committed): rebuild the ledger from
         # what is really there, so slots and prompts of groups lost with a killed run come back.
         found = await self._redis(lambda: self.queue.reconcile(self.version, cfg.learner.batch_size, live=live))

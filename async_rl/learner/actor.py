@@ -71,9 +71,11 @@ class LearnerActor:
 
     def started_from(self) -> dict[str, Any]:
         """``{"checkpoint": the checkpoint loaded (None: the base model), "swept": what the
-        start's sweep of killed checkpoint saves did}`` (rank 0; elsewhere the sweep is empty)."""
+        start's sweep of killed checkpoint saves did, "resharded": a line when the checkpoint
+        was saved by another number of ranks (else None)}`` (rank 0; elsewhere the sweep is
+        empty and "resharded" None)."""
         loop = self._loop()
-        return {"checkpoint": None if loop.head is None else str(loop.head), "swept": loop.swept}
+        return {"checkpoint": None if loop.head is None else str(loop.head), "swept": loop.swept, "resharded": loop.resharded}
 
     def finish(self) -> int:
         """Checkpoint and commit what the last checkpoint does not hold (collective); the version."""

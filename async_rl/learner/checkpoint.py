@@ -16,7 +16,8 @@ Layout of ``step_{version:08d}/``::
     critic_model/     with a critic (gae): DCP shards of the value model,
     critic_optim/     of its AdamW state,
     critic_hf/        and its config.json (a one-label token classifier, for export)
-    rng/rank_{r}.pt   Python, torch (and CUDA) RNG states of rank r (tensors and ints)
+    rng/rank_{r}.pt   Python, torch (and CUDA) RNG states of rank r (tensors and ints): one per
+                      saving rank, the only record of how many ranks saved (:func:`saved_world_size`)
     hf/               config.json, generation config and tokenizer files of the base model (for export)
     state.json        version, scheduler state, uncommitted queue entry ids, counters, parent;
                       written last: a directory without it is incomplete and ignored
@@ -38,6 +39,11 @@ step of a line the user left by resuming from an older checkpoint; retention kee
 ``keep`` newest checkpoints of the line being trained and leaves other lines' alone.
 Checkpoints written before lines existed have no ``parent`` key and their directory no
 ``head.json``: they are legacy, one line in step order, and ``auto`` loads the highest step.
+
+**Any number of ranks loads it.** Nothing but the RNG files depends on the number of ranks
+that saved: DCP reshards the model and optimizer shards on load, ``state.json`` holds no rank
+count. A rank loads its own RNG file if there is one; the files of ranks the loading run does
+not have are not read (docs/training.md, "Resuming on another number of ranks").
 
 **Loading runs nothing from the checkpoint.** A checkpoint holds data only: tensors, plain
 values, DCP's metadata classes, JSON and tokenizer files. :func:`load` and :func:`export_hf`
@@ -255,7 +261,9 @@ def save(
 def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
          critic: tuple[nn.Module, torch.optim.Optimizer] | None = None) -> TrainingState:
     """Restore model, optimizer (and the critic's), and this rank's RNG from checkpoint
-    ``path`` (collective). A checkpoint saved without a critic cannot resume a run with one.
+    ``path`` (collective), whatever number of ranks saved it: DCP reshards the states; a rank
+    the saving run did not have keeps its seeded RNG, and the RNG files of ranks this run does
+    not have are not read. A checkpoint saved without a critic cannot resume a run with one.
     Nothing in it is unpickled but data (:mod:`async_rl.learner.safe_load`)."""
     if critic is not None and not (path / "critic_model").is_dir():
         raise FileNotFoundError(f"{path} holds no critic (saved without algorithm.advantage.name=gae): resume with trainer.resume=off "
@@ -266,9 +274,35 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
         dcp_load(optim_sd, path / f"{prefix}optim")
         set_state_dict(m, o, model_state_dict=model_sd, optim_state_dict=optim_sd)
     rng_file = path / "rng" / f"rank_{dist.get_rank()}.pt"
-    if rng_file.is_file():  # absent when resuming with more ranks than saved: seeds stay as set
+    if rng_file.is_file():  # absent when resuming with more ranks than saved: the seed stays as set
         _set_rng_state(tensors_load(rng_file))
     return TrainingState(**json.loads((path / _STATE).read_text()))
+
+
+def saved_world_size(path: Path) -> int:
+    """The number of ranks that saved checkpoint ``path`` (its ``rng/rank_{r}.pt`` files)."""
+    return len(list((path / "rng").glob("rank_*.pt")))
+
+
+def resharding_note(path: Path, world_size: int) -> str | None:
+    """A line for the console when checkpoint ``path`` was saved by another number of ranks
+    than the ``world_size`` loading it (None when the same, or unknown: no RNG files): what
+    carries over, and which ranks' RNG states are not restored."""
+    saved = saved_world_size(path)
+    if saved in (0, world_size):
+        return None
+    if saved > world_size:
+        rng = f"the RNG states saved by {_ranks(world_size, saved)} are not used (no such rank in this run)"
+    else:
+        rng = f"no RNG state was saved for {_ranks(saved, world_size)}, seeded from trainer.seed instead"
+    return (f"resuming a checkpoint of {saved} rank{'s' * (saved != 1)} on {world_size}: the policy and optimizer states (and the "
+            f"critic's) are resharded on load; version, LR schedule, counters, KL controller and uncommitted queue entries "
+            f"carry over; {rng}")
+
+
+def _ranks(first: int, end: int) -> str:
+    """Ranks ``first`` to ``end - 1``: ``"rank 3"`` or ``"ranks 3-5"``."""
+    return f"rank {first}" if end - first == 1 else f"ranks {first}-{end - 1}"
 
 
 def export_hf(checkpoint: str | Path, out_dir: str | Path, critic: bool = False) -> Path:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -34,6 +35,8 @@ from async_rl.learner.publish import Publication, WeightPublisher
 from async_rl.learner.screening import Limits
 from async_rl.learner.train_step import Trainer
 from async_rl.queue import ReplayQueue
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -104,6 +107,9 @@ class LearnerLoop:
         """The checkpoint the weights continue from: the one loaded, then each one saved."""
         self.swept: list[str] = []
         """What the start's sweep of killed checkpoint saves did (rank 0), for the driver's console."""
+        self.resharded: str | None = None
+        """Rank 0, when the checkpoint loaded was saved by another number of ranks: what that
+        changes (:func:`checkpoint.resharding_note`), for the driver's console."""
         self._resume()
         self.publication = Publication(self.info.rank, self.info.device, policy, cfg.sync.bucket_mb, self.counters, publisher,
                                        self.queue.publish_version if self.queue is not None else None, self.version)
@@ -123,6 +129,10 @@ class LearnerLoop:
         chosen = collectives.broadcast_bytes(str(path).encode() if path else b"", self.info.device, self.info.rank).decode()
         if chosen:
             self.head = Path(chosen)
+            if self.info.rank == 0:
+                self.resharded = checkpoint.resharding_note(self.head, self.info.world_size)
+                if self.resharded is not None:
+                    log.info("%s", self.resharded)
             state = checkpoint.load(Path(chosen), self.trainer.policy, self.trainer.optimizer, self._critic())
             self.trainer.scheduler.load_state_dict(state.scheduler)
             if self.trainer.critic_scheduler is not None:

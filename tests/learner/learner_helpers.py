@@ -52,25 +52,31 @@ def learner_config(model_path: str | Path, output_dir: str | Path, run: str, *ov
     ])
 
 
-def rank_main(rank: int, world_size: int, port: int, cfg: Config, redis_url: str, max_steps: int | None, done_file: str) -> None:
-    """Body of one spawned learner rank: run the loop, then write ``done_file``.{rank}. With
-    ``max_steps`` the rank then waits to be killed (a crash after those steps)."""
+def rank_main(rank: int, world_size: int, port: int, cfg: Config, redis_url: str, max_steps: int | None, done_file: str,
+              finish: bool = False) -> None:
+    """Body of one spawned learner rank: run the loop, then write ``done_file``.{rank}
+    (``{"version", "pid", "resharded"}``). With ``max_steps`` the rank then waits to be killed
+    (a crash after those steps), or with ``finish`` checkpoints what it trained and exits (a
+    stop, as the driver's shutdown)."""
     from async_rl.learner.loop import LearnerLoop
 
     loop = LearnerLoop(cfg, rank, world_size, "127.0.0.1", port, redis_url)
     summary = loop.run(max_steps)
-    Path(f"{done_file}.{rank}").write_text(json.dumps({"version": summary.version, "pid": os.getpid()}))
-    if max_steps is not None:
+    if finish:
+        loop.finish()
+    Path(f"{done_file}.{rank}").write_text(json.dumps({"version": summary.version, "pid": os.getpid(), "resharded": loop.resharded}))
+    if max_steps is not None and not finish:
         time.sleep(3600)
     loop.close()
 
 
-def start_ranks(world_size: int, cfg: Config, redis_url: str, done_file: Path, max_steps: int | None = None) -> list[mp.Process]:
+def start_ranks(world_size: int, cfg: Config, redis_url: str, done_file: Path, max_steps: int | None = None,
+                finish: bool = False) -> list[mp.Process]:
     """Spawn ``world_size`` ranks of :func:`rank_main` on a free port."""
     from async_rl.learner.model import free_port
 
     port = free_port()
-    procs = [SPAWN.Process(target=rank_main, args=(r, world_size, port, cfg, redis_url, max_steps, str(done_file)), daemon=True)
+    procs = [SPAWN.Process(target=rank_main, args=(r, world_size, port, cfg, redis_url, max_steps, str(done_file), finish), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()

@@ -126,6 +126,22 @@ def test_a_checkpoint_loads_its_weights_back_through_the_allowlists(trainer: Tra
     assert torch.equal(exported["lm_head.weight"], saved["lm_head.weight"])
 
 
+def test_a_checkpoint_names_the_ranks_that_saved_it_and_a_load_on_another_count_says_what_changes(
+        trainer: Trainer, tiny_model: Path, tmp_path: Path) -> None:
+    path = _save(trainer, tiny_model, tmp_path, 1, None, 1)
+    assert checkpoint.saved_world_size(path) == 1 and checkpoint.resharding_note(path, 1) is None
+    note = checkpoint.resharding_note(path, 3)
+    assert note is not None and note.startswith("resuming a checkpoint of 1 rank on 3: ")
+    assert note.endswith("no RNG state was saved for ranks 1-2, seeded from trainer.seed instead")
+    for rank in (1, 2, 3):  # as if 4 ranks had saved it; unreadable: a load on 1 rank must not read them
+        (path / "rng" / f"rank_{rank}.pt").write_bytes(b"not a torch file")
+    assert checkpoint.saved_world_size(path) == 4
+    note = checkpoint.resharding_note(path, 2)
+    assert note is not None and note.startswith("resuming a checkpoint of 4 ranks on 2: ")
+    assert note.endswith("the RNG states saved by ranks 2-3 are not used (no such rank in this run)")
+    checkpoint.load(path, trainer.policy, trainer.optimizer)  # rank 0 of 1 reads rank_0.pt, nothing else
+
+
 @pytest.mark.parametrize("where", ["metadata", "rng"])
 def test_a_checkpoint_file_that_would_run_code_is_refused_and_nothing_runs(trainer: Trainer, tiny_model: Path, tmp_path: Path,
                                                                           where: str) -> None:

@@ -1,5 +1,6 @@
 """The learner loop with real ranks (spawned processes, gloo) and a real redis-server:
-1 rank == 2 ranks, exact resume after SIGKILL with every queue entry trained once."""
+1 rank == 2 ranks, exact resume after SIGKILL with every queue entry trained once, and a
+resume on another number of ranks (2 -> 1 -> 2) equal to an uninterrupted run."""
 
 from __future__ import annotations
 
@@ -64,15 +65,34 @@ def test_one_rank_and_two_ranks_give_the_same_parameters(tiny_model: Path, redis
 
 
 # State beyond the policy that a resume must restore, or steps 3 and 4 give other advantages and
-# weights: an adaptive KL-in-reward coefficient that moves by 40% a step, and a critic (GAE) with
-# its optimizer and schedule.
+# weights: an adaptive KL-in-reward coefficient that moves by 40% a step, the policy's LR warm-up
+# (over 3 steps), and a critic (GAE) with its optimizer and schedule.
 ADAPTIVE_KL = ("algorithm.kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0.5",
-               "algorithm.kl_ctrl.target_kl=0.01", "algorithm.kl_ctrl.horizon=8",
+               "algorithm.kl_ctrl.target_kl=0.01", "algorithm.kl_ctrl.horizon=8", "learner.optim.warmup_steps=3",
                "algorithm.advantage.name=gae", "learner.critic.optim.lr=1e-3", "learner.critic.optim.warmup_steps=2")
 
 
-def test_resume_after_sigkill_equals_an_uninterrupted_run(tiny_model: Path, redis_url: str, tmp_path: Path) -> None:
-    straight, steps_straight = _train(tiny_model, redis_url, tmp_path / "straight", 2, 4, *ADAPTIVE_KL)
+Trained = tuple[dict[str, torch.Tensor], list[dict]]
+"""The exported weights (name -> tensor) and the ``learner_steps.jsonl`` lines of a run."""
+
+
+@pytest.fixture(scope="module")
+def straight_two_ranks(tiny_model: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Trained:
+    """An uninterrupted run of 4 steps on 2 ranks with :data:`ADAPTIVE_KL`, on the 16 groups
+    of ``_fill`` (4 a step, in queue order): what the resume tests must reproduce."""
+    return _train(tiny_model, redis_url, tmp_path_factory.mktemp("straight"), 2, 4, *ADAPTIVE_KL)
+
+
+def _positions(lines: list[dict], ids: list[str]) -> dict[int, list[int]]:
+    """Version -> the queue positions (in ``ids``) of the groups its step trained; the last
+    line of a version counts (a resumed run retrains a version that was not checkpointed)."""
+    position = {entry_id: i for i, entry_id in enumerate(ids)}
+    return {s["version"]: sorted(position[e] for e in s["entry_ids"]) for s in lines}
+
+
+def test_resume_after_sigkill_equals_an_uninterrupted_run(straight_two_ranks: Trained, tiny_model: Path, redis_url: str,
+                                                         tmp_path: Path) -> None:
+    straight, steps_straight = straight_two_ranks
     coefs = [s["metrics"]["reward/kl_coef"] for s in steps_straight]
     assert len(set(coefs)) == 4, coefs  # the controller moved every step
 
@@ -99,16 +119,51 @@ def test_resume_after_sigkill_equals_an_uninterrupted_run(tiny_model: Path, redi
     lines = [json.loads(line) for line in (out / "learner_steps.jsonl").read_text().splitlines()]
     assert [s["version"] for s in lines] == [1, 2, 3, 3, 4]  # step 3 ran twice: killed, then redone
     assert [s["metrics"]["reward/kl_coef"] for s in lines[3:]] == pytest.approx(coefs[2:], rel=1e-12)  # restored, not reset
-    for key in ("critic/vf_loss", "critic/lr"):  # the critic, its optimizer and its schedule too
+    for key in ("critic/vf_loss", "critic/lr", "actor/lr"):  # the critic, its optimizer and schedule; the policy's schedule
         assert [s["metrics"][key] for s in lines[3:]] == pytest.approx([s["metrics"][key] for s in steps_straight[2:]], abs=1e-6), key
     critic = AutoModelForTokenClassification.from_pretrained(export_hf(list_checkpoints(out)[-1], out / "critic", critic=True))
     assert critic.config.num_labels == 1 and critic(input_ids=torch.tensor([[5, 6, 7]])).logits.shape == (1, 3, 1)
-    position = {entry_id: i for i, entry_id in enumerate(ids)}
-    lineage = {s["version"]: sorted(position[e] for e in s["entry_ids"]) for s in lines}  # last run of each version
-    assert lineage[3] == sorted(position[e] for e in lines[2]["entry_ids"])  # the same groups were retrained
+    lineage = _positions(lines, ids)
+    assert lineage[3] == _positions(lines[2:3], ids)[3]  # the same groups were retrained
     assert sorted(i for v in lineage.values() for i in v) == list(range(16))  # each group in exactly one step
-    straight_ids = [sorted(int(g) for g in range(4 * (s["version"] - 1), 4 * s["version"])) for s in steps_straight]
+    straight_ids = [list(range(4 * (s["version"] - 1), 4 * s["version"])) for s in steps_straight]
     assert [lineage[v] for v in (1, 2, 3, 4)] == straight_ids  # same order as the straight run
+    with ReplayQueue(redis_url, run) as q:
+        stats = q.stats()
+    assert stats["pending"] == 0 and stats["depth"] == 0
+
+
+def test_resume_on_another_number_of_ranks_equals_an_uninterrupted_run(straight_two_ranks: Trained, tiny_model: Path, redis_url: str,
+                                                                       tmp_path: Path) -> None:
+    """Steps 1-2 on 2 ranks, step 3 on 1, step 4 on 2, each leg stopped with a final checkpoint
+    and the next resuming it (``trainer.resume=auto``): the straight 2-rank run's weights (within
+    the 1-rank == 2-rank tolerance), schedules, KL controller, critic and groups."""
+    straight, steps_straight = straight_two_ranks
+    run = f"loop-{uuid.uuid4().hex[:8]}"
+    ids = _fill(redis_url, run, 16)
+    cfg = learner_config(tiny_model, tmp_path, run, *ADAPTIVE_KL)  # total_steps=4 on every leg: the straight run's LR schedule
+    legs = ((2, 2), (1, 1), (2, None))  # (ranks, steps): the last leg trains to total_steps
+    for leg, (ranks, steps) in enumerate(legs):
+        _wait(start_ranks(ranks, cfg, redis_url, tmp_path / f"leg{leg}", max_steps=steps, finish=True))
+    rng = {c.name: sorted(f.name for f in (c / "rng").iterdir()) for c in list_checkpoints(tmp_path)}
+    assert rng == {checkpoint_dir(tmp_path, 3).name: ["rank_0.pt"], checkpoint_dir(tmp_path, 4).name: ["rank_0.pt", "rank_1.pt"]}
+    notes = [json.loads((tmp_path / f"leg{leg}.0").read_text())["resharded"] for leg in range(len(legs))]
+    assert notes[0] is None
+    assert notes[1].startswith("resuming a checkpoint of 2 ranks on 1: ") and "RNG states saved by rank 1 are not used" in notes[1]
+    assert notes[2].startswith("resuming a checkpoint of 1 rank on 2: ") and "no RNG state was saved for rank 1" in notes[2]
+
+    resumed = load_file(export_hf(list_checkpoints(tmp_path)[-1], tmp_path / "export") / "model.safetensors")
+    for name in straight:
+        torch.testing.assert_close(resumed[name], straight[name], rtol=0, atol=2e-5)
+    lines = [json.loads(line) for line in (tmp_path / "learner_steps.jsonl").read_text().splitlines()]
+    assert [s["version"] for s in lines] == [1, 2, 3, 4]  # each leg went on from the previous one's version
+    for key in ("actor/lr", "critic/lr"):  # the optimizers' schedules carried over, not restarted
+        assert [s["metrics"][key] for s in lines] == pytest.approx([s["metrics"][key] for s in steps_straight], rel=1e-12), key
+    # The state each step started from: weights, Adam moments, the KL coefficient.
+    for key in ("actor/pg_loss", "critic/vf_loss", "reward/kl_coef"):
+        assert [s["metrics"][key] for s in lines] == pytest.approx([s["metrics"][key] for s in steps_straight], abs=1e-5), key
+    lineage = _positions(lines, ids)
+    assert [lineage[v] for v in (1, 2, 3, 4)] == [list(range(4 * v, 4 * v + 4)) for v in range(4)]  # each group once, in queue order
     with ReplayQueue(redis_url, run) as q:
         stats = q.stats()
     assert stats["pending"] == 0 and stats["depth"] == 0
