@@ -53,6 +53,10 @@ class RecordingSender:
     def behind(self, version: int) -> list[str]:
         return [s for s, v in self._servers.items() if v != version]
 
+    @property
+    def dropped(self) -> dict[str, int]:
+        return {}
+
     def begin(self, named_tensors, version, *, specs, servers=None):  # type: ignore[no-untyped-def]
         names = [name for name, _ in named_tensors]
         targets = sorted(self._servers if servers is None else servers)
