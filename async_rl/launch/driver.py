@@ -396,12 +396,14 @@ class _Run:
         (self.run_dir / "servers.json").write_text(json.dumps(doc, indent=1) + "\n")
 
     async def _await_current_weights(self, index: int, handle: Any) -> None:
-        """A (re)started server serves only once it holds the learner's current version (the
-        learner's catch-up sends it while waiting for data)."""
-        deadline = time.monotonic() + self.cfg.sync.timeout_s
-        while (await handle.health.remote()).version < self.version:
+        """A (re)started or added server serves only once it holds the learner's version of the
+        moment it registered, or a later one (the learner's catch-up or next update sends it;
+        from then on it gets every update). Not the version of each moment: the learner may
+        step faster than a new engine loads, and a server chasing it would never start."""
+        target, deadline = self.version, time.monotonic() + self.cfg.sync.timeout_s
+        while (await handle.health.remote()).version < target:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"server-{index} did not receive version {self.version} within sync.timeout_s={self.cfg.sync.timeout_s}")
+                raise TimeoutError(f"server-{index} did not receive version {target} within sync.timeout_s={self.cfg.sync.timeout_s}")
             await asyncio.sleep(0.5)
 
     # -- the run --------------------------------------------------------------------
