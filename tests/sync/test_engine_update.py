@@ -122,7 +122,7 @@ def rig(tmp_path_factory) -> Iterator[Rig]:
     r.server.close()
     r.sender.close()
     loop.close()
-    del llm
+    llm.llm_engine.engine_core.shutdown()  # now: a collected LLM stops its engine only whenever the GC gets to it
 
 
 def test_update_serves_the_new_weights(rig: Rig):
