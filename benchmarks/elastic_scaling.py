@@ -52,6 +52,7 @@ from async_rl.rollout.types import Sampling
 from async_rl.rollout.worker import WorkerSettings
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _fake_servers import add_fake_server_args  # noqa: E402
 from _report import report  # noqa: E402
 
 EFFICIENCY_TARGET = 0.8
@@ -119,10 +120,7 @@ def main() -> int:
     parser.add_argument("--phase-s", type=float, default=40.0, help="length of each phase, seconds (from its change's start)")
     parser.add_argument("--settle-s", type=float, default=15.0, help="groups/s is measured from this long after a change")
     parser.add_argument("--grace-s", type=float, default=5.0, help="a leaving server's time to finish its groups in flight")
-    parser.add_argument("--tokens-per-s", type=float, default=1024.0, help="throughput of one fake server")
-    parser.add_argument("--n", type=int, default=4, help="samples per group")
-    parser.add_argument("--max-tokens", type=int, default=64, help="tokens per sample (fixed length)")
-    parser.add_argument("--max-inflight", type=int, default=16, help="groups in flight per server")
+    add_fake_server_args(parser)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     phases = [int(s) for s in args.phases.split(",")]

@@ -60,6 +60,7 @@ from async_rl.rollout.types import Sampling
 from async_rl.rollout.worker import WorkerSettings
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _fake_servers import add_fake_server_args  # noqa: E402
 from _report import report  # noqa: E402
 
 EFFICIENCY_TARGET, DRIVER_CPU_TARGET_MS, SLOW_REWARD_TARGET = 0.8, 1.0, 0.9
@@ -189,10 +190,7 @@ def main() -> int:
     parser.add_argument("--slow-servers", default="1,8,32", help="server counts run again with the slow reward ('' for none)")
     parser.add_argument("--seconds", type=float, default=15.0, help="measured window per point")
     parser.add_argument("--warmup", type=float, default=4.0, help="seconds after the servers started, before measuring")
-    parser.add_argument("--tokens-per-s", type=float, default=1024.0, help="throughput of one fake server")
-    parser.add_argument("--n", type=int, default=4, help="samples per group")
-    parser.add_argument("--max-tokens", type=int, default=64, help="tokens per sample (fixed length)")
-    parser.add_argument("--max-inflight", type=int, default=16, help="groups in flight per server")
+    add_fake_server_args(parser)
     parser.add_argument("--max-staleness", type=int, default=1000,
                         help="eta: high, so admission (still checked per group) never holds the servers back")
     parser.add_argument("--reward-ms", type=float, default=100.0, help="the slow reward function's time per call")

@@ -84,12 +84,6 @@ class _Slot:
     """``time.monotonic()`` since when it lags the learner's version (see :meth:`ServerPool.heal`)."""
 
 
-def _same_servers(items: list[tuple[int, _Slot]], healths: list[ServerHealth | str]) -> bool:
-    """Whether ``healths`` (a :meth:`ServerPool.health`) were taken of the servers ``items``, in order."""
-    return len(items) == len(healths) and all(
-        (h.server_id if isinstance(h, ServerHealth) else h.split(":")[0].split(" ")[0]) == f"server-{i}" for (i, _), h in zip(items, healths, strict=True))
-
-
 class ServerPool:
     """:class:`InferenceServer` actors, restarted when they die, resized on demand."""
 
@@ -126,6 +120,8 @@ class ServerPool:
         """Servers whose vLLM engine process died while the server lived (each one replaced)."""
         self._slots: dict[int, _Slot] = {}
         self._next = 0
+        self._health_of: list[int] = []
+        """The servers the last :meth:`health` was taken of, in order (:meth:`heal` checks it still holds)."""
         for _ in range(num_servers):
             self._new_slot()
 
@@ -341,7 +337,9 @@ class ServerPool:
             except (RayActorError, RayTaskError, asyncio.TimeoutError) as exc:
                 return f"server-{i}: {type(exc).__name__}: {exc}"
 
-        return list(await asyncio.gather(*(one(i, slot.handle) for i, slot in self._items())))
+        items = list(self._items())
+        self._health_of = [i for i, _ in items]
+        return list(await asyncio.gather(*(one(i, slot.handle) for i, slot in items)))
 
     async def heal(self, version: int, max_lag_s: float, healths: list[ServerHealth | str] | None = None) -> list[str]:
         """Replace every server that is dead, broken (its health check raises, e.g. after a
@@ -351,7 +349,7 @@ class ServerPool:
         now = time.monotonic()
         actions = []
         items = list(self._items())
-        if healths is None or not _same_servers(items, healths):  # none given, or taken before the pool changed
+        if healths is None or self._health_of != [i for i, _ in items]:  # none given, or taken before the pool changed
             healths = await self.health()
             items = list(self._items())
         for (i, slot), health in zip(items, healths, strict=False):
