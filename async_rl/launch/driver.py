@@ -400,11 +400,13 @@ class _Run:
         moment it registered, or a later one (the learner's catch-up or next update sends it;
         from then on it gets every update). Not the version of each moment: the learner may
         step faster than a new engine loads, and a server chasing it would never start."""
-        target, deadline = self.version, time.monotonic() + self.cfg.sync.timeout_s
-        while (await handle.health.remote()).version < target:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"server-{index} did not receive version {target} within sync.timeout_s={self.cfg.sync.timeout_s}")
-            await asyncio.sleep(0.5)
+        target, timeout_s = self.version, self.cfg.sync.timeout_s
+        try:
+            async with asyncio.timeout(timeout_s):
+                while (await handle.health.remote()).version < target:
+                    await asyncio.sleep(0.5)
+        except TimeoutError:
+            raise TimeoutError(f"server-{index} did not receive version {target} within sync.timeout_s={timeout_s:g}") from None
 
     # -- the run --------------------------------------------------------------------
 

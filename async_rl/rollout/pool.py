@@ -41,6 +41,12 @@ from async_rl.sync.auth import SyncEndpoint
 
 log = logging.getLogger(__name__)
 
+ADD_ATTEMPTS = 2
+"""Starts an added server gets: a start that failed or hung (a lost engine reply, a node's
+transient fault) is retried once on a fresh actor before the scale reports it."""
+STACKS_TIMEOUT_S = 10.0
+"""How long a server that hangs may take to report its stacks, seconds."""
+
 
 @dataclass
 class ServerSpec:
@@ -173,17 +179,34 @@ class ServerPool:
         )
         openai_api = self.spec.openai_api.for_server(i) if self.spec.openai_api is not None else None
         handle = actor_cls.remote(f"server-{i}", self.spec.engine_kwargs, self.version(), openai_api)
-        health = await asyncio.wait_for(handle.start.remote(self.spec.sync), self.spec.start_timeout_s)
-        slot.started = health
-        if health.openai_url is not None:
-            log.info("server-%d (pid %d) serves the OpenAI API at %s", i, health.pid, health.openai_url)
-        if self.on_start is not None:
-            await self.on_start(i, handle)
-        if workers:
-            await self._start_workers(i, handle)
+        try:  # this call owns the actor until the slot holds it: a start that fails or hangs kills it
+            try:
+                health = await asyncio.wait_for(handle.start.remote(self.spec.sync), self.spec.start_timeout_s)
+            except asyncio.TimeoutError:
+                raise TimeoutError(await self._stuck(i, handle, f"did not start within {self.spec.start_timeout_s:g} s")) from None
+            slot.started = health
+            if health.openai_url is not None:
+                log.info("server-%d (pid %d) serves the OpenAI API at %s", i, health.pid, health.openai_url)
+            if self.on_start is not None:
+                await self.on_start(i, handle)
+            if workers:
+                await self._start_workers(i, handle)
+        except BaseException:
+            ray.kill(handle, no_restart=True)
+            raise
         slot.handle = handle
         slot.watcher = asyncio.create_task(self._watch_engine(i, handle))
         return health
+
+    async def _stuck(self, i: int, handle: Any, what: str) -> str:
+        """``server-i <what>`` and the step it was at; its tasks' and threads' stacks go to
+        the log (where a start hangs is otherwise invisible: the actor just never answers)."""
+        try:
+            step, stacks = await asyncio.wait_for(handle.stacks.remote(), STACKS_TIMEOUT_S)
+        except (RayActorError, RayTaskError, asyncio.TimeoutError) as exc:
+            return f"server-{i} {what} (its stacks could not be read: {type(exc).__name__})"
+        log.warning("server-%d %s, %s; its stacks:\n%s", i, what, step, stacks)
+        return f"server-{i} {what}, {step} (its stacks are in the driver's log)"
 
     async def _watch_engine(self, i: int, handle: Any) -> None:
         """Wait for server ``i``'s engine to die, then replace the server. The server answers
@@ -279,16 +302,21 @@ class ServerPool:
     async def add(self, workers: bool = True) -> int:
         """Start one more server (the next index); returns its index once it serves (its
         ``on_start`` ran: caught up) and, with ``workers``, its rollout workers run. A start that
-        fails removes the server again and raises."""
+        fails or hangs is tried :data:`ADD_ATTEMPTS` times in all (the user hears of each
+        failure); then the server is removed again and the last error raised."""
         i = self._new_slot()
         try:
+            for _ in range(ADD_ATTEMPTS - 1):
+                try:
+                    await self._launch(i, workers)
+                    return i
+                except (RayActorError, RayTaskError, TimeoutError) as exc:  # _launch killed its actor
+                    self.report(f"server-{i} failed to start ({type(exc).__name__}: {exc}); starting it once more")
             await self._launch(i, workers)
+            return i
         except BaseException:
-            slot = self._slots.pop(i)
-            if slot.handle is not None:
-                ray.kill(slot.handle, no_restart=True)
+            del self._slots[i]
             raise
-        return i
 
     async def remove(self, i: int, grace_s: float) -> dict[str, float]:
         """Drain server ``i`` and stop it: its workers stop admitting, their groups in flight

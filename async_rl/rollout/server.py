@@ -11,10 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
+import inspect
+import io
 import logging
 import os
 import signal
+import sys
 import time
+import traceback
 import uuid
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
@@ -72,6 +77,24 @@ def _signal_name(number: int) -> str:
         return signal.Signals(number).name
     except ValueError:
         return f"signal {number}"
+
+
+def _suspended_coroutines() -> list[traceback.StackSummary]:
+    """Where every suspended coroutine of this process waits, one stack per outermost one.
+    Found through the garbage collector: Ray's task wrappers are Cython coroutines that hide
+    what they await, so ``Task.get_stack`` shows nothing below them."""
+    coros = [o for o in gc.get_objects() if inspect.iscoroutine(o) and o.cr_frame is not None]
+    awaited = {id(c.cr_await) for c in coros if c.cr_await is not None}
+    stacks = []
+    for coro in coros:
+        if id(coro) in awaited:
+            continue
+        frames = []
+        while inspect.iscoroutine(coro) and coro.cr_frame is not None:
+            frames.append((coro.cr_frame, coro.cr_frame.f_lineno))
+            coro = coro.cr_await
+        stacks.append(traceback.StackSummary.extract(frames))
+    return stacks
 
 
 class EngineOutputError(RuntimeError):
@@ -132,6 +155,8 @@ class InferenceServer:
         self.updates: list[Any] = []
         """Outcomes of the successful weight updates (``async_rl.sync.server.UpdateOutcome``)."""
         self._host: RolloutHost | None = None
+        self.step = "not started"
+        """Where :meth:`start` is (for :meth:`stacks`)."""
 
     async def start(self, sync: SyncEndpoint | None = None, control_timeout_s: float = 10.0) -> ServerHealth:
         """Build the engine (about 15 s on CPU for the tiny model) and its HTTP API; idempotent.
@@ -144,6 +169,7 @@ class InferenceServer:
         if self.openai_api is not None:
             refuse_dev_mode()  # the driver checked its own environment; this is the actor's (a node's `ray start`)
         if self._engine is None:
+            self.step = "building its vLLM engine"
             from vllm import AsyncEngineArgs
             from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -153,14 +179,27 @@ class InferenceServer:
             self._death = asyncio.get_running_loop().create_future()
             self._engine_watch = asyncio.create_task(self._watch_engine())
         if self.openai_api is not None and self._http is None:
+            self.step = "starting its OpenAI API"
             self._http = await OpenAIApi.start(self._engine, self.engine_kwargs["model"], self.openai_api)
         if sync is not None and self._sync is None:
             from async_rl.sync.server import WeightUpdateServer
 
+            self.step = "registering for weight updates"
             self._sync = WeightUpdateServer(self._engine, sync, self.server_id, version=self._version, control_timeout_s=control_timeout_s)
             await self._sync.start()
             self._sync_task = asyncio.create_task(self._sync.serve(on_outcome=self._on_update))
+        self.step = "started"
         return await self.health()
+
+    async def stacks(self) -> tuple[str, str]:
+        """``(step, stacks)``: the step of :meth:`start` it is at (``"started"`` once done) and
+        the stacks of its asyncio tasks and threads, to find where a start or a call hangs."""
+        out = io.StringIO()
+        for chain in _suspended_coroutines():
+            out.write(f"Coroutine:\n{''.join(chain.format())}")
+        for ident, frame in sys._current_frames().items():
+            out.write(f"Thread {ident}:\n{''.join(traceback.format_stack(frame, limit=12))}")
+        return f"at step: {self.step}", out.getvalue()
 
     def tokenizer(self) -> Any:
         """The engine's tokenizer (HF API: chat template, encode, decode)."""

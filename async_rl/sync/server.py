@@ -40,6 +40,9 @@ from async_rl.sync.ipc import host_identity
 
 log = logging.getLogger(__name__)
 
+RPC_REPLY_MARGIN_S = 5.0
+"""How much longer than the workers' own timeout a ``collective_rpc`` may take to come back, seconds."""
+
 
 class EngineHandle:
     """Uniform async access to a vLLM engine (``AsyncLLM`` or offline ``LLM``)."""
@@ -52,8 +55,17 @@ class EngineHandle:
         return await out if inspect.isawaitable(out) else out
 
     async def rpc(self, method: str, args: tuple = (), timeout_s: float | None = None) -> list[Any]:
-        """``collective_rpc`` on every worker; one result per worker."""
-        return await self._call("collective_rpc", method, timeout=timeout_s, args=args)
+        """``collective_rpc`` on every worker; one result per worker. ``timeout_s`` bounds the
+        workers (vLLM's own timeout, in the engine process) and, :data:`RPC_REPLY_MARGIN_S`
+        later, the wait here: a request or reply lost between this process and the engine
+        core raises ``TimeoutError`` too instead of waiting forever."""
+        call = self._call("collective_rpc", method, timeout=timeout_s, args=args)
+        if timeout_s is None:
+            return await call
+        try:
+            return await asyncio.wait_for(call, timeout_s + RPC_REPLY_MARGIN_S)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"the vLLM engine did not answer collective_rpc {method!r} within {timeout_s + RPC_REPLY_MARGIN_S:g} s") from None
 
     @property
     def dead(self) -> bool:
