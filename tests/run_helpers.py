@@ -51,10 +51,41 @@ def train_cli(config: Path, *overrides: str, timeout_s: float = 900) -> subproce
     return proc
 
 
-def start_train(config: Path, *overrides: str) -> subprocess.Popen[str]:
-    """``async-rl train`` in the background, stdout and stderr together."""
-    return subprocess.Popen([sys.executable, "-m", "async_rl.cli", "train", str(config), *overrides], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+class TrainProcess(subprocess.Popen):
+    """``async-rl train`` in the background, its stdout and stderr appended to ``train.log``
+    beside the config. A file, not a pipe: a pipe nobody reads fills after ~500 console lines
+    and the driver blocks on its next print (its scale requests and learner steps with it)."""
+
+    def __init__(self, config: Path, *overrides: str):
+        self.log = config.parent / "train.log"
+        with open(self.log, "a") as out:
+            self.offset = out.tell()
+            super().__init__([sys.executable, "-m", "async_rl.cli", "train", str(config), *overrides], cwd=ROOT,
+                             stdout=out, stderr=subprocess.STDOUT, text=True)
+
+    def output(self) -> str:
+        """What this run printed so far."""
+        with open(self.log) as f:
+            f.seek(self.offset)
+            return f.read()
+
+    def wait_output(self, timeout_s: float) -> str:
+        """Wait for the run to end (``subprocess.TimeoutExpired`` after ``timeout_s`` seconds); what it printed."""
+        self.wait(timeout_s)
+        return self.output()
+
+    def wait_printed(self, text: str, since: int = 0, timeout_s: float = 300) -> None:
+        """Until ``text`` is on the run's console, after its first ``since`` characters."""
+        deadline = time.monotonic() + timeout_s
+        while text not in self.output()[since:]:
+            if self.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"{text!r} not on the console (exit {self.returncode}):\n{self.output()[-3000:]}")
+            time.sleep(0.05)
+
+
+def start_train(config: Path, *overrides: str) -> TrainProcess:
+    """``async-rl train CONFIG OVERRIDES`` in the background (:class:`TrainProcess`)."""
+    return TrainProcess(config, *overrides)
 
 
 def step_versions(run_dir: Path) -> list[int]:
@@ -66,14 +97,14 @@ def step_versions(run_dir: Path) -> list[int]:
     return [int(r["version"]) for r in records if "perf/tokens_per_s" in r]
 
 
-def wait_for_version(proc: subprocess.Popen[str], run_dir: Path, version: int, since: int = 0, timeout_s: float = 600) -> None:
+def wait_for_version(proc: TrainProcess, run_dir: Path, version: int, since: int = 0, timeout_s: float = 600) -> None:
     """Block until the run logged a step of ``version`` or more among the step records after the
     first ``since`` (those an earlier run of this directory logged: a run SIGKILLed just after
     a step may have logged the next one too, and a resumed run appends to its metrics.jsonl)."""
     deadline = time.monotonic() + timeout_s
     while max(step_versions(run_dir)[since:], default=-1) < version:
         if proc.poll() is not None:
-            raise AssertionError(f"the run ended (exit {proc.returncode}) before version {version}:\n{proc.stdout.read()[-3000:]}")
+            raise AssertionError(f"the run ended (exit {proc.returncode}) before version {version}:\n{proc.output()[-3000:]}")
         if time.monotonic() > deadline:
             raise AssertionError(f"no step of version {version} within {timeout_s} s")
         time.sleep(0.3)
@@ -114,6 +145,32 @@ def queue_state(run_dir: Path, config: Path) -> dict[str, Any]:
         returned = [int(i) for i in client.lrange(q.keys.returned, 0, -1)]
         images = len(list(client.scan_iter(q.keys.image("*"))))
         return {"stats": q.stats(), "queued": queued, "returned": returned, "images": images}
+
+
+def lineage(run_dir: Path) -> dict[int, dict[str, Any]]:
+    """The last logged run of each version (``learner_steps.jsonl`` across resumes, a redone
+    step replacing the one its resume discarded): its entry ids and prompt ids."""
+    lines = [json.loads(line) for line in (run_dir / "learner_steps.jsonl").read_text().splitlines()]
+    return {line["version"]: line for line in lines}
+
+
+def assert_ledger(run_dir: Path, config: Path) -> dict[str, Any]:
+    """The ledger of a stopped run holds: every version trained once (no step missing), no
+    group in flight or pending, and no prompt lost or claimed twice: each claimed index is
+    trained into the final weights, queued, returned or dropped (a group from the future gives
+    its prompt back: that prompt is trained, queued or returned). Returns :func:`queue_state`."""
+    steps = lineage(run_dir)
+    assert sorted(steps) == list(range(1, len(steps) + 1)), sorted(steps)
+    trained = [p for line in steps.values() for p in line["prompt_ids"]]
+    state = queue_state(run_dir, config)
+    stats, queued, returned = state["stats"], state["queued"], state["returned"]
+    assert stats["pending"] == 0 and stats["inflight"] == 0, stats
+    claimed = trained + queued + returned
+    assert len(claimed) == len(set(claimed)), "a prompt was trained or queued twice"
+    done_by_drop = sum(count for reason, count in stats["dropped"].items() if reason != "future")
+    assert len(claimed) + done_by_drop + stats["dead_lettered"] == stats["prompt_cursor"], (len(claimed), done_by_drop, stats)
+    assert set(claimed) <= set(range(stats["prompt_cursor"]))
+    return state
 
 
 def redis_pid(run_dir: Path) -> int:

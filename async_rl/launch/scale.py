@@ -55,7 +55,7 @@ def request_scale(run_dir: str | Path, servers: int, grace_s: float = DEFAULT_GR
     client = connect(url, socket_timeout_s=10.0)
     try:
         requests = Requests(client, run)
-        if client.get(requests.keys.lease) is None:
+        if (driver := client.get(requests.keys.lease)) is None:
             raise ScaleError(f"no driver runs {run!r} (its lease in Redis is gone): start or resume the run first")
         request_id = requests.post(servers, grace_s)
         start = time.monotonic()
@@ -63,6 +63,9 @@ def request_scale(run_dir: str | Path, servers: int, grace_s: float = DEFAULT_GR
         while (reply := requests.reply(request_id)) is None:
             if time.monotonic() - start > timeout_s:
                 raise ScaleError(f"the driver did not answer within {timeout_s:.0f} s (request {request_id} stays queued)")
+            if client.get(requests.keys.lease) != driver:  # killed: its lease lapsed (or a resumed driver holds a new one)
+                raise ScaleError(f"the driver of {run!r} stopped before it answered request {request_id}: check the run's "
+                                 f"console; a resumed run starts rollout.num_servers servers, scale it again then")
             if progress is not None and time.monotonic() - said >= 10.0:
                 said = time.monotonic()
                 progress(f"waiting for the driver: {said - start:.0f} s")

@@ -17,10 +17,12 @@ import pytest
 RAY = str(Path(sys.executable).parent / "ray")
 
 
-def start_node(args: list[str], log: Path) -> subprocess.Popen[bytes]:
-    """``ray start ARGS --block`` in a new session, output to ``log``."""
+def start_node(args: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """``ray start ARGS --block`` in a new session, output to ``log``; ``env`` adds to the
+    environment the node (and so its actors) gets."""
     with open(log, "w") as out:
-        return subprocess.Popen([RAY, "start", *args, "--block"], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen([RAY, "start", *args, "--block"], stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, **(env or {})})
 
 
 def wait_for_log(log: Path, proc: subprocess.Popen[bytes], pattern: str) -> re.Match[str]:

@@ -1,40 +1,57 @@
 """The multi-node layout on one host, as a new user would set it up (docs/training.md#a-ray-cluster):
 a Ray head and a second raylet of one CPU each, started with `ray start` and token
 authentication, an external redis-server, and `async-rl train` with `ray.address` and
-`queue.redis_url`. The inference server and the learner rank land on different raylets."""
+`queue.redis_url`. The inference server and the learner rank land on different raylets; a
+third raylet that joins mid-run receives the server `async-rl scale` adds."""
 
 from __future__ import annotations
 
 import json
 import secrets
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
 from ray_nodes import start_node, stop_nodes, wait_for_log
-from run_helpers import step_versions, train_cli, write_config
+from run_helpers import ROOT, start_train, step_versions, wait_for_version, write_config
 
 from async_rl.queue import EmbeddedRedis
 
 pytestmark = pytest.mark.integration
 
 
+@dataclass
+class Cluster:
+    """A Ray cluster of one-CPU raylets on this host, token-authenticated."""
+
+    address: str
+    tmp_path: Path
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def add_node(self, env: dict[str, str] | None = None) -> None:
+        """Start one more raylet (as `ray start --address=...` on a new machine would) and wait until it runs."""
+        log = self.tmp_path / f"node{len(self.procs)}.log"
+        self.procs.append(start_node([f"--address={self.address}", "--num-cpus=1"], log, env))
+        wait_for_log(log, self.procs[-1], r"Ray runtime started")
+
+
 @pytest.fixture()
-def two_raylets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """Address of a two-node Ray cluster on this host (one CPU a node), token-authenticated."""
+def two_raylets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cluster]:
+    """A two-node Ray cluster on this host (one CPU a node), token-authenticated."""
     monkeypatch.setenv("RAY_AUTH_MODE", "token")
     monkeypatch.setenv("RAY_AUTH_TOKEN", secrets.token_hex(32))  # no ~/.ray/auth_token needed
     monkeypatch.setenv("RAY_worker_niceness", "0")
-    procs = []
+    procs: list[subprocess.Popen[bytes]] = []
     try:
         procs.append(start_node(["--head", "--port=0", "--num-cpus=1", "--include-dashboard=false"], tmp_path / "head.log"))
-        address = wait_for_log(tmp_path / "head.log", procs[0], r"ray start --address='([^']+)'").group(1)
-        procs.append(start_node([f"--address={address}", "--num-cpus=1"], tmp_path / "node.log"))
-        wait_for_log(tmp_path / "node.log", procs[1], r"Ray runtime started")
-        yield address
+        cluster = Cluster(wait_for_log(tmp_path / "head.log", procs[0], r"ray start --address='([^']+)'").group(1), tmp_path, procs)
+        cluster.add_node()
+        yield cluster
     finally:
         stop_nodes(procs)
 
@@ -56,16 +73,39 @@ def _actor_nodes(address: str) -> dict[str, set[str]]:
     return nodes
 
 
-def test_quickstart_trains_on_two_raylets_with_an_external_redis(tiny_assets, tmp_path: Path, two_raylets: str) -> None:
+def test_quickstart_trains_on_two_raylets_and_a_raylet_that_joins_later_gets_a_server(tiny_assets, tmp_path: Path, two_raylets: Cluster) -> None:
+    """The run starts on two raylets (the server on one, the learner rank on the other); a
+    third raylet joins the cluster mid-run and `async-rl scale --servers 2` puts the new
+    server there; the run goes on until a SIGTERM stops it."""
+    address = two_raylets.address
     with EmbeddedRedis(tmp_path / "redis") as redis_url:
-        config = write_config(tiny_assets, tmp_path, steps=2, ray={"address": two_raylets}, queue={"redis_url": redis_url},
-                              trainer={"val_every": 0})
-        done = train_cli(config, timeout_s=900)
-        assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    assert step_versions(tmp_path / "run")[-1] == 2
+        config = write_config(tiny_assets, tmp_path, steps=10_000, ray={"address": address}, queue={"redis_url": redis_url},
+                              trainer={"val_every": 0, "save_every": 1000})
+        run_dir = tmp_path / "run"
+        proc = start_train(config)
+        try:
+            wait_for_version(proc, run_dir, 2)
+            before = _actor_nodes(address)
+            assert len(before["InferenceServer"]) == 1 and before["InferenceServer"] != before["LearnerActor"], before
+            # Its own core, as on a machine of its own: vLLM binds the first core by itself, where
+            # server-0's threads spin; on two cores the new engine's start would crawl there.
+            two_raylets.add_node(env={"VLLM_CPU_OMP_THREADS_BIND": "1"})
+            # The run's config holds its Redis password redacted: the URL is passed, as a user would.
+            up = subprocess.run([sys.executable, "-m", "async_rl.cli", "scale", str(run_dir), "--servers", "2", "--redis-url", redis_url],
+                                cwd=ROOT, capture_output=True, text=True, timeout=900)
+            assert up.returncode == 0 and "server-1 added" in up.stdout, up.stdout + up.stderr
+            wait_for_version(proc, run_dir, max(step_versions(run_dir)) + 2)
+            proc.send_signal(signal.SIGTERM)
+            output = proc.wait_output(300)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == 130 and "scaling the inference servers 1 -> 2" in output, output[-4000:]
     password = urlsplit(redis_url).password
-    leaked = [p for p in (tmp_path / "run").rglob("*") if p.is_file() and password.encode() in p.read_bytes()]
+    leaked = [p for p in run_dir.rglob("*") if p.is_file() and password.encode() in p.read_bytes()]
     assert password and leaked == [], leaked  # not in resolved_config.yaml, W&B's config or any log
-    nodes = _actor_nodes(two_raylets)
-    server, learner = nodes.get("InferenceServer", set()), nodes.get("LearnerActor", set())
-    assert len(server) == 1 and len(learner) == 1 and server != learner, nodes
+    after = _actor_nodes(address)
+    new_nodes = after["InferenceServer"] - before["InferenceServer"] - before["LearnerActor"]
+    assert len(after["InferenceServer"]) == 2 and len(new_nodes) == 1, (before, after)  # server-1 runs on the raylet that joined
+    servers = json.loads((run_dir / "servers.json").read_text())["servers"]
+    assert [s["server_id"] for s in servers] == ["server-0", "server-1"]

@@ -1,0 +1,68 @@
+"""`async-rl scale`'s side of a request (``launch/scale.py``) against a real redis-server; a
+thread plays the driver (the whole path, with a real driver, is tests/launch/test_live_scale.py)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+import yaml
+
+from async_rl.launch.scale import ScaleError, request_scale
+from async_rl.queue import EmbeddedRedis
+from async_rl.queue.keys import RunKeys
+from async_rl.queue.requests import Requests, ScaleReply
+
+RUN = "scale-test"
+
+
+@pytest.fixture()
+def run_dir(tmp_path: Path) -> Iterator[tuple[Path, str, redis.Redis]]:
+    """A run directory whose driver holds the lease ``driver-1`` on a real Redis."""
+    (tmp_path / "resolved_config.yaml").write_text(yaml.safe_dump({"trainer": {"run_name": RUN}, "queue": {"redis_url": "redis://:***@h:1/0"}}))
+    with EmbeddedRedis(tmp_path / "external-redis") as url:  # not the run directory's own (redis/): an external one
+        client = redis.Redis.from_url(url)
+        client.set(RunKeys(RUN).lease, b"driver-1")
+        yield tmp_path, url, client
+        client.close()
+
+
+def _driver(client: redis.Redis, then) -> threading.Thread:
+    """A thread that takes the next request and does ``then(request)``."""
+    def serve() -> None:
+        requests = Requests(client, RUN)
+        while (request := requests.take()) is None:
+            time.sleep(0.05)
+        then(requests, request)
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_the_drivers_answer_comes_back(run_dir) -> None:
+    path, url, client = run_dir
+    _driver(client, lambda requests, r: requests.answer(r.request_id, ScaleReply(True, r.servers, ("server-1 added",))))
+    assert request_scale(path, 2, redis_url=url, timeout_s=30) == ScaleReply(True, 2, ("server-1 added",))
+
+
+def test_a_driver_that_dies_with_the_request_is_noticed_not_waited_for(run_dir) -> None:
+    path, url, client = run_dir
+    _driver(client, lambda requests, r: client.set(RunKeys(RUN).lease, b"driver-2"))  # killed; a resumed driver took over
+    start = time.monotonic()
+    with pytest.raises(ScaleError, match="stopped before it answered request"):
+        request_scale(path, 2, redis_url=url, timeout_s=600)
+    assert time.monotonic() - start < 10
+
+
+def test_no_driver_no_request(run_dir) -> None:
+    path, url, client = run_dir
+    client.delete(RunKeys(RUN).lease)
+    with pytest.raises(ScaleError, match="no driver runs 'scale-test'"):
+        request_scale(path, 2, redis_url=url)
+    assert Requests(client, RUN).take() is None
+    with pytest.raises(ScaleError, match="pass --redis-url"):  # the config's URL holds a redacted password
+        request_scale(path, 2)
