@@ -34,7 +34,9 @@ def _worktree(rev: str, into: Path) -> Path:
 
 
 def _run(tree: Path, assets: Path, rounds: int, out: Path) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+    # RAY_ADDRESS=local: an old commit's plain ray.init() would join whatever cluster
+    # /tmp/ray/ray_current_cluster names (a stale one after a killed `ray start`) and fail.
+    env = {**os.environ, "PYTHONPATH": str(tree), "RAY_ADDRESS": "local"}
     cmd = [sys.executable, str(tree / "benchmarks" / "rollout_throughput.py"), "--assets", str(assets), "--rounds", str(rounds), "--json", str(out)]
     done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
