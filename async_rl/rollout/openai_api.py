@@ -153,32 +153,29 @@ class OpenAIApi:
         ])
         validate_parsed_serve_args(args)
         sock = create_server_socket((settings.host, settings.port), reuse_port=False)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + settings.start_timeout_s
-        late = f"OpenAI API server did not start within {settings.start_timeout_s} s"
+        task: asyncio.Task | None = None
         try:
-            async with asyncio.timeout_at(deadline):  # the engine's answers (tasks, tokenizer, config) come in time too
+            async with asyncio.timeout(settings.start_timeout_s):  # the engine's answers (tasks, tokenizer, config) too
                 tasks = await engine.get_supported_tasks()
                 app = build_app(args, tasks, engine.model_config)
                 app.router.routes[:] = [route for route in app.router.routes if getattr(route, "path", None) not in ADMIN_PATHS]
                 # Outermost, around vLLM's own middleware (whose stack build_app has already built).
                 asgi = app if settings.api_key is None else BearerKeyMiddleware(app, settings.api_key)
                 await init_app_state(engine, app.state, args, tasks)
-            config = uvicorn.Config(asgi, host=settings.host, port=sock.getsockname()[1], log_level="warning", access_log=False,
-                                    timeout_keep_alive=envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE, timeout_graceful_shutdown=settings.stop_timeout_s)
-            server = NoSignalServer(config)  # signals stay with the actor's process
-            app.state.server = server  # vLLM's error handlers stop it if the engine has died
-            task = asyncio.create_task(server.serve(sockets=[sock]))
-            while not server.started:
-                if task.done():
-                    raise RuntimeError(f"OpenAI API server exited at start: {task.exception()!r}")
-                if loop.time() > deadline:
-                    task.cancel()
-                    raise TimeoutError(late)
-                await asyncio.sleep(0.05)
-        except TimeoutError as exc:
+                config = uvicorn.Config(asgi, host=settings.host, port=sock.getsockname()[1], log_level="warning", access_log=False,
+                                        timeout_keep_alive=envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE, timeout_graceful_shutdown=settings.stop_timeout_s)
+                server = NoSignalServer(config)  # signals stay with the actor's process
+                app.state.server = server  # vLLM's error handlers stop it if the engine has died
+                task = asyncio.create_task(server.serve(sockets=[sock]))
+                while not server.started:
+                    if task.done():
+                        raise RuntimeError(f"OpenAI API server exited at start: {task.exception()!r}")
+                    await asyncio.sleep(0.05)
+        except TimeoutError:
+            if task is not None:
+                task.cancel()
             sock.close()
-            raise TimeoutError(late) from exc
+            raise TimeoutError(f"OpenAI API server did not start within {settings.start_timeout_s} s") from None
         except BaseException:
             sock.close()
             raise

@@ -41,9 +41,6 @@ from async_rl.sync.auth import SyncEndpoint
 
 log = logging.getLogger(__name__)
 
-ADD_ATTEMPTS = 2
-"""Starts an added server gets: a start that failed or hung (a lost engine reply, a node's
-transient fault) is retried once on a fresh actor before the scale reports it."""
 STACKS_TIMEOUT_S = 10.0
 """How long a server that hangs may take to report its stacks, seconds."""
 
@@ -302,21 +299,14 @@ class ServerPool:
     async def add(self, workers: bool = True) -> int:
         """Start one more server (the next index); returns its index once it serves (its
         ``on_start`` ran: caught up) and, with ``workers``, its rollout workers run. A start that
-        fails or hangs is tried :data:`ADD_ATTEMPTS` times in all (the user hears of each
-        failure); then the server is removed again and the last error raised."""
+        fails or hangs removes the server again (:meth:`_launch` killed its actor) and raises."""
         i = self._new_slot()
         try:
-            for _ in range(ADD_ATTEMPTS - 1):
-                try:
-                    await self._launch(i, workers)
-                    return i
-                except (RayActorError, RayTaskError, TimeoutError) as exc:  # _launch killed its actor
-                    self.report(f"server-{i} failed to start ({type(exc).__name__}: {exc}); starting it once more")
             await self._launch(i, workers)
-            return i
         except BaseException:
             del self._slots[i]
             raise
+        return i
 
     async def remove(self, i: int, grace_s: float) -> dict[str, float]:
         """Drain server ``i`` and stop it: its workers stop admitting, their groups in flight

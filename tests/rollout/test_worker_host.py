@@ -11,6 +11,7 @@ import asyncio
 import os
 import signal
 import sys
+import time
 
 import pytest
 import ray
@@ -148,42 +149,30 @@ def test_the_pool_scales_up_and_down_while_it_produces_and_loses_no_prompt(ray_l
         assert sorted(queued + returned) == list(range(stats["prompt_cursor"]))  # none skipped, none twice
 
 
-class FirstStartHangs(FakeServer):
-    """A :class:`FakeServer` whose first start (of all its actors: ``engine_kwargs["marker"]``
-    records it) never returns, as a vLLM engine reply that is lost would leave it."""
+class StartHangs(FakeServer):
+    """A :class:`FakeServer` whose start never returns (it records its pid in
+    ``engine_kwargs["marker"]``), as an engine that never answers would leave it."""
 
     async def start(self, sync=None, control_timeout_s: float = 10.0):
-        marker = self.engine_kwargs["marker"]
-        if not os.path.exists(marker):
-            with open(marker, "w") as f:
-                f.write(str(os.getpid()))
-            self.step = "registering for weight updates"
-            await asyncio.Event().wait()  # the hang
-        return await super().start(sync, control_timeout_s)
+        with open(self.engine_kwargs["marker"], "w") as f:
+            f.write(str(os.getpid()))
+        self.step = "registering for weight updates"
+        await asyncio.Event().wait()  # the hang
 
 
-def test_an_added_server_whose_start_hangs_is_killed_reported_and_started_again(ray_local, tmp_path, caplog):
+def test_an_added_server_whose_start_hangs_is_reported_with_its_stacks_and_killed(ray_local, tmp_path, caplog):
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the actor class lives in this test module
     marker = tmp_path / "hung.pid"
-    reports: list[str] = []
-    pool = ServerPool(ServerSpec({"tokens_per_s": 2000.0, "marker": str(marker)}, num_cpus=0, server_cls=FirstStartHangs, start_timeout_s=3.0),
-                      0, report=reports.append)
-
-    async def go() -> tuple[int, int]:
-        i = await pool.add(workers=False)
-        pid = (await pool.handle(i).health.remote()).pid
-        await pool.shutdown()
-        return i, pid
-
-    with caplog.at_level("WARNING", logger="async_rl.rollout.pool"):
-        i, pid = asyncio.run(go())
+    pool = ServerPool(ServerSpec({"tokens_per_s": 2000.0, "marker": str(marker)}, num_cpus=0, server_cls=StartHangs, start_timeout_s=3.0), 0)
+    with caplog.at_level("WARNING", logger="async_rl.rollout.pool"), pytest.raises(TimeoutError) as failed:
+        asyncio.run(pool.add(workers=False))
+    assert str(failed.value) == ("server-0 did not start within 3 s, at step: registering for weight updates "
+                                 "(its stacks are in the driver's log)")
+    assert "in start" in caplog.text and "asyncio.Event().wait()" in caplog.text  # the hung coroutine's stack, to the line
+    assert pool.indices == []
     hung = int(marker.read_text())
-    assert i == 0 and pid != hung
-    assert reports == [f"server-0 failed to start (TimeoutError: server-0 did not start within 3 s, at step: registering for weight updates "
-                       f"(its stacks are in the driver's log)); starting it once more"], reports
-    assert "in start" in caplog.text and "asyncio.Event().wait()" in caplog.text  # the hung task's stack, to the line
-    for _ in range(100):  # the hung actor was killed
+    for _ in range(100):  # its actor was killed
         if not os.path.exists(f"/proc/{hung}"):
             break
-        asyncio.run(asyncio.sleep(0.1))
+        time.sleep(0.1)
     assert not os.path.exists(f"/proc/{hung}")
