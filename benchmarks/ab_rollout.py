@@ -4,6 +4,11 @@ Runs ``benchmarks/rollout_throughput.py`` of each commit (its own code, this che
 environment) in turn, ``--pairs`` times (base, head, base, head, ...), and compares their
 ``ratio_vs_raw`` (pool / raw ``vllm.LLM.generate``, both measured in the same invocation, so
 the machine's drift cancels within a run and alternation spreads it over both commits).
+Compare only commits whose ``rollout_throughput.py`` measures alike: the committed
+``ab_rollout.json`` (4839e21 1.04x, 4804f88 0.86x) compared a benchmark that ran the worker in
+its own process and timed the worker's return with one that polled Redis every 5 ms, each
+with its raw rounds minutes from its pool rounds; the pairing of raw and pool rounds in one
+invocation (``rollout_throughput.py`` since 2026-11-26) measures the pool at 1.02x.
 
     python benchmarks/ab_rollout.py --base 4839e21 --pairs 5 --json benchmarks/results/ab_rollout.json
 

@@ -5,21 +5,23 @@ Same model, same prompts, same sampling, one run:
 * raw: ``vllm.LLM.generate`` of all prompts (``n`` samples each) in this process;
 * pool: a Ray-hosted inference server running its rollout worker in its own process
   (cursor, admission, reward pool, msgspec records, Redis ``put``: the path of a run)
-  producing the same number of groups;
+  producing the same number of groups, read back by a blocking queue read as the learner's;
 * responses have a fixed length (``ignore_eos``) in both, so the numbers measure steady
   generation throughput rather than the start-up of a sub-second batch (the tiny model
   answers in 3-4 tokens, which made a 96-prompt run last under one second);
+* rounds alternate, raw then pool, ``--rounds`` pairs after a warm-up of each: these shared
+  machines drift by tens of percent within a minute (one side measured minutes after the
+  other gave 0.81x-1.07x for the same code), and a pair's two rounds see the same drift. The
+  ratio is the median of the pairs' pool/raw ratios;
 * update: one more pool round in which the weights are sent once from this process
   through ``WeightSender`` while the pool generates; the server reports how long
   generation was paused (``update_pause_s``), the sender the whole update
-  (``update_total_s``), and that round's rate is ``pool_with_update_tokens_per_s``;
-* each side runs ``--rounds`` timed rounds (after a warm-up) and counts its median round,
-  because these shared machines drift by tens of percent within a minute.
+  (``update_total_s``), and that round's rate is ``pool_with_update_tokens_per_s``.
 
     python benchmarks/rollout_throughput.py --json benchmarks/results/rollout_throughput.json
 
-Prints a table and writes JSON with keys ``pool_tokens_per_s``, ``raw_vllm_tokens_per_s``,
-``ratio_vs_raw``, ``update_pause_s``, ``update_total_s`` (plus the rounds and settings).
+Prints a table and writes JSON with keys ``ratio_vs_raw`` (median of the pairs),
+``pool_tokens_per_s``, ``raw_vllm_tokens_per_s`` (medians), ``update_pause_s``, ``update_total_s`` (plus the rounds and settings).
 """
 
 from __future__ import annotations
@@ -67,18 +69,22 @@ def main() -> None:
         ],
     )
     prompts = _prompts(cfg, args.prompts)
-    raw = _raw(cfg, prompts, args.rounds)
-    pool, with_update, pause_s, total_s = asyncio.run(_pool(cfg, args.prompts, args.rounds))
+    rounds = asyncio.run(_alternate(cfg, prompts, args.rounds))
+    raw, pool = rounds["raw_tokens_per_s"], rounds["pool_tokens_per_s"]
+    pairs = [p / r for p, r in zip(pool, raw, strict=True)]
+    with_update = rounds["pool_with_update_tokens_per_s"]
     result = {
+        "ratio_vs_raw": statistics.median(pairs),
         "pool_tokens_per_s": statistics.median(pool),
         "raw_vllm_tokens_per_s": statistics.median(raw),
-        "ratio_vs_raw": statistics.median(pool) / statistics.median(raw),
-        "update_pause_s": pause_s,
-        "update_total_s": total_s,
+        "median_ratio_of_medians": statistics.median(pool) / statistics.median(raw),
+        "pairs_at_or_above_0.95": sum(r >= 0.95 for r in pairs),
+        "update_pause_s": rounds["update_pause_s"],
+        "update_total_s": rounds["update_total_s"],
         "pool_with_update_tokens_per_s": with_update,
-        "with_update_ratio_vs_raw": with_update / statistics.median(raw),
-        "rounds": {"raw_tokens_per_s": raw, "pool_tokens_per_s": pool},
-        "raw_spread": (max(raw) - min(raw)) / statistics.median(raw),  # machine noise: above ~0.2, re-run
+        "with_update_ratio_vs_raw": with_update / raw[-1],
+        "rounds": {"raw_tokens_per_s": raw, "pool_tokens_per_s": pool, "pool_over_raw": pairs},
+        "raw_spread": (max(raw) - min(raw)) / statistics.median(raw),  # machine drift between rounds: the pairs cancel it
         "prompts": args.prompts,
         "n": args.n,
         "max_tokens": args.max_tokens,
@@ -97,32 +103,39 @@ def _prompts(cfg, count: int) -> list[list[int]]:
     return [fmt.token_ids(r.prompt) for r in rows[:count]]
 
 
-def _raw(cfg, prompts: list[list[int]], rounds: int) -> list[float]:
-    """Tokens/s of ``LLM.generate`` over all prompts, per round."""
-    from vllm import LLM, SamplingParams
+class _Raw:
+    """``vllm.LLM.generate`` of all prompts (``n`` samples each) in this process."""
 
-    from async_rl.rollout.engine_args import engine_kwargs
+    def __init__(self, cfg, prompts: list[list[int]]):
+        from vllm import LLM, SamplingParams
 
-    llm = LLM(logprobs_mode="processed_logprobs", **engine_kwargs(cfg))
-    params = SamplingParams(n=cfg.rollout.n, temperature=1.0, max_tokens=cfg.rollout.max_response_length, logprobs=0, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], params, use_tqdm=False)  # warm-up
-    rates = []
-    for _ in range(rounds):
+        from async_rl.rollout.engine_args import engine_kwargs
+
+        self.llm = LLM(logprobs_mode="processed_logprobs", **engine_kwargs(cfg))
+        self.params = SamplingParams(n=cfg.rollout.n, temperature=1.0, max_tokens=cfg.rollout.max_response_length, logprobs=0, ignore_eos=True)
+        self.prompts = [{"prompt_token_ids": p} for p in prompts]
+        self.llm.generate(self.prompts[:4], self.params, use_tqdm=False)  # warm-up
+
+    def round(self) -> float:
+        """Tokens/s of one generation of all prompts."""
         t0 = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        rates.append(sum(len(c.token_ids) for o in outs for c in o.outputs) / (time.perf_counter() - t0))
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    return rates
+        outs = self.llm.generate(self.prompts, self.params, use_tqdm=False)
+        return sum(len(c.token_ids) for o in outs for c in o.outputs) / (time.perf_counter() - t0)
+
+    def close(self) -> None:
+        self.llm.llm_engine.engine_core.shutdown()
 
 
-async def _pool(cfg, count: int, rounds: int) -> tuple[list[float], float, float, float]:
-    """Tokens/s through the pool per round; then one more round with an in-flight weight
-    update: its tokens/s, and the update's pause and total seconds.
+async def _alternate(cfg, prompts: list[list[int]], rounds: int) -> dict:
+    """``rounds`` pairs of a raw round and a pool round, alternating (the machine's drift
+    over minutes hits both sides of a pair alike); then one pool round with an in-flight
+    weight update: its tokens/s, and the update's pause and total seconds.
 
-    The worker runs in the server's process and writes to Redis, as in a run. A round is
-    admitted by publishing a version (``B = count``, ``eta = 0``) and ends when its
-    ``count`` groups are in the queue; the first round (admitted at start) is the warm-up."""
+    The pool's worker runs in the server's process and writes to Redis, as in a run. A pool
+    round is admitted by publishing a version (``B = count``, ``eta = 0``) and ends when its
+    ``count`` groups were read from the queue (a blocking read, as the learner's); the first
+    round (admitted at start) is the warm-up. The raw engine idles (blocked) during pool
+    rounds and the pool's during raw rounds (its workers wait for admission)."""
     import ray
     from transformers import AutoModelForCausalLM
 
@@ -137,8 +150,9 @@ async def _pool(cfg, count: int, rounds: int) -> tuple[list[float], float, float
     from async_rl.sync.auth import RunSecret, SyncEndpoint
     from async_rl.sync.sender import WeightSender
 
+    count = len(prompts)
     secret = RunSecret.generate()  # seals this benchmark's weight-sync control messages
-
+    raw = _Raw(cfg, prompts)
     init_ray(num_cpus=os.cpu_count())
     sender = WeightSender(secret=secret, bucket_mb=cfg.sync.bucket_mb, timeout_s=120.0)
     env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
@@ -149,6 +163,7 @@ async def _pool(cfg, count: int, rounds: int) -> tuple[list[float], float, float
         batch_size=count, max_staleness=0, max_inflight=count, max_prompt_length=cfg.data.max_prompt_length, shuffle=False,
     )
     model = AutoModelForCausalLM.from_pretrained(cfg.learner.model_path, dtype=torch.float32)
+    out: dict = {"raw_tokens_per_s": [], "pool_tokens_per_s": []}
     with EmbeddedRedis() as url, ReplayQueue(url, run="bench", max_depth=count) as queue:
         # rewards in the server's reward pool, as in a run
         hosted = WorkerHostSpec(url, "bench", count, 30.0, settings, 1, cfg.rollout.reward, cfg.rollout.max_response_length)
@@ -156,30 +171,37 @@ async def _pool(cfg, count: int, rounds: int) -> tuple[list[float], float, float
                                      openai_api=openai_api_settings(cfg)), 1, workers=hosted, rows=ray.put(rows))
         await pool.start()
 
-        async def round_tokens() -> int:
-            while queue.stats()["depth"] < count:
-                await asyncio.sleep(0.005)
-            return sum(s.num_tokens for _, g in queue.get(count, timeout=30) for s in g.samples)
-
-        await round_tokens()  # warm-up: the round admitted at version 0
-        sender.wait_for_servers(1, timeout_s=60)
-        rates = []
-        for version in range(1, rounds + 2):
+        def pool_round(version: int) -> float:
             t0 = time.perf_counter()
-            if version > rounds:  # the last round: one in-flight update
-                sent: dict = {}
-                update = threading.Thread(target=_send_later, args=(sender, model, sent))
-                update.start()
             queue.publish_version(version)  # admits this round's groups
-            rates.append(await round_tokens() / (time.perf_counter() - t0))
+            groups = queue.get(count, timeout=120)
+            if len(groups) != count:
+                raise RuntimeError(f"a pool round produced {len(groups)} of {count} groups within 120 s")
+            rate = sum(s.num_tokens for _, g in groups for s in g.samples) / (time.perf_counter() - t0)
+            queue.commit([entry for entry, _ in groups])
+            return rate
+
+        warm = await asyncio.to_thread(queue.get, count, timeout=120)  # warm-up: the round admitted at version 0
+        queue.commit([entry for entry, _ in warm])
+        sender.wait_for_servers(1, timeout_s=60)
+        for version in range(1, rounds + 1):
+            out["raw_tokens_per_s"].append(raw.round())  # blocks this loop: the pool has nothing admitted
+            out["pool_tokens_per_s"].append(await asyncio.to_thread(pool_round, version))
+        sent: dict = {}
+        update = threading.Thread(target=_send_later, args=(sender, model, sent))
+        update.start()  # one in-flight update during the last round
+        out["pool_with_update_tokens_per_s"] = await asyncio.to_thread(pool_round, rounds + 1)
         update.join()
+        raw.close()  # after the last pool round: a closing engine's processes take a few seconds of CPU to go
         health = await pool.handle(0).health.remote()
-        assert health.version == 1 and sent["result"].ok, f"the weight update did not reach the server: {sent['result']}"
+        if health.version != 1 or not sent["result"].ok:
+            raise RuntimeError(f"the weight update did not reach the server: {sent['result']}")
         await pool.stop_workers(5.0)
         await pool.shutdown()
     sender.close()
     ray.shutdown()
-    return rates[:-1], rates[-1], health.last_update_pause_s, sent["result"].total_s
+    out["update_pause_s"], out["update_total_s"] = health.last_update_pause_s, sent["result"].total_s
+    return out
 
 
 def _send_later(sender, model, sent: dict) -> None:
