@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import platform
 import statistics
@@ -46,6 +47,9 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds of each side; the median counts")
+    ap.add_argument("--worker-in", choices=("server", "benchmark"), default="server",
+                    help="where the rollout worker runs: in the server's process, as in a run, or in this process "
+                         "calling the server through Ray (how the pool ran before 2026-11; shows what hosting costs)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
 
@@ -69,7 +73,7 @@ def main() -> None:
         ],
     )
     prompts = _prompts(cfg, args.prompts)
-    rounds = asyncio.run(_alternate(cfg, prompts, args.rounds))
+    rounds = asyncio.run(_alternate(cfg, prompts, args.rounds, args.worker_in))
     raw, pool = rounds["raw_tokens_per_s"], rounds["pool_tokens_per_s"]
     pairs = [p / r for p, r in zip(pool, raw, strict=True)]
     with_update = rounds["pool_with_update_tokens_per_s"]
@@ -85,6 +89,7 @@ def main() -> None:
         "with_update_ratio_vs_raw": with_update / raw[-1],
         "rounds": {"raw_tokens_per_s": raw, "pool_tokens_per_s": pool, "pool_over_raw": pairs},
         "raw_spread": (max(raw) - min(raw)) / statistics.median(raw),  # machine drift between rounds: the pairs cancel it
+        "worker_in": args.worker_in,
         "prompts": args.prompts,
         "n": args.n,
         "max_tokens": args.max_tokens,
@@ -126,7 +131,7 @@ class _Raw:
         self.llm.llm_engine.engine_core.shutdown()
 
 
-async def _alternate(cfg, prompts: list[list[int]], rounds: int) -> dict:
+async def _alternate(cfg, prompts: list[list[int]], rounds: int, worker_in: str) -> dict:
     """``rounds`` pairs of a raw round and a pool round, alternating (the machine's drift
     over minutes hits both sides of a pair alike); then one pool round with an in-flight
     weight update: its tokens/s, and the update's pause and total seconds.
@@ -168,8 +173,10 @@ async def _alternate(cfg, prompts: list[list[int]], rounds: int) -> dict:
         # rewards in the server's reward pool, as in a run
         hosted = WorkerHostSpec(url, "bench", count, 30.0, settings, 1, cfg.rollout.reward, cfg.rollout.max_response_length)
         pool = ServerPool(ServerSpec(engine_kwargs(cfg), num_cpus=1, env_vars=env, sync=SyncEndpoint(sender.address, secret),
-                                     openai_api=openai_api_settings(cfg)), 1, workers=hosted, rows=ray.put(rows))
+                                     openai_api=openai_api_settings(cfg)), 1,
+                          workers=hosted if worker_in == "server" else None, rows=ray.put(rows))
         await pool.start()
+        local = None if worker_in == "server" else _local_worker(cfg, hosted, queue, rows, pool.generate_fn(0))
 
         def pool_round(version: int) -> float:
             t0 = time.perf_counter()
@@ -197,11 +204,41 @@ async def _alternate(cfg, prompts: list[list[int]], rounds: int) -> dict:
         if health.version != 1 or not sent["result"].ok:
             raise RuntimeError(f"the weight update did not reach the server: {sent['result']}")
         await pool.stop_workers(5.0)
+        if local is not None:
+            await local.stop(5.0)
         await pool.shutdown()
     sender.close()
     ray.shutdown()
     out["update_pause_s"], out["update_total_s"] = health.last_update_pause_s, sent["result"].total_s
     return out
+
+
+def _local_worker(cfg, hosted, queue, rows, generate_fn) -> _LocalWorker:
+    """A rollout worker in this process: the server's only through Ray calls."""
+    from transformers import AutoTokenizer
+
+    from async_rl.data.prompts import PromptFormatter
+    from async_rl.rewards import RewardPool, RewardScorer
+    from async_rl.rollout.worker import RolloutWorker
+
+    rewards = RewardPool(cfg.rollout.reward)
+    rewards.start()
+    fmt = PromptFormatter(AutoTokenizer.from_pretrained(cfg.learner.model_path))
+    settings = dataclasses.replace(hosted.settings, server_id="server-0", owner="server-0#local")
+    worker = RolloutWorker(settings, queue, rows, fmt.token_ids, RewardScorer(rewards, cfg.rollout.reward, cfg.rollout.max_response_length), generate_fn)
+    return _LocalWorker(worker, rewards)
+
+
+class _LocalWorker:
+    def __init__(self, worker, rewards):
+        self.rewards = rewards
+        self._stop = asyncio.Event()
+        self._task = asyncio.create_task(worker.run(self._stop))
+
+    async def stop(self, grace_s: float) -> None:
+        self._stop.set()
+        await asyncio.wait_for(self._task, grace_s + 30)
+        self.rewards.close()
 
 
 def _send_later(sender, model, sent: dict) -> None:

@@ -5,7 +5,7 @@ prompt bookkeeping (``inflight`` hash, ``returned`` list). A group's life, as se
 
 1. :meth:`AdmissionLedger.admit` checks AReaL's rule, counts the group as started and
    claims a prompt index (a returned one first, else the next of the cursor), all in one
-   script, and hands out a :class:`Ticket`. The index is recorded in ``inflight``.
+   script, and hands out a :class:`Ticket` (or several, one call for a producer's free slots). The index is recorded in ``inflight``.
 2. The ticket ends exactly once: *enqueued* (the queue's put script appends the group and
    clears the ``inflight`` record atomically) or *abandoned* (:meth:`abandon`: the slot is
    released; the prompt either goes back to ``returned``, to be served first, or is done).
@@ -39,24 +39,33 @@ from async_rl.queue.keys import RunKeys
 
 __all__ = ["AdmissionLedger", "Reconciled", "Ticket"]
 
-# KEYS: counters, inflight, returned. ARGV: B, eta, owner.
+# KEYS: counters, inflight, returned. ARGV: B, eta, owner, limit.
 # AReaL's rule: start a group only while groups_started < (v + eta + 1) * B. Checking,
 # counting and claiming in one script makes it exact however many producers race, and
-# leaves no moment where a slot is counted without its prompt being recorded.
+# leaves no moment where a slot is counted without its prompt being recorded. Up to
+# ``limit`` groups in one call (a worker with many free slots claims them in one round
+# trip); the reply is {index, claim, index, claim, ...}, or false when none was admitted.
 _ADMIT_LUA = """
 local v = tonumber(redis.call('HGET', KEYS[1], 'version') or '0')
 local started = tonumber(redis.call('HGET', KEYS[1], 'groups_started') or '0')
-if started >= (v + tonumber(ARGV[2]) + 1) * tonumber(ARGV[1]) then
+local open = (v + tonumber(ARGV[2]) + 1) * tonumber(ARGV[1]) - started
+local n = math.min(open, tonumber(ARGV[4]))
+if n <= 0 then
   return false
 end
-redis.call('HINCRBY', KEYS[1], 'groups_started', 1)
-local index = redis.call('LPOP', KEYS[3])
-if not index then
-  index = redis.call('HINCRBY', KEYS[1], 'prompt_cursor', 1) - 1
+redis.call('HINCRBY', KEYS[1], 'groups_started', n)
+local admitted = {}
+for _ = 1, n do
+  local index = redis.call('LPOP', KEYS[3])
+  if not index then
+    index = redis.call('HINCRBY', KEYS[1], 'prompt_cursor', 1) - 1
+  end
+  local claim = redis.call('HINCRBY', KEYS[1], 'tickets', 1) .. ' ' .. ARGV[3]
+  redis.call('HSET', KEYS[2], index, claim)
+  table.insert(admitted, tonumber(index))
+  table.insert(admitted, claim)
 end
-local claim = redis.call('HINCRBY', KEYS[1], 'tickets', 1) .. ' ' .. ARGV[3]
-redis.call('HSET', KEYS[2], index, claim)
-return {tonumber(index), claim}
+return admitted
 """
 
 # KEYS: counters, inflight, returned. ARGV: index, claim, return the prompt (1/0).
@@ -167,16 +176,20 @@ class AdmissionLedger:
             raise ValueError(f"policy version must be >= 0, got {version}")
         self._client.hset(self._keys.counters, "version", version)
 
-    def admit(self, batch_size: int, max_staleness: int, owner: str, call_id: str) -> Ticket | None:
-        """A :class:`Ticket` if AReaL's rule lets one more group start, else None.
+    def admit(self, batch_size: int, max_staleness: int, owner: str, call_id: str, limit: int = 1) -> list[Ticket]:
+        """Up to ``limit`` :class:`Ticket` s, as many as AReaL's rule lets start (none: empty).
 
-        ``owner`` (e.g. ``server-0``) is recorded with the claimed prompt, for ``redis-cli``
+        ``owner`` (e.g. ``server-0``) is recorded with the claimed prompts, for ``redis-cli``
         readers and diagnostics. ``call_id`` (here and below) is unique per call and the
-        same for its retries: a retry whose first try was admitted returns that ticket."""
+        same for its retries: a retry whose first try was admitted returns those tickets."""
         if batch_size <= 0 or max_staleness < 0:
             raise ValueError("need batch_size > 0 and max_staleness >= 0")
-        admitted = self._admit(self._claim_keys, [batch_size, max_staleness, owner], call_id)
-        return None if admitted is None else Ticket(int(admitted[0]), admitted[1].decode())
+        if limit < 1:
+            raise ValueError(f"admit at least 1 group per call, not limit={limit}")
+        admitted = self._admit(self._claim_keys, [batch_size, max_staleness, owner, limit], call_id)
+        if admitted is None:
+            return []
+        return [Ticket(int(index), claim.decode()) for index, claim in zip(admitted[::2], admitted[1::2], strict=True)]
 
     def abandon(self, ticket: Ticket, *, return_prompt: bool, call_id: str) -> bool:
         """End ``ticket`` without a group: release its slot; with ``return_prompt`` its prompt

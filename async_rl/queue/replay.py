@@ -358,10 +358,11 @@ class ReplayQueue:
         """Announce the policy version whose weights have reached every server."""
         self._call("publish_version", lambda: self._ledger.publish_version(version))
 
-    def admit(self, batch_size: int, max_staleness: int, owner: str) -> Ticket | None:
-        """AReaL admission and a prompt claim (:meth:`AdmissionLedger.admit`): a ticket to
-        end with :meth:`put` or :meth:`abandon`, or None while the rule holds producers back."""
-        return self._once("admit", lambda call_id: self._ledger.admit(batch_size, max_staleness, owner, call_id))
+    def admit(self, batch_size: int, max_staleness: int, owner: str, limit: int = 1) -> list[Ticket]:
+        """AReaL admission and prompt claims (:meth:`AdmissionLedger.admit`): up to ``limit``
+        tickets, each to end with :meth:`put` or :meth:`abandon`; none while the rule holds
+        producers back."""
+        return self._once("admit", lambda call_id: self._ledger.admit(batch_size, max_staleness, owner, call_id, limit))
 
     def abandon(self, ticket: Ticket, *, return_prompt: bool) -> bool:
         """End ``ticket`` without a group (:meth:`AdmissionLedger.abandon`)."""

@@ -157,12 +157,18 @@ class RolloutWorker:
                 slot = await _GenerationSlot.take(slots, stop)
                 if slot is None:
                     break
-                ticket = await self._admit(stop)
-                if ticket is None:
-                    slot.release()
+                # Every slot free now is claimed in the same admission call: one round trip
+                # for a burst (a version opens admission for B groups) instead of one each.
+                room = self.s.max_inflight if max_groups is None else max_groups - started
+                taken = [slot, *await _GenerationSlot.take_free(slots, room - 1)]
+                tickets = await self._admit(stop, len(taken))
+                for unused in taken[len(tickets):]:
+                    unused.release()
+                if not tickets:
                     break
-                started += 1
-                inflight[asyncio.create_task(self._group(ticket, slot))] = ticket
+                started += len(tickets)
+                for ticket, slot in zip(tickets, taken, strict=False):
+                    inflight[asyncio.create_task(self._group(ticket, slot))] = ticket
                 inflight = {t: ticket for t, ticket in inflight.items() if not t.done()}
             if inflight:
                 await asyncio.gather(*inflight)
@@ -186,21 +192,23 @@ class RolloutWorker:
         log.info("skipped prompt of line %d: %d tokens > data.max_prompt_length=%d", row.line, len(ids), self.s.max_prompt_length)
         return None
 
-    async def _admit(self, stop: asyncio.Event) -> Ticket | None:
+    async def _admit(self, stop: asyncio.Event, limit: int) -> list[Ticket]:
+        """Up to ``limit`` tickets once admission lets any start (polling every
+        ``admit_poll_s``); none once ``stop`` is set."""
         t0 = time.monotonic()
         try:
             while not stop.is_set():
-                claim = asyncio.ensure_future(asyncio.to_thread(self.queue.admit, self.s.batch_size, self.s.max_staleness, self.s.owner or self.s.server_id))
+                owner = self.s.owner or self.s.server_id
+                claim = asyncio.ensure_future(asyncio.to_thread(self.queue.admit, self.s.batch_size, self.s.max_staleness, owner, limit))
                 try:
-                    ticket = await asyncio.shield(claim)
-                except asyncio.CancelledError:  # the claim may still succeed: end its ticket
-                    if (late := await claim) is not None:
-                        await self._abandon(late, return_prompt=True)
+                    tickets = await asyncio.shield(claim)
+                except asyncio.CancelledError:  # the claim may still succeed: end its tickets
+                    await asyncio.gather(*(self._abandon(late, return_prompt=True) for late in await claim))
                     raise
-                if ticket is not None:
-                    return ticket
+                if tickets:
+                    return tickets
                 await asyncio.sleep(self.s.admit_poll_s)
-            return None
+            return []
         finally:
             self.counters.admission_wait_s += time.monotonic() - t0
 
@@ -359,6 +367,15 @@ class _GenerationSlot:
             return cls(slots)
         acquire.cancel()
         return None
+
+    @classmethod
+    async def take_free(cls, slots: asyncio.Semaphore, most: int) -> list[_GenerationSlot]:
+        """Up to ``most`` slots that are free now (an unlocked semaphore's acquire does not wait)."""
+        taken: list[_GenerationSlot] = []
+        while len(taken) < most and not slots.locked():
+            await slots.acquire()
+            taken.append(cls(slots))
+        return taken
 
     def release(self) -> None:
         """Give the slot back (once; later calls do nothing)."""

@@ -49,18 +49,21 @@ def take_and_hang(url: str, run: str, n: int, taken: mp.Queue[list[str]]) -> Non
 def admit(
     url: str, run: str, batch_size: int, max_staleness: int, go: Event, admitted: mp.Queue[int]
 ) -> None:
-    """Try to admit until refused; report how many this process got."""
+    """Try to admit (1, 2 or 3 groups a call) until refused; report how many this process got."""
     with ReplayQueue(url, run) as q:
         go.wait()
-        count = 0
-        while q.admit(batch_size, max_staleness, "test") is not None:
-            count += 1
+        count, calls = 0, 0
+        while tickets := q.admit(batch_size, max_staleness, "test", limit=1 + calls % 3):
+            count += len(tickets)
+            calls += 1
         admitted.put(count)
 
 
 def draw_prompts(url: str, run: str, n: int, go: Event, drawn: mp.Queue[list[int]]) -> None:
-    """Claim ``n`` prompt indices by admission (the rule never binds here); report them."""
+    """Claim ``n`` prompt indices by admission, 1 to 3 a call (the rule never binds here); report them."""
     with ReplayQueue(url, run) as q:
         go.wait()
-        tickets = [q.admit(10**9, 0, "test") for _ in range(n)]
-        drawn.put([t.index for t in tickets if t is not None])
+        tickets: list = []
+        while len(tickets) < n:
+            tickets += q.admit(10**9, 0, "test", limit=min(n - len(tickets), 1 + len(tickets) % 3))
+        drawn.put([t.index for t in tickets])

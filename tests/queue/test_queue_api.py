@@ -102,8 +102,7 @@ def test_put_blocks_at_max_depth_then_times_out(redis_url: str, run: str) -> Non
 
 
 def _admit_all(queue: ReplayQueue, batch_size: int, max_staleness: int, tries: int = 20) -> list[Ticket]:
-    tickets = [queue.admit(batch_size, max_staleness, "test") for _ in range(tries)]
-    return [t for t in tickets if t is not None]
+    return [t for _ in range(tries) for t in queue.admit(batch_size, max_staleness, "test")]
 
 
 def test_admission_rule_single_producer(queue: ReplayQueue) -> None:
@@ -119,9 +118,21 @@ def test_admission_rule_single_producer(queue: ReplayQueue) -> None:
         queue.publish_version(-1)
 
 
+def test_one_call_admits_as_many_as_the_rule_allows_returned_prompts_first(queue: ReplayQueue) -> None:
+    first = queue.admit(5, 0, "server-0#0", limit=3)
+    assert [t.index for t in first] == [0, 1, 2] and len({t.claim for t in first}) == 3
+    assert queue.abandon(first[1], return_prompt=True)
+    rest = queue.admit(5, 0, "server-0#0", limit=8)  # 5 - 2 open: three more, prompt 1 first
+    assert [t.index for t in rest] == [1, 3, 4] and queue.admit(5, 0, "server-0#0", limit=8) == []
+    stats = queue.stats()
+    assert stats["groups_started"] == 5 and stats["inflight"] == 5 and stats["prompt_cursor"] == 5
+    with pytest.raises(ValueError, match="limit=0"):
+        queue.admit(5, 0, "server-0#0", limit=0)
+
+
 def test_a_ticket_ends_once_and_returned_prompts_are_served_first(queue: ReplayQueue, run: str) -> None:
     t0, t1, t2 = _admit_all(queue, batch_size=3, max_staleness=0)
-    assert queue.admit(3, 0, "test") is None
+    assert queue.admit(3, 0, "test") == []
     queue.put(make_group(0, run=run), t0)
     assert queue.abandon(t1, return_prompt=True)  # e.g. the worker stopped: prompt 1 comes back
     assert queue.abandon(t2, return_prompt=False)  # e.g. filtered by dynamic sampling: prompt 2 is done
@@ -220,8 +231,8 @@ def test_a_live_reconcile_keeps_the_running_producers_tickets(queue: ReplayQueue
 
 
 def test_release_owner_ends_only_the_dead_producers_tickets(queue: ReplayQueue, run: str) -> None:
-    dead = [queue.admit(10, 0, "server-0#1") for _ in range(3)]
-    alive = queue.admit(10, 0, "server-0#10")  # a name that starts like the dead one's is not matched
+    dead = queue.admit(10, 0, "server-0#1", limit=3)
+    [alive] = queue.admit(10, 0, "server-0#10")  # a name that starts like the dead one's is not matched
     queue.put(make_group(0, run=run), dead[0])
     assert queue.release_owner("server-0#1") == 2
     assert queue.release_owner("server-0#1") == 0  # nothing left: a second call changes nothing
@@ -295,11 +306,14 @@ def test_encoded_size_is_packed(run: str) -> None:
 def test_a_retried_admission_returns_the_same_ticket(queue: ReplayQueue) -> None:
     """A retry after a lost reply (same call id) must not claim a second prompt."""
     ledger = queue._ledger
-    first = ledger.admit(4, 0, "test", call_id="call-1")
-    assert ledger.admit(4, 0, "test", call_id="call-1") == first
-    assert ledger.admit(4, 0, "test", call_id="call-2").index == first.index + 1
+    [first] = ledger.admit(4, 0, "test", call_id="call-1")
+    assert ledger.admit(4, 0, "test", call_id="call-1") == [first]
+    [second] = ledger.admit(4, 0, "test", call_id="call-2")
+    assert second.index == first.index + 1
+    more = ledger.admit(4, 0, "test", call_id="call-3", limit=9)
+    assert [t.index for t in more] == [2, 3] and ledger.admit(4, 0, "test", call_id="call-3", limit=9) == more
     stats = queue.stats()
-    assert stats["groups_started"] == 2 and stats["inflight"] == 2
+    assert stats["groups_started"] == 4 and stats["inflight"] == 4
 
 
 def test_get_rides_out_a_redis_stall_longer_than_the_socket_timeout(redis_url: str, run: str) -> None:
@@ -342,7 +356,7 @@ def test_every_write_retried_after_a_lost_reply_applies_once(redis_url: str, run
                 assert cutter.cuts == before + 1  # the first reply really was lost
                 return result
 
-            tickets = [lost(lambda: q.admit(4, 0, "server-0#1")) for _ in range(4)]
+            tickets = [t for _ in range(4) for t in lost(lambda: q.admit(4, 0, "server-0#1"))]
             assert [t.index for t in tickets] == [0, 1, 2, 3] and q.stats()["groups_started"] == 4
             assert lost(lambda: q.abandon(tickets[3], return_prompt=True)) is True  # not "already ended"
             assert q.stats()["groups_started"] == 3

@@ -254,8 +254,8 @@ def test_a_cancelled_worker_returns_its_prompts_and_leaks_no_slot(cfg, pool, que
     assert len(put) == worker.counters.groups_put and returned
     assert stats["inflight"] == 0 and stats["groups_started"] == len(put)
     assert sorted(put + returned) == list(range(stats["prompt_cursor"]))  # none skipped, none twice
-    ticket = queue.admit(cfg.learner.batch_size, 20, "test")
-    assert ticket is not None and ticket.index == returned[0]
+    [ticket] = queue.admit(cfg.learner.batch_size, 20, "test")
+    assert ticket.index == returned[0]
     queue.abandon(ticket, return_prompt=True)
 
 

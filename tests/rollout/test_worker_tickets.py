@@ -84,6 +84,34 @@ def test_groups_being_scored_do_not_hold_generation_back(tmp_path) -> None:
         assert queue.stats()["inflight"] == 0
 
 
+def test_free_slots_are_claimed_in_one_admission_call() -> None:
+    """When a version opens admission, a worker claims every free slot in one round trip
+    (not one call per group, each waiting for the server's busy event loop)."""
+    rows = [PromptRow(i + 1, f"{i}+1", str(i + 1)) for i in range(50)]
+    with EmbeddedRedis() as url, ReplayQueue(url, run="burst", max_depth=10_000) as queue, \
+            RewardPool(RewardConfig(num_workers=1)) as rewards:
+        settings = WorkerSettings(run_id="burst", server_id="server-0", n=2, sampling=Sampling(max_tokens=4),
+                                  batch_size=12, max_staleness=0, max_inflight=16, shuffle=False)
+        admitted: list[tuple[int, int]] = []  # (limit asked, tickets got) of each call that got some
+        admit = queue.admit
+
+        def spy(batch_size: int, max_staleness: int, owner: str, limit: int = 1) -> list:
+            tickets = admit(batch_size, max_staleness, owner, limit)
+            if tickets:
+                admitted.append((limit, len(tickets)))
+            return tickets
+
+        queue.admit = spy  # type: ignore[method-assign]
+
+        async def run() -> None:
+            worker = RolloutWorker(settings, queue, rows, lambda text: [1, 2, 3], RewardScorer(rewards, rewards.cfg, 4), lambda: _generate)
+            await worker.run(asyncio.Event(), max_groups=12)
+
+        asyncio.run(run())
+        assert admitted[0] == (12, 12)  # max_groups left 12 of the 16 slots to ask for; the rule gave all
+        assert queue.stats()["groups_started"] == 12 and queue.stats()["inflight"] == 0
+
+
 def test_a_stop_while_redis_is_paused_never_blocks_the_event_loop() -> None:
     """The worker runs on its server's event loop: ending its tickets while Redis does not
     answer (``CLIENT PAUSE``) happens off the loop, which keeps serving every few ms; once
