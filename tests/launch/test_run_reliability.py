@@ -62,7 +62,7 @@ def test_sigkill_and_resume_reach_the_last_step_every_time(tiny_assets, tmp_path
     # What a save SIGKILLed before its commit leaves (tests/learner/test_checkpoint.py makes it
     # for real): the resume sweeps it and says so on the driver's console.
     debris = run_dir / "checkpoints" / ".tmp-step_00000009"
-    (debris / "model").mkdir(parents=True)
+    (debris / "model").mkdir(parents=True, exist_ok=True)  # the run killed at 8 may have been saving 9: real debris
     (debris / "model" / "__0_0.distcp").write_bytes(b"half a shard")
     logged = len(step_versions(run_dir))  # the run killed at 8 may have logged 9 as it died
     proc = start_train(config)
