@@ -87,6 +87,21 @@ class Hello(msgspec.Struct, tag=True, frozen=True):
     """The server's :func:`~async_rl.sync.ipc.host_identity` ("": never served over shared memory)."""
 
 
+MAX_LORA_RANK = 512
+"""Highest LoRA rank vLLM serves (its ``max_lora_rank`` choices end there)."""
+
+
+class AdapterSpec(msgspec.Struct, frozen=True):
+    """The update is a LoRA adapter, not the model's weights: the tensors are PEFT's
+    ``base_model.model.<module>.lora_A.weight`` ``[r, in]`` and ``...lora_B.weight``
+    ``[out, r]``; the served layer computes ``W x + (alpha / r) B A x``."""
+
+    r: Annotated[int, msgspec.Meta(ge=1, le=MAX_LORA_RANK)]
+    alpha: Annotated[float, msgspec.Meta(gt=0.0)]
+    target_modules: tuple[Annotated[str, msgspec.Meta(min_length=1, max_length=256)], ...]
+    """Module names the adapter covers (e.g. ``q_proj``), as PEFT's ``target_modules``."""
+
+
 class Announce(msgspec.Struct, tag=True, frozen=True):
     """An update is about to start: what tensors, in which byte layout."""
 
@@ -94,6 +109,9 @@ class Announce(msgspec.Struct, tag=True, frozen=True):
     version: int
     specs: tuple[TensorSpec, ...]
     buckets: tuple[Bucket, ...]
+    adapter: AdapterSpec | None = None
+    """Set: the tensors are this LoRA adapter, which replaces the served one (the base
+    weights stay); None: they are the model's weights."""
 
 
 class Ready(msgspec.Struct, tag=True, frozen=True):

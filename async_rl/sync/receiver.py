@@ -24,6 +24,7 @@ from vllm.model_executor.model_loader.reload import (
 )
 
 from async_rl.heap import release_freed_heap
+from async_rl.sync import lora
 from async_rl.sync.buckets import unpack_bucket
 from async_rl.sync.control import Announce, ErrorKind, Start, decode
 from async_rl.sync.group import Rendezvous, WeightGroup, connect_store
@@ -66,6 +67,8 @@ class WeightReceiverExtension:
         if not isinstance(ann, Announce) or not isinstance(st, Start):
             raise TypeError(f"expected Announce and Start, got {type(ann)}, {type(st)}")
         self._wsync_drop_staging()
+        if ann.adapter is not None:  # refused here, the update fails and the served adapter stays
+            lora.check_adapter(lora.lora_manager(self), ann.adapter, ann.specs)
         staging = _Staging(ann, time.monotonic())
         if st.shm is not None:  # same host: the buckets are in the sender's shared memory already
             self._wsync_staging = staging
@@ -98,18 +101,29 @@ class WeightReceiverExtension:
             return "failed", f"update {update_id} is not being received here", 0.0, None
         return s.state, s.error, s.receive_s, s.error_kind
 
+    def wsync_lora_init(self, rank: int) -> None:
+        """Serve a zero LoRA adapter of ``rank`` as the policy (version 0: the base model);
+        call once, after the engine started (its warm-up removes every adapter)."""
+        lora.install_zero_adapter(lora.lora_manager(self), rank)
+
     def wsync_load(self, update_id: int) -> float:
         """Load the fully staged ``update_id`` into the model in place; returns seconds.
 
         Uses vLLM's layer-wise reload, so weights may arrive in any checkpoint layout
-        (separate q/k/v are fused by ``load_weights``) and post-load processing runs.
+        (separate q/k/v are fused by ``load_weights``) and post-load processing runs. An
+        adapter update (``Announce.adapter``) replaces the served LoRA adapter instead.
         """
         s = self._wsync_staging
         if s is None or s.announce.update_id != update_id or s.state != "received":
             raise RuntimeError(f"update {update_id} is not fully received on this worker")
         t0 = time.monotonic()
-        model = self.model_runner.get_model()  # type: ignore[attr-defined]
         specs = s.announce.specs
+        if s.announce.adapter is not None:
+            named = (pair for bucket, buf in zip(s.announce.buckets, s.bufs, strict=True) for pair in unpack_bucket(bucket, specs, buf))
+            lora.install_adapter(lora.lora_manager(self), s.announce.adapter, named)
+            self._wsync_staging = None
+            return time.monotonic() - t0
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
         with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
             initialize_layerwise_reload(model)
             for bucket, buf in zip(s.announce.buckets, s.bufs, strict=True):

@@ -27,6 +27,7 @@ from async_rl.sync.buckets import Bucket, TensorSpec, bucket_in_place, iter_buck
 from async_rl.sync.control import (
     Abort,
     Ack,
+    AdapterSpec,
     Announce,
     ControlError,
     ControlTimeout,
@@ -276,10 +277,11 @@ class WeightSender:
         *,
         specs: Sequence[TensorSpec],
         servers: Collection[str] | None = None,
+        adapter: AdapterSpec | None = None,
     ) -> SendResult:
         """Publish one weights version and wait until the servers have loaded it
         (:meth:`begin` then :meth:`complete`; arguments as for :meth:`begin`)."""
-        result = self.complete(self.begin(named_tensors, version, specs=specs, servers=servers))
+        result = self.complete(self.begin(named_tensors, version, specs=specs, servers=servers, adapter=adapter))
         if result is None:  # complete(wait=True) ends every pending send; None would be a bug here
             raise ControlError(f"weights version {version}: the send ended without an outcome")
         return result
@@ -291,6 +293,7 @@ class WeightSender:
         *,
         specs: Sequence[TensorSpec],
         servers: Collection[str] | None = None,
+        adapter: AdapterSpec | None = None,
     ) -> PendingSend:
         """Publish one weights version without waiting for the servers to load it.
 
@@ -308,6 +311,8 @@ class WeightSender:
                 :func:`~async_rl.sync.buckets.tensor_specs`; works on sharded/meta
                 tensors, so it costs no gather).
             servers: target server ids (default: all registered).
+            adapter: set when ``named_tensors`` are a LoRA adapter (PEFT names) that
+                replaces the servers' served adapter; their base weights stay.
 
         Per-server failures are reported in the result, never raised (a failed server
         keeps serving its previous weights). Raises ``ValueError`` if ``named_tensors``
@@ -329,7 +334,7 @@ class WeightSender:
             if sid not in self._servers
         }
         buckets = plan_buckets(specs, self.bucket_bytes)
-        announce = Announce(uid, version, tuple(specs), tuple(buckets))
+        announce = Announce(uid, version, tuple(specs), tuple(buckets), adapter)
 
         ready = self._ready(announce, targets, reports, min(deadline, t0 + self.control_timeout_s))
         if not ready:

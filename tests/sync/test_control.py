@@ -6,6 +6,7 @@ import subprocess
 import threading
 import time
 
+import msgspec
 import pytest
 import torch
 import zmq
@@ -16,7 +17,9 @@ from async_rl.sync.buckets import plan_buckets, tensor_specs
 from async_rl.sync.control import (
     MAX_TO_SENDER_BYTES,
     Ack,
+    AdapterSpec,
     Announce,
+    ControlError,
     ControlTimeout,
     ErrorKind,
     Hello,
@@ -69,6 +72,7 @@ def test_messages_round_trip_as_msgpack():
     msgs = [
         Hello("s0", 2, None),
         Announce(3, 7, tuple(specs), tuple(plan_buckets(specs, 1024))),
+        Announce(4, 8, tuple(specs), tuple(plan_buckets(specs, 1024)), AdapterSpec(8, 16.0, ("q_proj", "v_proj"))),
         Start(3, Rendezvous("10.0.0.1", 1234, 5, 3, "nccl", "wsync/5/00ff"), 1, 12.5),
         Ack(3, "s0", 7, None, False, 0.1, 0.2, 0.05),
         Ack(3, "s0", 6, "IpcUnavailable: cannot map", error_kind="ipc_unavailable"),
@@ -76,6 +80,15 @@ def test_messages_round_trip_as_msgpack():
     for m in msgs:
         assert decode(encode(m)) == m
     assert b"\x80\x04" not in encode(msgs[1])  # MessagePack, never a pickle
+
+
+@pytest.mark.parametrize("bad", [{"r": 0}, {"r": 513}, {"alpha": 0.0}, {"target_modules": ("",)}])
+def test_an_adapter_spec_out_of_bounds_is_refused_at_decoding(bad: dict):
+    fields = {"r": 8, "alpha": 16.0, "target_modules": ("q_proj",)} | bad
+    specs = tensor_specs([("w", torch.zeros(2))])
+    frame = msgspec.msgpack.encode(Announce(1, 1, tuple(specs), tuple(plan_buckets(specs, 1024)), AdapterSpec(**fields)))
+    with pytest.raises(ControlError, match="bad control message"):
+        decode(frame)
 
 
 def _registered(sender: WeightSender) -> RawServer:

