@@ -9,20 +9,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 import vllm
-from test_engine_update import LOGPROB_ATOL, MAX_TOKENS, PROMPTS, SECRET, TIMEOUT_S, Rig, reference, tiny_qwen2
+from test_engine_update import Rig, assert_serves, reference, tiny_qwen2
 from vllm.lora.request import LoRARequest
 
-from async_rl.sync.auth import SyncEndpoint
 from async_rl.sync.buckets import tensor_specs
 from async_rl.sync.control import AdapterSpec
 from async_rl.sync.lora import POLICY_LORA_ID, POLICY_LORA_NAME
-from async_rl.sync.sender import WeightSender
-from async_rl.sync.server import WeightUpdateServer
 
 pytestmark = pytest.mark.integration
 
@@ -61,26 +57,13 @@ def merged(base, adapter: dict[str, torch.Tensor], alpha: float = 16.0):
     return model
 
 
-def served(llm, version: int) -> list[tuple[list[int], list[float]]]:
-    params = vllm.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=0, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False, lora_request=policy(version))
-    return [(list(o.outputs[0].token_ids), [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]) for o in outs]
+def send(rig: Rig, adapter: dict[str, torch.Tensor], version: int, spec: AdapterSpec | None = None):
+    items = list(adapter.items())
+    return rig.update(items, version, tensor_specs(items), spec or AdapterSpec(RANK, 16.0, TARGETS))
 
 
-def assert_serves(llm, version: int, expected) -> None:
-    for (tokens, lps), (ref_tokens, ref_lps) in zip(served(llm, version), expected, strict=True):
-        assert tokens == ref_tokens
-        assert lps == pytest.approx(ref_lps, abs=LOGPROB_ATOL)
-
-
-class LoraRig(Rig):
-    def send(self, adapter: dict[str, torch.Tensor], version: int, spec: AdapterSpec | None = None):
-        spec = spec or AdapterSpec(RANK, 16.0, TARGETS)
-        items = list(adapter.items())
-        with ThreadPoolExecutor(1) as pool:
-            fut = pool.submit(self.sender.send, items, version, specs=tensor_specs(items), adapter=spec)
-            outcome = self.loop.run_until_complete(self.server.serve_one(TIMEOUT_S + 10))
-            return fut.result(timeout=TIMEOUT_S + 20), outcome
+def assert_serves_policy(llm, version: int, expected) -> None:
+    assert_serves(llm, expected, policy(version))
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +75,7 @@ def base(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def rig(base) -> Iterator[LoraRig]:
+def rig(base) -> Iterator[Rig]:
     _, path = base
     llm = vllm.LLM(
         model=str(path), skip_tokenizer_init=True, dtype="float32", max_model_len=128, enforce_eager=True, seed=0,
@@ -101,35 +84,34 @@ def rig(base) -> Iterator[LoraRig]:
     )
     llm.collective_rpc("wsync_lora_init", args=(RANK,))
     loop = asyncio.new_event_loop()
-    r = LoraRig(llm, loop)
+    r = Rig(llm, loop)
     yield r
-    r.server.close()
-    r.sender.close()
+    r.close()
     loop.close()
     llm.llm_engine.engine_core.shutdown()
 
 
-def test_version_0_serves_the_base_model(rig: LoraRig, base):
-    assert_serves(rig.llm, 0, reference(base[0]))
+def test_version_0_serves_the_base_model(rig: Rig, base):
+    assert_serves_policy(rig.llm, 0, reference(base[0]))
 
 
-def test_adapter_updates_serve_the_merged_model_and_replace_each_other(rig: LoraRig, base):
+def test_adapter_updates_serve_the_merged_model_and_replace_each_other(rig: Rig, base):
     model = base[0]
     for seed, version in ((1, 1), (2, 2)):  # the second replaces the first (no double scaling, no leftover)
         adapter = random_adapter(model, seed)
-        result, outcome = rig.send(adapter, version)
+        result, outcome = send(rig, adapter, version)
         assert result.ok, result.failed
         assert outcome is not None and outcome.ok and outcome.version == version
         assert result.bytes < sum(t.nbytes for t in model.state_dict().values()) / 10
         expected = reference(merged(model, adapter))
         assert [t for t, _ in expected] != [t for t, _ in reference(model)]  # the adapter changes what is served
-        assert_serves(rig.llm, version, expected)
+        assert_serves_policy(rig.llm, version, expected)
 
 
-def test_an_adapter_the_engine_cannot_serve_fails_the_update_and_keeps_the_served_one(rig: LoraRig, base):
+def test_an_adapter_the_engine_cannot_serve_fails_the_update_and_keeps_the_served_one(rig: Rig, base):
     model = base[0]
     adapter = random_adapter(model, seed=3)
-    result, outcome = rig.send(adapter, 3)
+    result, outcome = send(rig, adapter, 3)
     assert result.ok, result.failed
     expected = reference(merged(model, adapter))
     wide = {k: torch.randn(16, v.shape[1]) if "lora_A" in k else torch.randn(v.shape[0], 16) for k, v in adapter.items()}
@@ -137,33 +119,27 @@ def test_an_adapter_the_engine_cannot_serve_fails_the_update_and_keeps_the_serve
         ({**adapter, "base_model.model.lm_head.lora_A.weight": torch.randn(RANK, 128)}, None, "vLLM serves no LoRA on 'lm_head'"),
         (wide, AdapterSpec(16, 16.0, TARGETS), "LoRA rank 16 > the engine's max_lora_rank 8"),
     ):
-        result, outcome = rig.send(bad, 4, spec)
+        result, outcome = send(rig, bad, 4, spec)
         assert not result.ok and outcome is not None and not outcome.fatal and why in (outcome.error or "")
         assert rig.server.version == 3
-        assert_serves(rig.llm, 3, expected)
+        assert_serves_policy(rig.llm, 3, expected)
 
 
 @pytest.fixture
-def ipc_rig(rig: LoraRig) -> Iterator[LoraRig]:
+def ipc_rig(rig: Rig) -> Iterator[Rig]:
     """The same engine behind a sender in ``ipc`` mode (shared memory)."""
-    ipc = LoraRig.__new__(LoraRig)
-    ipc.llm, ipc.loop = rig.llm, rig.loop
-    ipc.sender = WeightSender(secret=SECRET, bucket_mb=1, backend="ipc", timeout_s=TIMEOUT_S, control_timeout_s=5.0)
-    ipc.server = WeightUpdateServer(rig.llm, SyncEndpoint(ipc.sender.address, SECRET), "s0", version=None, heartbeat_s=0.5)
-    rig.loop.run_until_complete(ipc.server.start())
-    ipc.sender.wait_for_servers(1, timeout_s=10.0)
+    ipc = Rig.on_ipc(rig)
     yield ipc
-    ipc.server.close()
-    ipc.sender.close()
+    ipc.close()
 
 
-def test_an_adapter_over_shared_memory_is_served_and_the_segment_is_left_as_sent(ipc_rig: LoraRig, base):
+def test_an_adapter_over_shared_memory_is_served_and_the_segment_is_left_as_sent(ipc_rig: Rig, base):
     model = base[0]
     adapter = random_adapter(model, seed=5)
-    result, outcome = ipc_rig.send(adapter, 5)
+    result, outcome = send(ipc_rig, adapter, 5)
     assert result.ok, result.failed
     assert result.group_s == 0 and outcome is not None and outcome.version == 5
-    assert_serves(ipc_rig.llm, 5, reference(merged(model, adapter)))
+    assert_serves_policy(ipc_rig.llm, 5, reference(merged(model, adapter)))
     # vLLM scales B in place when it activates an adapter: the receiver must have copied it,
     # or the sender's segment (read by every server on this host) would now hold B * alpha / r.
     segment = ipc_rig.sender._shm._data.numpy().tobytes()

@@ -23,6 +23,7 @@ import vllm  # noqa: E402
 
 from async_rl.sync.auth import RunSecret, SyncEndpoint  # noqa: E402
 from async_rl.sync.buckets import plan_buckets, tensor_specs  # noqa: E402
+from async_rl.sync.control import AdapterSpec  # noqa: E402
 from async_rl.sync.sender import SendResult, WeightSender  # noqa: E402
 from async_rl.sync.server import UpdateOutcome, WeightUpdateServer  # noqa: E402
 
@@ -62,9 +63,9 @@ def reference(model) -> list[tuple[list[int], list[float]]]:
     return out
 
 
-def served(llm) -> list[tuple[list[int], list[float]]]:
+def served(llm, lora_request=None) -> list[tuple[list[int], list[float]]]:
     params = vllm.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=0, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False, lora_request=lora_request)
     result = []
     for o in outs:
         c = o.outputs[0]
@@ -72,8 +73,8 @@ def served(llm) -> list[tuple[list[int], list[float]]]:
     return result
 
 
-def assert_serves(llm, expected) -> None:
-    for (tokens, lps), (ref_tokens, ref_lps) in zip(served(llm), expected, strict=True):
+def assert_serves(llm, expected, lora_request=None) -> None:
+    for (tokens, lps), (ref_tokens, ref_lps) in zip(served(llm, lora_request), expected, strict=True):
         assert tokens == ref_tokens
         assert lps == pytest.approx(ref_lps, abs=LOGPROB_ATOL)
 
@@ -101,9 +102,24 @@ class Rig:
             assert time.monotonic() < deadline, self.sender.servers
             time.sleep(0.05)
 
-    def update(self, named, version: int, specs) -> tuple[SendResult, UpdateOutcome | None]:
+    @classmethod
+    def on_ipc(cls, rig: Rig) -> Rig:
+        """The same engine behind a sender in ``ipc`` mode (shared memory: it is on this host)."""
+        ipc = cls.__new__(cls)
+        ipc.llm, ipc.loop = rig.llm, rig.loop
+        ipc.sender = WeightSender(secret=SECRET, bucket_mb=1, backend="ipc", timeout_s=TIMEOUT_S, control_timeout_s=5.0)
+        ipc.server = WeightUpdateServer(rig.llm, SyncEndpoint(ipc.sender.address, SECRET), "s0", version=None, heartbeat_s=0.5)
+        rig.loop.run_until_complete(ipc.server.start())
+        ipc.sender.wait_for_servers(1, timeout_s=10.0)
+        return ipc
+
+    def close(self) -> None:
+        self.server.close()
+        self.sender.close()
+
+    def update(self, named, version: int, specs, adapter: AdapterSpec | None = None) -> tuple[SendResult, UpdateOutcome | None]:
         with ThreadPoolExecutor(1) as pool:
-            fut = pool.submit(self.sender.send, named, version, specs=specs)
+            fut = pool.submit(self.sender.send, named, version, specs=specs, adapter=adapter)
             outcome = self.loop.run_until_complete(self.server.serve_one(TIMEOUT_S + 10))
             return fut.result(timeout=TIMEOUT_S + 20), outcome
 
@@ -220,15 +236,9 @@ def test_begin_returns_after_the_broadcast_and_complete_collects_the_ack(rig: Ri
 @pytest.fixture
 def ipc_rig(rig: Rig) -> Iterator[Rig]:
     """The same engine behind a sender in ``ipc`` mode (shared memory: it is on this host)."""
-    ipc = Rig.__new__(Rig)
-    ipc.llm, ipc.loop = rig.llm, rig.loop
-    ipc.sender = WeightSender(secret=SECRET, bucket_mb=1, backend="ipc", timeout_s=TIMEOUT_S, control_timeout_s=5.0)
-    ipc.server = WeightUpdateServer(rig.llm, SyncEndpoint(ipc.sender.address, SECRET), "s0", version=None, heartbeat_s=0.5)
-    rig.loop.run_until_complete(ipc.server.start())
-    ipc.sender.wait_for_servers(1, timeout_s=10.0)
+    ipc = Rig.on_ipc(rig)
     yield ipc
-    ipc.server.close()
-    ipc.sender.close()
+    ipc.close()
 
 
 def test_ipc_update_serves_the_new_weights_from_shared_memory(ipc_rig: Rig):
