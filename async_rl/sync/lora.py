@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from vllm.lora.lora_model import LoRAModel
 from vllm.lora.peft_helper import PEFTHelper
+from vllm.lora.request import LoRARequest
 from vllm.lora.utils import parse_fine_tuned_lora_name
 
 from async_rl.sync.buckets import TensorSpec
@@ -30,6 +31,14 @@ from async_rl.sync.control import AdapterSpec
 POLICY_LORA_ID = 1
 """vLLM's integer id of the served policy adapter (ids start at 1)."""
 POLICY_LORA_NAME = "async-rl-policy"
+
+
+def policy_lora_request(version: int) -> LoRARequest:
+    """What every generation request of a LoRA server names: the policy adapter, whatever
+    version it holds. The path names nothing on disk (the adapter never leaves the pinned
+    cache, so vLLM never loads from it); it carries the version only so that prefix-cache
+    keys, which hash it, differ between versions."""
+    return LoRARequest(POLICY_LORA_NAME, POLICY_LORA_ID, f"async-rl://policy/v{version}")
 
 
 class AdapterRefused(ValueError):

@@ -60,6 +60,26 @@ class WeightReceiverExtension:
         """Index of this worker inside its engine (TP x PP rank)."""
         return self.vllm_config.parallel_config.rank  # type: ignore[attr-defined]
 
+    def wsync_check(self, announce: bytes) -> str | None:
+        """Why this worker cannot take the update ``announce`` (an encoded :class:`Announce`),
+        or None when it can. The server asks before it answers Ready, so a refused update is
+        declined before any tensor is sent (the sender leaves this server out of the
+        broadcast instead of waiting for it) and what is served stays: an adapter the engine
+        cannot serve (:func:`~async_rl.sync.lora.check_adapter`), an adapter sent to an engine
+        without LoRA, full weights sent to an engine that serves an adapter."""
+        ann = decode(announce)
+        if not isinstance(ann, Announce):
+            raise TypeError(f"expected an Announce, got {type(ann)}")
+        serves_lora = getattr(self.model_runner, "lora_manager", None) is not None  # type: ignore[attr-defined]
+        if ann.adapter is None:
+            return ("full weights were sent to an engine that serves a LoRA adapter (enable_lora): "
+                    "send the adapter only") if serves_lora else None
+        try:
+            lora.check_adapter(lora.lora_manager(self), ann.adapter, ann.specs)
+        except lora.AdapterRefused as e:
+            return str(e)
+        return None
+
     def wsync_begin(self, announce: bytes, start: bytes) -> None:
         """Start receiving the update (encoded :class:`Announce` and :class:`Start`) in
         a background thread; returns at once. Drops any unfinished previous update."""
@@ -67,8 +87,6 @@ class WeightReceiverExtension:
         if not isinstance(ann, Announce) or not isinstance(st, Start):
             raise TypeError(f"expected Announce and Start, got {type(ann)}, {type(st)}")
         self._wsync_drop_staging()
-        if ann.adapter is not None:  # refused here, the update fails and the served adapter stays
-            lora.check_adapter(lora.lora_manager(self), ann.adapter, ann.specs)
         staging = _Staging(ann, time.monotonic())
         if st.shm is not None:  # same host: the buckets are in the sender's shared memory already
             self._wsync_staging = staging

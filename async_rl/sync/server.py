@@ -171,8 +171,8 @@ class WeightUpdateServer:
         ``timeout_s`` seconds pass without one. Sends a Hello every ``heartbeat_s`` idle."""
         deadline = time.monotonic() + timeout_s
         announce, self._pending = self._pending, None
-        if announce is not None:
-            announce = await self._ready(announce)
+        if announce is not None and (refusal := await self._ready(announce)) is not None:
+            return self._declined(announce, refusal)
         while (remaining := deadline - time.monotonic()) > 0:
             try:
                 msg = await self._channel.recv(min(self.heartbeat_s, remaining))
@@ -180,7 +180,9 @@ class WeightUpdateServer:
                 await self._hello()
                 continue
             if isinstance(msg, Announce):
-                announce = await self._ready(msg)
+                announce = msg
+                if (refusal := await self._ready(msg)) is not None:
+                    return self._declined(msg, refusal)
             elif isinstance(msg, Start) and announce is not None and msg.update_id == announce.update_id:
                 try:
                     outcome = await self._update(announce, msg)
@@ -224,14 +226,22 @@ class WeightUpdateServer:
     async def _send(self, msg: Message) -> None:
         await self._channel.send(msg, self.control_timeout_s)
 
-    async def _ready(self, announce: Announce) -> Announce | None:
-        """Answer ``announce``: take part (returns it), or decline when the engine is dead (the
-        sender then leaves this server out instead of waiting for its Ack)."""
+    async def _ready(self, announce: Announce) -> str | None:
+        """Answer ``announce``: take part (None), or decline and return why: the engine is dead,
+        or its workers cannot take this update (``wsync_check``: e.g. a LoRA adapter of a rank
+        the engine cannot serve). The sender then leaves this server out of the update at once
+        instead of waiting for it, and the server keeps serving what it served."""
         if self.engine.dead:
-            await self._send(Ready(announce.update_id, self.server_id, error="the vLLM engine is dead"))
-            return None
-        await self._send(Ready(announce.update_id, self.server_id))
-        return announce
+            refusal: str | None = "the vLLM engine is dead"
+        else:
+            refusals = await self.engine.rpc("wsync_check", (encode(announce),), self.control_timeout_s)
+            refusal = next((r for r in refusals if r is not None), None)
+        await self._send(Ready(announce.update_id, self.server_id, error=None if refusal is None else clip_error(refusal)))
+        return refusal
+
+    def _declined(self, announce: Announce, refusal: str) -> UpdateOutcome:
+        log.warning("weight sync: %s declined update %d: %s", self.server_id, announce.update_id, refusal)
+        return UpdateOutcome(announce.update_id, self.version, f"declined: {refusal}")
 
     async def _hello(self) -> None:
         await self._send(Hello(self.server_id, self._num_workers, self.version, host_identity()))

@@ -8,27 +8,23 @@ One engine for the module, as in ``test_engine_update.py`` (whose helpers this r
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 
 import pytest
 import torch
 import vllm
-from test_engine_update import Rig, assert_serves, reference, tiny_qwen2
-from vllm.lora.request import LoRARequest
+from test_engine_update import TIMEOUT_S, Rig, assert_serves, reference, tiny_qwen2
 
 from async_rl.sync.buckets import tensor_specs
 from async_rl.sync.control import AdapterSpec
-from async_rl.sync.lora import POLICY_LORA_ID, POLICY_LORA_NAME
+from async_rl.sync.lora import policy_lora_request
 
 pytestmark = pytest.mark.integration
 
 RANK = 8
 TARGETS = ("q_proj", "v_proj", "o_proj", "gate_proj", "down_proj")
 """k_proj and up_proj are left out: their slices of vLLM's packed qkv_proj / gate_up_proj stay zero."""
-
-
-def policy(version: int) -> LoRARequest:
-    return LoRARequest(POLICY_LORA_NAME, POLICY_LORA_ID, f"async-rl://policy/v{version}")
 
 
 def random_adapter(model, seed: int, alpha: float = 16.0, targets: tuple[str, ...] = TARGETS) -> dict[str, torch.Tensor]:
@@ -63,7 +59,7 @@ def send(rig: Rig, adapter: dict[str, torch.Tensor], version: int, spec: Adapter
 
 
 def assert_serves_policy(llm, version: int, expected) -> None:
-    assert_serves(llm, expected, policy(version))
+    assert_serves(llm, expected, policy_lora_request(version))
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +104,9 @@ def test_adapter_updates_serve_the_merged_model_and_replace_each_other(rig: Rig,
         assert_serves_policy(rig.llm, version, expected)
 
 
-def test_an_adapter_the_engine_cannot_serve_fails_the_update_and_keeps_the_served_one(rig: Rig, base):
+def test_an_update_the_engine_cannot_serve_is_declined_at_once_and_the_served_adapter_stays(rig: Rig, base):
+    """Refused at Ready, before any tensor is sent: the sender leaves the server out at once
+    (it used to wait out the update's timeout on the broadcast the server never joined)."""
     model = base[0]
     adapter = random_adapter(model, seed=3)
     result, outcome = send(rig, adapter, 3)
@@ -116,11 +114,17 @@ def test_an_adapter_the_engine_cannot_serve_fails_the_update_and_keeps_the_serve
     expected = reference(merged(model, adapter))
     wide = {k: torch.randn(16, v.shape[1]) if "lora_A" in k else torch.randn(v.shape[0], 16) for k, v in adapter.items()}
     for bad, spec, why in (
-        ({**adapter, "base_model.model.lm_head.lora_A.weight": torch.randn(RANK, 128)}, None, "vLLM serves no LoRA on 'lm_head'"),
+        ({**adapter, "base_model.model.lm_head.lora_A.weight": torch.randn(RANK, 128)}, AdapterSpec(RANK, 16.0, TARGETS),
+         "vLLM serves no LoRA on 'lm_head'"),
         (wide, AdapterSpec(16, 16.0, TARGETS), "LoRA rank 16 > the engine's max_lora_rank 8"),
+        (model.state_dict(), None, "full weights were sent to an engine that serves a LoRA adapter"),
     ):
-        result, outcome = send(rig, bad, 4, spec)
-        assert not result.ok and outcome is not None and not outcome.fatal and why in (outcome.error or "")
+        items = list(bad.items())
+        t0 = time.monotonic()
+        result, outcome = rig.update(items, 4, tensor_specs(items), spec)
+        assert time.monotonic() - t0 < TIMEOUT_S / 2
+        assert not result.ok and result.failed["s0"].startswith("declined: ") and why in result.failed["s0"]
+        assert outcome is not None and not outcome.fatal and why in (outcome.error or "")
         assert rig.server.version == 3
         assert_serves_policy(rig.llm, 3, expected)
 
