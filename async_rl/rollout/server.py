@@ -130,6 +130,9 @@ class InferenceServer:
     Args:
         server_id: name used in records and metrics.
         engine_kwargs: ``AsyncEngineArgs`` keyword arguments (see ``engine_args.engine_kwargs``).
+            With ``enable_lora`` the server serves a LoRA policy: the base model plus one
+            adapter (a zero adapter at start, version 0), which weight updates replace; every
+            request names it (:func:`~async_rl.sync.lora.policy_lora_request`).
         version: policy version of the weights at ``engine_kwargs["model"]``.
         openai_api: where to serve vLLM's OpenAI-compatible HTTP API from the same engine; None serves none.
     """
@@ -137,6 +140,12 @@ class InferenceServer:
     def __init__(self, server_id: str, engine_kwargs: dict[str, Any], version: int = 0, openai_api: OpenAIApiSettings | None = None):
         self.server_id = server_id
         self.engine_kwargs = dict(engine_kwargs)
+        self.lora_rank: int | None = self.engine_kwargs["max_lora_rank"] if self.engine_kwargs.get("enable_lora") else None
+        """The largest LoRA rank served (a LoRA policy), or None (full weights)."""
+        if self.lora_rank is not None and openai_api is not None:
+            # vLLM's API would serve the base model (its requests name no adapter) and could load
+            # adapters of its own into the one pinned slot.
+            raise ValueError(f"{server_id}: the OpenAI-compatible API cannot serve a LoRA policy yet (set rollout.openai_api=false)")
         self.openai_api = openai_api
         self._http: OpenAIApi | None = None
         self._version = version
@@ -175,6 +184,11 @@ class InferenceServer:
 
             args = AsyncEngineArgs(logprobs_mode="processed_logprobs", worker_extension_cls=RECEIVER_EXTENSION, **self.engine_kwargs)
             self._engine = AsyncLLM.from_engine_args(args)
+            if self.lora_rank is not None:
+                from async_rl.sync.server import EngineHandle
+
+                self.step = "installing its zero LoRA adapter"
+                await EngineHandle(self._engine).rpc("wsync_lora_init", (self.lora_rank,), control_timeout_s)
             await self._engine.update_weight_version(str(self._version))
             self._death = asyncio.get_running_loop().create_future()
             self._engine_watch = asyncio.create_task(self._watch_engine())
@@ -269,8 +283,13 @@ class InferenceServer:
         raise EngineDied(f"{self.server_id}: {self._death.result()}")
 
     async def _final_output(self, request: dict[str, Any], params: Any) -> Any:
+        lora_request = None
+        if self.lora_rank is not None:
+            from async_rl.sync.lora import policy_lora_request
+
+            lora_request = policy_lora_request(self._version)
         final = None
-        async for out in self._engine.generate(request, params, request_id=uuid.uuid4().hex):
+        async for out in self._engine.generate(request, params, request_id=uuid.uuid4().hex, lora_request=lora_request):
             final = out
         return final
 

@@ -41,3 +41,20 @@ def test_media_urls_and_local_files_are_refused_data_uris_are_read(tmp_path) -> 
     Image.new("RGB", (4, 4), "red").save(png, format="PNG")
     data_uri = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
     assert connector.load_from_url(data_uri, ImageMediaIO()).size == (4, 4)
+
+
+def test_lora_engines_get_the_smallest_max_lora_rank_vllm_accepts() -> None:
+    import typing
+
+    from vllm.config.lora import MaxLoRARanks
+
+    from async_rl.rollout.engine_args import VLLM_LORA_RANKS, vllm_max_lora_rank
+
+    assert VLLM_LORA_RANKS == typing.get_args(MaxLoRARanks)  # vLLM's list, still
+    assert [vllm_max_lora_rank(r) for r in (1, 2, 8, 9, 16, 300, 321, 512)] == [1, 8, 8, 16, 16, 320, 512, 512]
+    with pytest.raises(ValueError, match="LoRA rank 513 is above vLLM's largest max_lora_rank"):
+        vllm_max_lora_rank(513)
+    kwargs = engine_kwargs(load_config(), lora_rank=12)
+    assert {k: kwargs[k] for k in ("enable_lora", "max_lora_rank", "max_loras", "max_cpu_loras")} == {
+        "enable_lora": True, "max_lora_rank": 16, "max_loras": 1, "max_cpu_loras": 1}
+    assert "enable_lora" not in engine_kwargs(load_config())

@@ -14,6 +14,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 import vllm
+from lora_adapters import TARGETS, random_adapter
+from lora_adapters import merged as merged_lora
 from test_engine_update import TIMEOUT_S, Rig, assert_serves, reference, tiny_qwen2
 
 from async_rl.sync.buckets import tensor_specs
@@ -23,34 +25,10 @@ from async_rl.sync.lora import policy_lora_request
 pytestmark = pytest.mark.integration
 
 RANK = 8
-TARGETS = ("q_proj", "v_proj", "o_proj", "gate_proj", "down_proj")
-"""k_proj and up_proj are left out: their slices of vLLM's packed qkv_proj / gate_up_proj stay zero."""
 
 
-def random_adapter(model, seed: int, alpha: float = 16.0, targets: tuple[str, ...] = TARGETS) -> dict[str, torch.Tensor]:
-    """PEFT-named A ``[r, in]`` and B ``[out, r]`` (B non-zero, unlike PEFT's initialisation)."""
-    gen = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] in targets:
-            out_f, in_f = module.weight.shape
-            out[f"base_model.model.{name}.lora_A.weight"] = torch.randn(RANK, in_f, generator=gen) * 0.3
-            out[f"base_model.model.{name}.lora_B.weight"] = torch.randn(out_f, RANK, generator=gen) * 0.3
-    return out
-
-
-def merged(base, adapter: dict[str, torch.Tensor], alpha: float = 16.0):
-    """``base`` with ``W + (alpha / r) B A`` in every adapted module (a copy)."""
-    model = tiny_qwen2(seed=0)
-    model.load_state_dict(base.state_dict())
-    modules = dict(model.named_modules())
-    with torch.no_grad():
-        for key, a in adapter.items():
-            if key.endswith(".lora_A.weight"):
-                name = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
-                b = adapter[key.replace("lora_A", "lora_B")]
-                modules[name].weight += (alpha / RANK) * (b @ a)
-    return model
+def merged(model, adapter):
+    return merged_lora(model, adapter, alpha=16.0, rank=RANK)
 
 
 def send(rig: Rig, adapter: dict[str, torch.Tensor], version: int, spec: AdapterSpec | None = None):
