@@ -1,4 +1,4 @@
-"""A LoRA policy on the real FSDP2 learner (one gloo rank in the test process): only the float32
+"""A LoRA policy on the real FSDP2 learner (one gloo rank in the test process, and two spawned): only the float32
 adapters train and hold optimizer state, the base stays bit for bit, the packed log-probs equal
 an unsharded transformers + PEFT forward, disabling the adapters gives the base model, and the
 targets are checked against the model without loading it."""
@@ -184,3 +184,40 @@ def test_wire_names_and_the_announced_spec() -> None:
         with pytest.raises(ValueError, match="not a LoRA parameter"):
             wire_name(name)
     assert adapter_spec(LoraConfig(rank=8, alpha=16.0, target_modules=["q_proj", "v_proj"])) == AdapterSpec(8, 16.0, ("q_proj", "v_proj"))
+
+
+@pytest.mark.integration
+def test_two_ranks_train_the_adapter_and_keep_the_base(tiny_model: Path, tmp_path: Path) -> None:
+    from learner_helpers import SPAWN, lora_rank_main
+
+    from async_rl.learner.model import free_port
+
+    port = free_port()
+    procs = [SPAWN.Process(target=lora_rank_main, args=(r, 2, port, str(tiny_model), str(tmp_path)), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=240)
+    assert [p.exitcode for p in procs] == [0, 0]
+    saved = torch.load(tmp_path / "lora.pt", weights_only=False)
+    params, batch = saved["params"], saved["batch"]
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    plain = base.state_dict()
+    adapter = {name: t for name, t in params.items() if ".lora_" in name}
+    assert len(adapter) == 2 * TARGETS
+    for name, tensor in params.items():  # the base gathered from its shards is the checkpoint's, bit for bit
+        if name not in adapter:
+            assert torch.equal(tensor, plain[name.replace(".base_layer.", ".")]), name
+    q_out, hidden = plain["model.layers.0.self_attn.q_proj.weight"].shape
+    assert adapter["model.layers.0.self_attn.q_proj.lora_A.default.weight"].shape == (4, hidden)
+    assert adapter["model.layers.0.self_attn.q_proj.lora_B.default.weight"].shape == (q_out, 4)  # not out / world_size rows
+    assert all(t.abs().sum() > 0 for name, t in adapter.items() if ".lora_B." in name)
+
+    base.add_adapter(peft_config(LORA))
+    with torch.no_grad():
+        for name, param in adapter_named_parameters(base):
+            param.copy_(adapter[name])
+        expected, _ = padded_logprobs(base, batch.input_ids, batch.attention_mask, batch.response_positions)
+    mask = batch.response_mask.bool()
+    torch.testing.assert_close(saved["logp"][mask], expected[mask], atol=1e-5, rtol=0)
