@@ -5,11 +5,13 @@ targets are checked against the model without loading it."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
 import torch
 from learner_helpers import learner_config, make_groups, prepare_groups
+from torch import Tensor
 from reference_logprobs import padded_logprobs
 from transformers import AutoModelForCausalLM, Qwen2Config
 
@@ -28,7 +30,8 @@ TARGETS = 2 * 7  # 2 decoder layers x 7 projections of the tiny Qwen2
 def _trainer(model_dir: Path, info: DistInfo, tmp_path: Path, *overrides: str, lora: LoraConfig = LORA) -> Trainer:
     cfg = learner_config(model_dir, tmp_path, "lora", *overrides)
     policy = load_sharded(str(model_dir), cfg.learner, info.device, trainable=True, lora=lora)
-    return Trainer(policy, None, cfg.learner, cfg.algorithm, info, cfg.trainer.total_steps, cfg.trainer.seed)
+    critic = load_sharded(str(model_dir), cfg.learner, info.device, trainable=True, value_model=True) if cfg.algorithm.needs_critic else None
+    return Trainer(policy, None, cfg.learner, cfg.algorithm, info, cfg.trainer.total_steps, cfg.trainer.seed, critic=critic, lora=lora)
 
 
 def _full(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -37,6 +40,13 @@ def _full(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def _batch(seed: int) -> Batch:
     return prepare_groups(make_groups(4, seed=seed), 64, 512).batch
+
+
+def _base_logp(model_dir: Path, batch: Batch) -> Tensor:
+    """The plain base model's log-probs ``[N, T]`` of ``batch`` (one padded forward)."""
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return padded_logprobs(base, batch.input_ids, batch.attention_mask, batch.response_positions)[0]
 
 
 def test_only_the_float32_adapter_trains_and_the_base_stays_bit_for_bit(tiny_model: Path, one_rank: DistInfo, tmp_path: Path) -> None:
@@ -84,10 +94,8 @@ def test_packed_logprobs_equal_transformers_with_peft_and_disabled_adapters_the_
         disabled = trainer._all_rows_logp(policy, batch)
     assert all(p.requires_grad for _, p in adapter_named_parameters(policy))  # enabled again, still trainable
 
-    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     mask = batch.response_mask.bool()
-    with torch.no_grad():
-        base_logp, _ = padded_logprobs(base, batch.input_ids, batch.attention_mask, batch.response_positions)
+    base_logp = _base_logp(tiny_model, batch)
     torch.testing.assert_close(disabled[mask], base_logp[mask], atol=1e-5, rtol=0)
     torch.testing.assert_close(start[mask], base_logp[mask], atol=1e-5, rtol=0)
 
@@ -221,3 +229,54 @@ def test_two_ranks_train_the_adapter_and_keep_the_base(tiny_model: Path, tmp_pat
         expected, _ = padded_logprobs(base, batch.input_ids, batch.attention_mask, batch.response_positions)
     mask = batch.response_mask.bool()
     torch.testing.assert_close(saved["logp"][mask], expected[mask], atol=1e-5, rtol=0)
+
+
+# -- the Trainer: reference = the adapters disabled, eval-mode tables, critic ---------------------
+
+
+def test_the_reference_is_the_base_model_and_the_kl_grows_from_zero(tiny_model: Path, one_rank: DistInfo, tmp_path: Path) -> None:
+    trainer = _trainer(tiny_model, one_rank, tmp_path, "algorithm.loss.kl_coef=0.1", "algorithm.kl_in_reward=true",
+                       "algorithm.kl_ctrl.kl_coef=0.5", "learner.optim.lr=1e-2", "learner.ppo_mini_batches=2")
+    assert trainer.reference is None
+    batch = _batch(6)
+    mask = batch.response_mask.bool()
+    base = _base_logp(tiny_model, batch)
+    torch.testing.assert_close(trainer._reference_logp(batch)[mask], base[mask], atol=1e-5, rtol=0)
+    first = trainer.step(batch, 0).metrics
+    assert first["reward/kl"] == 0.0  # B = 0: the recomputed proximal policy is the base, bit for bit
+    second = trainer.step(batch, 1).metrics
+    torch.testing.assert_close(trainer._reference_logp(batch)[mask], base[mask], atol=1e-5, rtol=0)  # still the base
+    assert second["reward/kl"] != 0 and second["actor/kl_loss"] > first["actor/kl_loss"] >= 0  # the policy left it (k1 may be < 0)
+    assert all(p.requires_grad for _, p in adapter_named_parameters(trainer.policy)) and trainer.policy.training
+    cfg = learner_config(tiny_model, tmp_path, "lora", "algorithm.loss.kl_coef=0.1")
+    with pytest.raises(ValueError, match="with it the reference is the policy with its adapters disabled"):
+        Trainer(trainer.policy, trainer.policy, cfg.learner, cfg.algorithm, one_rank, 4, 1, lora=LORA)
+
+
+def test_gae_trains_a_full_critic_beside_a_lora_policy(tiny_model: Path, one_rank: DistInfo, tmp_path: Path) -> None:
+    trainer = _trainer(tiny_model, one_rank, tmp_path, "algorithm.advantage.name=gae", "learner.critic.optim.lr=1e-3")
+    assert trainer.critic is not None
+    critic_before = {name: t.full_tensor().clone() for name, t in trainer.critic.state_dict().items()}
+    metrics = trainer.step(_batch(8), 0).metrics
+    assert metrics["actor/updates"] == 1 and metrics["critic/updates"] == 1
+    assert all(math.isfinite(v) for v in metrics.values())
+    moved = [name for name, t in trainer.critic.state_dict().items() if not torch.equal(t.full_tensor(), critic_before[name])]
+    assert any("score" in name for name in moved) and any(".layers." in name for name in moved)  # the critic trains fully
+
+
+def test_with_dropout_the_proximal_pass_has_none_and_is_recomputed(tiny_model: Path, one_rank: DistInfo, tmp_path: Path) -> None:
+    trainer = _trainer(tiny_model, one_rank, tmp_path, lora=LoraConfig(rank=4, alpha=8.0, dropout=0.1))
+    assert not trainer.single_update and trainer.recompute  # logp.detach() of a pass with dropout is not pi_prox
+    policy = trainer.policy
+    with torch.no_grad():  # a non-zero B: dropout on the adapter's input changes the output
+        for name, p in adapter_named_parameters(policy):
+            if ".lora_B." in name:
+                p.fill_(0.05)
+    batch = _batch(9)
+    micro = batch.select([0, 1])
+    noisy = [trainer._logprobs(policy, micro)[0].detach() for _ in range(2)]
+    assert not torch.equal(noisy[0], noisy[1])  # train mode: dropout is on
+    first, second = trainer._all_rows_logp(policy, batch), trainer._all_rows_logp(policy, batch)
+    assert torch.equal(first, second) and policy.training  # eval mode inside, train mode again after
+    plain = _trainer(tiny_model, one_rank, tmp_path, lora=LoraConfig(rank=4, alpha=8.0))
+    assert plain.single_update
