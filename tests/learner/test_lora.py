@@ -1,7 +1,9 @@
 """A LoRA policy on the real FSDP2 learner (one gloo rank in the test process, and two spawned): only the float32
 adapters train and hold optimizer state, the base stays bit for bit, the packed log-probs equal
 an unsharded transformers + PEFT forward, disabling the adapters gives the base model, and the
-targets are checked against the model without loading it."""
+targets are checked against the model without loading it. The Trainer's reference is the policy
+with its adapters disabled, its tables are computed without dropout, and a full critic trains
+beside the adapter."""
 
 from __future__ import annotations
 
@@ -11,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 from learner_helpers import learner_config, make_groups, prepare_groups
-from torch import Tensor
 from reference_logprobs import padded_logprobs
+from torch import Tensor
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from async_rl.config import ConfigError, LoraConfig
