@@ -320,6 +320,8 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 """The decoder projections of Qwen2/Llama: the default LoRA targets, each a ``Linear`` vLLM serves LoRA on."""
 LORA_UNSERVABLE = ("lm_head", "embed_tokens")
 """Modules vLLM cannot serve a LoRA on for these models (not a ``LinearBase``; no embedding modules), so never targets."""
+LORA_KEY = "learner.lora"
+"""Where :class:`LoraConfig` sits in the config: the prefix of its keys in every message."""
 
 
 @dataclass
@@ -335,7 +337,7 @@ class LoraConfig:
     target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
     """Module names that get an adapter, matched as PEFT matches them (the last part of each module's path, e.g. ``q_proj``); not ``lm_head`` or ``embed_tokens``."""
 
-    def problems(self, prefix: str = "learner.lora.") -> list[str]:
+    def problems(self, prefix: str = f"{LORA_KEY}.") -> list[str]:
         """One message per rule of ``target_modules`` broken (empty, repeated, unservable),
         naming the key ``prefix + "target_modules"``; the numeric ranges are the bounds beside
         each field (:func:`async_rl.bounds.bound_problems`)."""

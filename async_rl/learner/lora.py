@@ -14,6 +14,7 @@ The reference policy of a LoRA run is the same model with its adapters disabled
 
 from __future__ import annotations
 
+import logging
 import re
 import warnings
 from collections.abc import Iterator, Mapping
@@ -27,9 +28,11 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from async_rl.bounds import bound_problems
-from async_rl.config import LORA_UNSERVABLE, ConfigError, LoraConfig
+from async_rl.config import LORA_KEY, LORA_UNSERVABLE, ConfigError, LoraConfig
 from async_rl.learner import vision
 from async_rl.sync.control import AdapterSpec
+
+log = logging.getLogger(__name__)
 
 ADAPTER_NAME = "default"
 """PEFT's name of the one adapter (``add_adapter``'s default); it is part of every LoRA parameter's name."""
@@ -53,14 +56,17 @@ def apply_lora(model: nn.Module, lora: LoraConfig) -> None:
     base beside them in one unit (it requires one dtype among trainable parameters only).
     Raises :class:`ConfigError` naming the key when ``lora`` breaks a rule of its section.
     """
-    problems = bound_problems(lora, "learner.lora.") + lora.problems()
+    problems = bound_problems(lora, f"{LORA_KEY}.") + lora.problems()
     if problems:
         raise ConfigError("invalid LoRA config:\n  " + "\n  ".join(problems))
     model.requires_grad_(False)
     model.add_adapter(peft_config(lora))  # type: ignore[operator]
-    for _, param in adapter_named_parameters(model):
+    adapter = adapter_named_parameters(model)
+    for _, param in adapter:
         param.data = param.data.float()
         param.requires_grad_(True)
+    log.info("learner LoRA: rank %d, alpha %g, dropout %g on %s: %d trainable parameters of %d", lora.rank, lora.alpha, lora.dropout,
+             ",".join(lora.target_modules), sum(p.numel() for _, p in adapter), sum(p.numel() for p in model.parameters()))
 
 
 def adapter_named_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -103,16 +109,24 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
         model.enable_adapters()  # type: ignore[operator]
 
 
+def unsupported_model(model_config: Mapping[str, Any]) -> str | None:
+    """Why LoRA cannot train the model of ``model_config`` (its ``config.json`` as a dict) yet,
+    or None: a vision-language model (its targets would need limiting to the language model)."""
+    if vision.is_vision_language(model_config):
+        return f"{LORA_KEY} is not supported for a vision-language model (model_type {model_config.get('model_type')!r}) yet; train it without {LORA_KEY}"
+    return None
+
+
 def target_problems(model_config: Mapping[str, Any], lora: LoraConfig) -> list[str]:
     """What is wrong with ``lora``'s targets for the model of ``model_config`` (its
     ``config.json`` as a dict), without loading weights: PEFT matches each target on the model
     built on the meta device. Refuses a vision-language model (not supported with LoRA yet),
     ``lm_head``/``embed_tokens``, and a name that matches no module, listing the valid ones.
     Empty when the targets are fine."""
-    key = "learner.lora.target_modules"
-    if vision.is_vision_language(model_config):
-        kind = model_config.get("model_type")
-        return [f"learner.lora is not supported for a vision-language model (model_type {kind!r}) yet; train it without learner.lora"]
+    key = f"{LORA_KEY}.target_modules"
+    why = unsupported_model(model_config)
+    if why is not None:
+        return [why]
     problems = lora.problems()
     if problems:
         return problems

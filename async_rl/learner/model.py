@@ -22,7 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageText
 from async_rl.config import FsdpConfig, LearnerConfig, LoraConfig
 from async_rl.learner import attention, kernels, memory, vision
 from async_rl.learner.logprobs import install_logprob_head
-from async_rl.learner.lora import apply_lora
+from async_rl.learner.lora import apply_lora, unsupported_model
 from async_rl.netbind import master_store
 
 log = logging.getLogger(__name__)
@@ -119,8 +119,8 @@ def load_sharded(model_path: str, learner: LearnerConfig, device: torch.device, 
     vision.check_supported(model_config)
     if vlm and value_model:
         raise vision.UnsupportedVisionModel(f"{model_path}: a critic (algorithm.advantage.name=gae) of a vision-language model is not supported yet")
-    if lora is not None and vlm:
-        raise vision.UnsupportedVisionModel(f"{model_path}: learner.lora of a vision-language model is not supported yet; train it without learner.lora")
+    if lora is not None and (why := unsupported_model(model_config)):
+        raise vision.UnsupportedVisionModel(f"{model_path}: {why}")
     if lora is not None and (value_model or not trainable):
         raise ValueError("learner.lora applies to the trainable policy only (a LoRA run has no reference model, and the critic trains fully)")
     if vlm:  # the text decoder attends over packed rows; the vision tower over each image, bidirectionally

@@ -150,7 +150,7 @@ def test_a_vision_language_policy_is_refused(tmp_path: Path, one_rank: DistInfo)
                               vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=1, out_hidden_size=64))
     config.save_pretrained(tmp_path)  # the refusal comes before any weight is read
     cfg = learner_config(tmp_path, tmp_path, "vlm")
-    with pytest.raises(UnsupportedVisionModel, match="learner.lora of a vision-language model"):
+    with pytest.raises(UnsupportedVisionModel, match="learner.lora is not supported for a vision-language model"):
         load_sharded(str(tmp_path), cfg.learner, one_rank.device, trainable=True, lora=LORA)
     (problem,) = target_problems(config.to_dict(), LORA)
     assert "learner.lora is not supported for a vision-language model" in problem
