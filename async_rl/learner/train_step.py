@@ -55,8 +55,8 @@ def build_optimizer(model: nn.Module, o: OptimConfig, total_steps: int) -> tuple
     faster than the default per-parameter loop on DTensor shards (6 vs 55 ms for 10 M
     parameters on 2 CPU cores); the update is the same AdamW.
     """
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=o.lr, betas=(o.betas[0], o.betas[1]), eps=o.eps, weight_decay=o.weight_decay,
-                                  fused=True)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=o.lr, betas=(o.betas[0], o.betas[1]), eps=o.eps, weight_decay=o.weight_decay, fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, o, total_steps))
     return optimizer, scheduler
 
