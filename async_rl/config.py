@@ -320,6 +320,8 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 """The decoder projections of Qwen2/Llama: the default LoRA targets, each a ``Linear`` vLLM serves LoRA on."""
 LORA_UNSERVABLE = ("lm_head", "embed_tokens")
 """Modules vLLM cannot serve a LoRA on for these models (not a ``LinearBase``; no embedding modules), so never targets."""
+LORA_MAX_RANK = 512
+"""Highest LoRA rank vLLM serves (the last of its ``max_lora_rank`` choices)."""
 LORA_KEY = "learner.lora"
 """Where :class:`LoraConfig` sits in the config: the prefix of its keys in every message."""
 
@@ -328,7 +330,7 @@ LORA_KEY = "learner.lora"
 class LoraConfig:
     """LoRA adapters on the policy (PEFT through transformers): only the adapters train and are sent to the servers."""
 
-    rank: int = bounded(16, ge=1, le=512)
+    rank: int = bounded(16, ge=1, le=LORA_MAX_RANK)
     """Rank ``r`` of each adapter: ``A`` is ``[r, in]``, ``B`` is ``[out, r]`` (vLLM serves ranks up to 512)."""
     alpha: float = bounded(32.0, gt=0)
     """Scale numerator: the adapted layer computes ``W x + (alpha / rank) B A x``."""
