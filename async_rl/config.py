@@ -316,6 +316,44 @@ class CriticConfig:
     """Critic optimizer steps per pass (the batch's groups split into this many mini-batches)."""
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The decoder projections of Qwen2/Llama: the default LoRA targets, each a ``Linear`` vLLM serves LoRA on."""
+LORA_UNSERVABLE = ("lm_head", "embed_tokens")
+"""Modules vLLM cannot serve a LoRA on for these models (not a ``LinearBase``; no embedding modules), so never targets."""
+LORA_MAX_RANK = 512
+"""Highest LoRA rank vLLM serves (the last of its ``max_lora_rank`` choices)."""
+LORA_KEY = "learner.lora"
+"""Where :class:`LoraConfig` sits in the config: the prefix of its keys in every message."""
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters on the policy (PEFT through transformers): only the adapters train and are sent to the servers."""
+
+    rank: int = bounded(16, ge=1, le=LORA_MAX_RANK)
+    """Rank ``r`` of each adapter: ``A`` is ``[r, in]``, ``B`` is ``[out, r]`` (vLLM serves ranks up to 512)."""
+    alpha: float = bounded(32.0, gt=0)
+    """Scale numerator: the adapted layer computes ``W x + (alpha / rank) B A x``."""
+    dropout: float = bounded(0.0, ge=0, lt=1)
+    """Dropout on the adapters' input while training (PEFT's ``lora_dropout``); the servers never apply it."""
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    """Module names that get an adapter, matched as PEFT matches them (the last part of each module's path, e.g. ``q_proj``); not ``lm_head`` or ``embed_tokens``."""
+
+    def problems(self, prefix: str = f"{LORA_KEY}.") -> list[str]:
+        """One message per rule of ``target_modules`` broken (empty, repeated, unservable),
+        naming the key ``prefix + "target_modules"``; the numeric ranges are the bounds beside
+        each field (:func:`async_rl.bounds.bound_problems`)."""
+        key, targets = f"{prefix}target_modules", self.target_modules
+        problems = [] if targets else [f"{key} must name at least one module (e.g. {list(LORA_TARGETS)})"]
+        repeated = sorted({t for t in targets if targets.count(t) > 1})
+        if repeated:
+            problems.append(f"{key}={targets} names {repeated} more than once; name each module once")
+        unservable = [t for t in targets if t in LORA_UNSERVABLE]
+        if unservable:
+            problems.append(f"{key}={targets}: vLLM cannot serve a LoRA on {unservable}; remove them (targets from {list(LORA_TARGETS)})")
+        return problems
+
+
 @dataclass
 class LearnerConfig:
     """The FSDP2 learner."""

@@ -19,9 +19,10 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForTokenClassification
 
-from async_rl.config import FsdpConfig, LearnerConfig
+from async_rl.config import FsdpConfig, LearnerConfig, LoraConfig
 from async_rl.learner import attention, kernels, memory, vision
 from async_rl.learner.logprobs import install_logprob_head
+from async_rl.learner.lora import apply_lora, unsupported_model
 from async_rl.netbind import master_store
 
 log = logging.getLogger(__name__)
@@ -88,9 +89,14 @@ def compute_dtype(fsdp: FsdpConfig, device: torch.device) -> torch.dtype:
 
 
 def load_sharded(model_path: str, learner: LearnerConfig, device: torch.device, trainable: bool, beside: memory.Beside = memory.Beside(),
-                 servers_share: float = 0.0, value_model: bool = False) -> nn.Module:
+                 servers_share: float = 0.0, value_model: bool = False, lora: LoraConfig | None = None) -> nn.Module:
     """Load a causal LM with float32 master weights and shard it: ``fully_shard`` per decoder
     layer, then at the root (embeddings, final norm, LM head).
+
+    ``lora`` (the trainable policy only; a text model) adds LoRA adapters
+    (:func:`async_rl.learner.lora.apply_lora`) before anything else touches the model, and
+    loads the base in the compute dtype (frozen, so no float32 master copy): only the float32
+    adapters train.
 
     ``value_model`` loads the critic instead: the same checkpoint as a token classifier with
     one label (the base model's weights, a new ``score`` head ``[H] -> 1``, dropout off), whose
@@ -113,6 +119,10 @@ def load_sharded(model_path: str, learner: LearnerConfig, device: torch.device, 
     vision.check_supported(model_config)
     if vlm and value_model:
         raise vision.UnsupportedVisionModel(f"{model_path}: a critic (algorithm.advantage.name=gae) of a vision-language model is not supported yet")
+    if lora is not None and (why := unsupported_model(model_config)):
+        raise vision.UnsupportedVisionModel(f"{model_path}: {why}")
+    if lora is not None and (value_model or not trainable):
+        raise ValueError("learner.lora applies to the trainable policy only (a LoRA run has no reference model, and the critic trains fully)")
     if vlm:  # the text decoder attends over packed rows; the vision tower over each image, bidirectionally
         model = AutoModelForImageTextToText.from_pretrained(
             model_path, dtype=torch.float32, attn_implementation={"": attn, "text_config": attn, "vision_config": "sdpa"})
@@ -122,7 +132,10 @@ def load_sharded(model_path: str, learner: LearnerConfig, device: torch.device, 
         config.classifier_dropout = 0.0  # a config attribute; from_pretrained takes no such keyword for every model
         model = AutoModelForTokenClassification.from_pretrained(model_path, config=config, dtype=torch.float32, attn_implementation=attn)
     else:
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation=attn)
+        dtype = torch.float32 if lora is None else compute_dtype(fsdp, device)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=attn)
+        if lora is not None:  # before fully_shard: on shards PEFT would size B by the shard's rows
+            apply_lora(model, lora)
         install_logprob_head(model, learner.logprob_chunk_tokens)
     if trainable:
         checkpointing = memory.resolve_gradient_checkpointing(learner, model.config.to_dict(), device.type, beside, servers_share)
@@ -137,7 +150,8 @@ def load_sharded(model_path: str, learner: LearnerConfig, device: torch.device, 
     fully_shard(model, mp_policy=policy, reshard_after_forward=fsdp.reshard_after_forward)
     model.to(device)
     model.train(trainable)
-    model.requires_grad_(trainable)
+    if lora is None:  # LoRA: apply_lora froze the base; requires_grad_(True) would unfreeze it
+        model.requires_grad_(trainable)
     if vlm and trainable and learner.freeze_vision_tower:
         vision.vision_tower(model).requires_grad_(False)  # type: ignore[union-attr]
     return model

@@ -193,3 +193,27 @@ def save_killed_main(port: int, model_dir: str, out: str, kill_at: str, ready: s
     state = checkpoint.TrainingState(2, trainer.scheduler.state_dict(), counters={"line": 2}, parent="step_00000001")
     checkpoint.save(checkpoint.checkpoint_dir(out, 2), policy, trainer.optimizer, state, model_dir, keep=5)
     raise AssertionError(f"not stopped at {kill_at}")
+
+
+def lora_rank_main(rank: int, world_size: int, port: int, model_dir: str, out_dir: str) -> None:
+    """Body of a rank of a LoRA policy (rank 4, alpha 8): two learner steps, then rank 0 saves
+    ``{"params": the gathered parameters, "logp": the batch's packed log-probs, "batch": the
+    batch}`` to ``out_dir``/lora.pt."""
+    import torch
+
+    from async_rl.config import LoraConfig
+    from async_rl.learner.model import init_distributed, iter_full_parameters, load_sharded
+    from async_rl.learner.train_step import Trainer
+
+    cfg = learner_config(model_dir, out_dir, "lora", "learner.optim.lr=1e-2", "learner.ppo_mini_batches=2")
+    info = init_distributed(rank, world_size, "127.0.0.1", port, 60.0)
+    torch.manual_seed(0)  # the same A on every rank (each shards its own copy)
+    policy = load_sharded(model_dir, cfg.learner, info.device, trainable=True, lora=LoraConfig(rank=4, alpha=8.0))
+    trainer = Trainer(policy, None, cfg.learner, cfg.algorithm, info, cfg.trainer.total_steps, cfg.trainer.seed)
+    batch = prepare_groups(make_groups(4, seed=7), 64, 512).batch
+    for step in range(2):
+        trainer.step(batch, step)
+    logp = trainer._all_rows_logp(policy, batch)
+    params = [(name, t.clone()) for bucket in iter_full_parameters(policy, 1 << 20) for name, t in bucket]
+    if rank == 0:
+        torch.save({"params": dict(params), "logp": logp, "batch": batch}, f"{out_dir}/lora.pt")
