@@ -320,8 +320,11 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 """The decoder projections of Qwen2/Llama: the default LoRA targets, each a ``Linear`` vLLM serves LoRA on."""
 LORA_UNSERVABLE = ("lm_head", "embed_tokens")
 """Modules vLLM cannot serve a LoRA on for these models (not a ``LinearBase``; no embedding modules), so never targets."""
-LORA_MAX_RANK = 512
-"""Highest LoRA rank vLLM serves (the last of its ``max_lora_rank`` choices)."""
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM accepts for ``max_lora_rank`` (``vllm.config.lora.MaxLoRARanks``;
+``tests/rollout/test_engine_args.py`` checks they still are)."""
+LORA_MAX_RANK = VLLM_LORA_RANKS[-1]
+"""Highest LoRA rank vLLM serves."""
 LORA_KEY = "learner.lora"
 """Where :class:`LoraConfig` sits in the config: the prefix of its keys in every message."""
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from async_rl.config import Config
+from async_rl.config import VLLM_LORA_RANKS, Config
 from async_rl.rollout.openai_api import OpenAIApiSettings
 
 NO_MEDIA_DOMAINS = ["invalid"]
@@ -21,11 +21,6 @@ def on_gpu() -> bool:
     import torch
 
     return torch.cuda.is_available()
-
-
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-"""The values vLLM accepts for ``max_lora_rank`` (``vllm.config.lora.MaxLoRARanks``;
-``tests/rollout/test_engine_args.py`` checks they still are)."""
 
 
 def vllm_max_lora_rank(rank: int) -> int:

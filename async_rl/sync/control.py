@@ -34,6 +34,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from async_rl.config import LORA_MAX_RANK
 from async_rl.sync.auth import FrameDropped, RunSecret, Sealer, new_connection_id
 from async_rl.sync.buckets import Bucket, TensorSpec
 from async_rl.sync.group import Rendezvous
@@ -87,16 +88,12 @@ class Hello(msgspec.Struct, tag=True, frozen=True):
     """The server's :func:`~async_rl.sync.ipc.host_identity` ("": never served over shared memory)."""
 
 
-MAX_LORA_RANK = 512
-"""Highest LoRA rank vLLM serves (its ``max_lora_rank`` choices end there)."""
-
-
 class AdapterSpec(msgspec.Struct, frozen=True):
     """The update is a LoRA adapter, not the model's weights: the tensors are PEFT's
     ``base_model.model.<module>.lora_A.weight`` ``[r, in]`` and ``...lora_B.weight``
     ``[out, r]``; the served layer computes ``W x + (alpha / r) B A x``."""
 
-    r: Annotated[int, msgspec.Meta(ge=1, le=MAX_LORA_RANK)]
+    r: Annotated[int, msgspec.Meta(ge=1, le=LORA_MAX_RANK)]
     alpha: Annotated[float, msgspec.Meta(gt=0.0)]
     target_modules: tuple[Annotated[str, msgspec.Meta(min_length=1, max_length=256)], ...]
     """Module names the adapter covers (e.g. ``q_proj``), as PEFT's ``target_modules``."""

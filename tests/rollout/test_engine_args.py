@@ -48,7 +48,8 @@ def test_lora_engines_get_the_smallest_max_lora_rank_vllm_accepts() -> None:
 
     from vllm.config.lora import MaxLoRARanks
 
-    from async_rl.rollout.engine_args import VLLM_LORA_RANKS, vllm_max_lora_rank
+    from async_rl.config import VLLM_LORA_RANKS
+    from async_rl.rollout.engine_args import vllm_max_lora_rank
 
     assert VLLM_LORA_RANKS == typing.get_args(MaxLoRARanks)  # vLLM's list, still
     assert [vllm_max_lora_rank(r) for r in (1, 2, 8, 9, 16, 300, 321, 512)] == [1, 8, 8, 16, 16, 320, 512, 512]
