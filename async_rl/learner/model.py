@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime
 import logging
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -166,8 +166,10 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
-def iter_full_parameters(model: nn.Module, bucket_bytes: int, dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, Tensor]]]:
-    """Full (unsharded) parameters of an FSDP2 model, ``bucket_bytes`` at a time.
+def iter_full_parameters(model: nn.Module, bucket_bytes: int, dtype: torch.dtype | None = None,
+                         named: Iterable[tuple[str, nn.Parameter]] | None = None) -> Iterator[list[tuple[str, Tensor]]]:
+    """Full (unsharded) parameters of an FSDP2 model, ``bucket_bytes`` at a time (all of them,
+    or the ``named`` ones: e.g. a LoRA adapter's, :func:`~async_rl.learner.lora.adapter_named_parameters`).
 
     Collective: every rank must iterate to the end (each parameter is all-gathered). Yields
     lists of ``(name, tensor)`` with names as in the Hugging Face checkpoint; at most one
@@ -177,7 +179,7 @@ def iter_full_parameters(model: nn.Module, bucket_bytes: int, dtype: torch.dtype
     """
     bucket: list[tuple[str, Tensor]] = []
     size = 0
-    for name, param in model.named_parameters():
+    for name, param in model.named_parameters() if named is None else named:
         with torch.no_grad():  # not around the yield: grad mode is thread state the caller shares
             full = _full(param) if dtype is None else _full(param).to(dtype)
         if bucket and size + full.numel() * full.element_size() > bucket_bytes:

@@ -11,16 +11,19 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 from torch import Tensor, nn
 
+from async_rl.config import LoraConfig
 from async_rl.learner import collectives
+from async_rl.learner.lora import adapter_named_parameters, adapter_spec, wire_name
 from async_rl.learner.model import iter_full_parameters
 from async_rl.sync.buckets import TensorSpec, tensor_specs
+from async_rl.sync.control import AdapterSpec
 from async_rl.sync.sender import PendingSend, SendResult
 
 
@@ -29,10 +32,11 @@ class WeightPublisher(Protocol):
 
     def begin(
         self, named_tensors: Iterable[tuple[str, Tensor]], version: int, *, specs: Sequence[TensorSpec],
-        servers: Collection[str] | None = None,
+        servers: Collection[str] | None = None, adapter: AdapterSpec | None = None,
     ) -> PendingSend:
         """Broadcast every ``(name, full tensor)`` (in ``specs`` order) as policy ``version``
-        to ``servers`` (None: all registered); they load it while the learner goes on."""
+        to ``servers`` (None: all registered); they load it while the learner goes on. With
+        ``adapter``, the tensors are a LoRA adapter that replaces the servers' served one."""
 
     def complete(self, pending: PendingSend, wait: bool = True) -> SendResult | None:
         """Outcome of ``pending`` once every server acknowledged (None: not yet, ``wait=False``)."""
@@ -66,6 +70,8 @@ class _Sending:
     """The update the servers may still be loading."""
     metrics: dict[str, float] = field(default_factory=dict)
     """Timings of the updates settled since the last :meth:`Publication.take_metrics` (``sync/*``)."""
+    adapter_norm: float | None = None
+    """L2 norm of the LoRA adapter last sent (all its A and B together); None for full weights."""
 
 
 class Publication:
@@ -74,14 +80,18 @@ class Publication:
     ``sender`` and ``announce`` are rank 0's (None elsewhere, or when no inference server
     is to be updated); ``counters`` are the learner's checkpointed counters
     (``sync_catch_up``, ``sync_failed``); ``version`` is the version the servers start from.
+    With ``lora`` (a LoRA policy), only the adapter is gathered and sent, in PEFT's names
+    (:func:`~async_rl.learner.lora.wire_name`): the servers keep their base weights.
     Construction is collective: every rank learns whether rank 0 publishes.
     """
 
     def __init__(self, rank: int, device: torch.device, policy: nn.Module, bucket_mb: int, counters: Counter[str],
-                 sender: WeightPublisher | None, announce: Callable[[int], None] | None, version: int) -> None:
+                 sender: WeightPublisher | None, announce: Callable[[int], None] | None, version: int,
+                 lora: LoraConfig | None = None) -> None:
         if sender is not None and announce is None:
             raise ValueError("a weight sender needs the queue's version announcement (rank 0)")
         self.rank, self.device, self.policy, self.bucket_bytes, self.counters = rank, device, policy, bucket_mb << 20, counters
+        self.adapter = None if lora is None else adapter_spec(lora)
         self._rank0 = _Sending(sender, announce, version, version, version) if sender is not None and announce is not None else None
         # Every rank must know whether rank 0 publishes: the gathers are collective.
         self.active = bool(collectives.broadcast_bytes(b"1" if self._rank0 is not None else b"", device, rank))
@@ -98,7 +108,8 @@ class Publication:
         if not self.active:
             return 0.0
         start = time.perf_counter()
-        buckets = iter_full_parameters(self.policy, self.bucket_bytes)
+        params = list(self.policy.named_parameters() if self.adapter is None else adapter_named_parameters(self.policy))
+        buckets = iter_full_parameters(self.policy, self.bucket_bytes, named=params)
         try:
             if (state := self._rank0) is not None:
                 self.settle(wait=True)
@@ -106,11 +117,23 @@ class Publication:
                     state.served = version
                 state.sent = max(state.sent, version)
                 named = (item for bucket in buckets for item in bucket)
-                state.pending = state.sender.begin(named, version, specs=tensor_specs(self.policy.named_parameters()), servers=servers)
+                if self.adapter is not None:
+                    named = self._adapter_for_the_wire(named, state)
+                    params = [(wire_name(name), p) for name, p in params]
+                state.pending = state.sender.begin(named, version, specs=tensor_specs(params), servers=servers, adapter=self.adapter)
         finally:
             for _ in buckets:  # every rank takes part in every gather, even if the send stopped early
                 pass
         return time.perf_counter() - start
+
+    @staticmethod
+    def _adapter_for_the_wire(named: Iterable[tuple[str, Tensor]], state: _Sending) -> Iterator[tuple[str, Tensor]]:
+        """The adapter's full tensors under their wire names; measures its norm on the way."""
+        squares = 0.0
+        for name, tensor in named:
+            squares += float(tensor.detach().float().pow(2).sum())
+            yield wire_name(name), tensor
+        state.adapter_norm = squares ** 0.5
 
     def catch_up(self, version: int) -> None:
         """Send ``version``'s weights to servers that do not hold the served version: a
@@ -152,7 +175,8 @@ class Publication:
             return {}
         metrics, self._rank0.metrics = self._rank0.metrics, {}
         dropped = {f"sync/control_dropped/{reason}": float(n) for reason, n in self._rank0.sender.dropped.items()}
-        return {**metrics, **dropped}
+        norm = {} if self._rank0.adapter_norm is None else {"learner/lora_norm": self._rank0.adapter_norm}
+        return {**metrics, **dropped, **norm}
 
     def _lagging(self) -> list[str]:
         """Rank 0: registered servers older than the served version (a catch-up sends the
@@ -166,11 +190,12 @@ class Publication:
 
 
 def _sync_timings(result: SendResult) -> dict[str, float]:
-    """``sync/*`` metrics of a settled update, seconds: the sender's whole update and its
-    wait for the acknowledgements, and the slowest server's receive, load and pause."""
+    """``sync/*`` metrics of a settled update: the sender's whole update and its wait for the
+    acknowledgements, and the slowest server's receive, load and pause (seconds); the bytes
+    sent (the whole model, or a LoRA adapter)."""
     reports = list(result.servers.values())
     return {
-        "sync/update_s": result.total_s, "sync/ack_wait_s": result.ack_s,
+        "sync/update_s": result.total_s, "sync/ack_wait_s": result.ack_s, "sync/update_bytes": float(result.bytes),
         "sync/receive_s": max((r.receive_s for r in reports), default=0.0),
         "sync/load_s": max((r.load_s for r in reports), default=0.0),
         "sync/pause_s": max((r.pause_s for r in reports), default=0.0),

@@ -1,17 +1,14 @@
-"""Fixtures of the learner tests: a tiny random Qwen2 with a tokenizer, a real redis-server,
-and a one-rank gloo process group in the test process."""
+"""Fixtures of the learner tests: a tiny random Qwen2 with a tokenizer and a real redis-server
+(the one-rank gloo process group, ``one_rank``, is in tests/conftest.py)."""
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from async_rl.learner.model import DistInfo
 from async_rl.queue import EmbeddedRedis
 
 VOCAB = 512
@@ -40,12 +37,3 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """URL (with password) of a redis-server shared by the session; tests use their own run names."""
     with EmbeddedRedis(tmp_path_factory.mktemp("redis")) as url:
         yield url
-
-
-@pytest.fixture(scope="session")
-def one_rank() -> Iterator[DistInfo]:
-    """A gloo process group of one rank in the test process (FSDP2 needs a process group)."""
-    store = dist.HashStore()
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=60))
-    yield DistInfo(0, 1, torch.device("cpu"))
-    dist.destroy_process_group()

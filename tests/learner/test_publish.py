@@ -44,7 +44,7 @@ class RecordingSender:
     ``complete`` is called, by the servers in ``ok``."""
 
     def __init__(self, servers: dict[str, int | None], ok: set[str]) -> None:
-        self._servers, self.ok, self.sent = servers, ok, []
+        self._servers, self.ok, self.sent, self.adapters = servers, ok, [], []
 
     @property
     def servers(self) -> dict[str, int | None]:
@@ -57,10 +57,11 @@ class RecordingSender:
     def dropped(self) -> dict[str, int]:
         return {}
 
-    def begin(self, named_tensors, version, *, specs, servers=None):  # type: ignore[no-untyped-def]
+    def begin(self, named_tensors, version, *, specs, servers=None, adapter=None):  # type: ignore[no-untyped-def]
         names = [name for name, _ in named_tensors]
         targets = sorted(self._servers if servers is None else servers)
         self.sent.append((version, targets, len(names) == len(specs)))
+        self.adapters.append(adapter)
         return PendingSend(version, len(self.sent), 0.0, 0.0, 0.0, 0.0, 0, 0.0, {}, {})
 
     def complete(self, pending: PendingSend, wait: bool = True) -> SendResult:
