@@ -162,3 +162,46 @@ def test_the_exported_adapter_and_the_merged_model_give_the_learners_logprobs(ti
     torch.testing.assert_close(got["peft"], learner[mask], atol=1e-5, rtol=0)
     torch.testing.assert_close(got["merged"], learner[mask], atol=1e-5, rtol=0)
     assert (got["base"] - learner[mask]).abs().max() > 1e-3  # the adapter changed the policy
+
+
+@pytest.mark.integration
+def test_vllm_serves_the_exported_adapter_by_path_with_the_learners_logprobs(tiny_model: Path, one_rank: DistInfo, tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh LoRA engine loads the exported PEFT directory as any adapter (``LoRARequest`` with
+    its path) and serves the log-probs of transformers + PEFT on it (which equal the learner's, above)."""
+    import vllm
+    from vllm.lora.request import LoRARequest
+
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache, not a share of the host's memory
+    lora = LoraConfig(rank=8, alpha=16.0)
+    trainer = _trainer(tiny_model, one_rank, tmp_path, lora=lora)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # a large adapter (one rank: the local shard is the whole B), so that serving the base would show
+        for name, param in adapter_named_parameters(trainer.policy):
+            if ".lora_B." in name:
+                param.to_local().copy_(torch.randn(param.shape, generator=gen) * 0.3)
+    path = _save(trainer, tiny_model, tmp_path / "run", 1, lora=lora)
+    adapter_dir = checkpoint.export_hf(path, tmp_path / "adapter")
+
+    prompts = [[5, 17, 42, 99], [200, 3, 64]]
+    llm = vllm.LLM(model=str(tiny_model), skip_tokenizer_init=True, dtype="float32", max_model_len=128, enforce_eager=True, seed=0,
+                   enable_lora=True, max_lora_rank=8, max_loras=1)
+    try:
+        params = vllm.SamplingParams(temperature=0.0, max_tokens=8, logprobs=0, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                            lora_request=LoRARequest("exported", 1, str(adapter_dir)))
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32), adapter_dir).eval()
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    moved = 0.0
+    for prompt, out in zip(prompts, outs, strict=True):
+        tokens = list(out.outputs[0].token_ids)
+        served = [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, tokens, strict=True)]
+        ids = torch.tensor([prompt + tokens])
+        with torch.no_grad():
+            expected, plain = ([m(ids).logits.log_softmax(-1)[0, len(prompt) - 1 + i, t].item() for i, t in enumerate(tokens)]
+                               for m in (peft_model, base))
+        assert served == pytest.approx(expected, abs=2e-3)
+        moved = max(moved, max(abs(s - p) for s, p in zip(served, plain, strict=True)))
+    assert moved > 0.1  # the engine served the adapter, not the base
