@@ -205,3 +205,32 @@ def test_vllm_serves_the_exported_adapter_by_path_with_the_learners_logprobs(tin
         assert served == pytest.approx(expected, abs=2e-3)
         moved = max(moved, max(abs(s - p) for s, p in zip(served, plain, strict=True)))
     assert moved > 0.1  # the engine served the adapter, not the base
+
+
+@pytest.mark.integration
+def test_a_lora_checkpoint_of_one_rank_resumes_on_two(tiny_model: Path, one_rank: DistInfo, tmp_path: Path) -> None:
+    """DCP reshards the adapter-only shards: two ranks load what one saved, A, B and AdamW state alike."""
+    from learner_helpers import SPAWN, lora_resume_main
+
+    from async_rl.learner.model import free_port
+
+    trainer = _trainer(tiny_model, one_rank, tmp_path)
+    trainer.step(_batch(0), 0)
+    path = _save(trainer, tiny_model, tmp_path / "run", 1)
+    adapter = adapter_named_parameters(trainer.policy)
+    saved = {name: p.full_tensor() for name, p in adapter}
+    saved_exp_avg = {name: trainer.optimizer.state[p]["exp_avg"].full_tensor() for name, p in adapter}
+
+    port, out = free_port(), tmp_path / "resumed.pt"
+    procs = [SPAWN.Process(target=lora_resume_main, args=(r, 2, port, str(tiny_model), LORA, str(path), str(out)), daemon=True)
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=240)
+    assert [p.exitcode for p in procs] == [0, 0]
+    resumed = torch.load(out, weights_only=True)
+    assert resumed["params"].keys() == saved.keys()
+    for name in saved:
+        assert torch.equal(resumed["params"][name], saved[name]), name
+        assert torch.equal(resumed["exp_avg"][name], saved_exp_avg[name]), name
