@@ -177,14 +177,17 @@ def export_cmd(
     checkpoint: Annotated[Path, typer.Argument(help="Learner checkpoint directory, e.g. runs/x/checkpoints/step_00000010.")],
     out_dir: Annotated[Path, typer.Option("--out", help="Directory to write the Hugging Face model into.")],
     critic: Annotated[bool, typer.Option("--critic", help="Export the run's critic (gae) instead of the policy.")] = False,
+    merged: Annotated[bool, typer.Option("--merged", help="A LoRA checkpoint: write its base model with the adapter merged into "
+                                         "the weights instead of the PEFT adapter directory (reads the base it was trained on).")] = False,
 ) -> None:
     """Write a learner checkpoint's policy (or critic) as a Hugging Face safetensors directory with tokenizer
-    (the policy loads in transformers and vLLM; the critic as a one-label token classifier)."""
-    from async_rl.learner.checkpoint import export_hf
+    (the policy loads in transformers and vLLM; the critic as a one-label token classifier). A LoRA checkpoint's
+    policy is written as a PEFT adapter directory (transformers + PEFT and vLLM load it onto its base), or merged."""
+    from async_rl.learner.checkpoint import CheckpointMismatchError, export_hf
 
     try:
-        export_hf(checkpoint, out_dir, critic=critic)
-    except FileNotFoundError as exc:
+        export_hf(checkpoint, out_dir, critic=critic, merged=merged)
+    except (FileNotFoundError, CheckpointMismatchError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
     out.print(f"exported {checkpoint} -> {out_dir}", highlight=False)

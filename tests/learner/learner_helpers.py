@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch.multiprocessing as mp
 
-from async_rl.config import Config, load_config
+from async_rl.config import Config, LoraConfig, load_config
 from async_rl.learner.batching import Prepared, prepare
 from async_rl.learner.screening import Limits, screen
 from async_rl.records import RolloutGroup, Sample
@@ -217,3 +217,28 @@ def lora_rank_main(rank: int, world_size: int, port: int, model_dir: str, out_di
     params = [(name, t.clone()) for bucket in iter_full_parameters(policy, 1 << 20) for name, t in bucket]
     if rank == 0:
         torch.save({"params": dict(params), "logp": logp, "batch": batch}, f"{out_dir}/lora.pt")
+
+
+def lora_resume_main(rank: int, world_size: int, port: int, model_dir: str, lora: LoraConfig, ckpt: str, out: str) -> None:
+    """Body of a rank that loads LoRA checkpoint ``ckpt`` into a fresh LoRA policy (another A
+    than the saved one) and trains one step on it; rank 0 saves the loaded adapter and AdamW
+    state, gathered, to ``out`` (``{"params": {name: tensor}, "exp_avg": {name: tensor}}``)."""
+    import torch
+
+    from async_rl.learner import checkpoint
+    from async_rl.learner.lora import adapter_named_parameters
+    from async_rl.learner.model import init_distributed, load_sharded
+    from async_rl.learner.train_step import Trainer
+
+    cfg = learner_config(model_dir, Path(out).parent, "lora-resume", "learner.optim.lr=1e-2")
+    info = init_distributed(rank, world_size, "127.0.0.1", port, 60.0)
+    torch.manual_seed(1)
+    policy = load_sharded(model_dir, cfg.learner, info.device, trainable=True, lora=lora)
+    trainer = Trainer(policy, None, cfg.learner, cfg.algorithm, info, cfg.trainer.total_steps, cfg.trainer.seed, lora=lora)
+    checkpoint.load(Path(ckpt), policy, trainer.optimizer, lora=lora, model_path=model_dir)
+    adapter = adapter_named_parameters(policy)
+    params = {name: p.full_tensor().clone() for name, p in adapter}
+    exp_avg = {name: trainer.optimizer.state[p]["exp_avg"].full_tensor().clone() for name, p in adapter}
+    trainer.step(prepare_groups(make_groups(4, seed=3), 64, 512).batch, 1)  # the resharded state trains on
+    if rank == 0:
+        torch.save({"params": params, "exp_avg": exp_avg}, out)
