@@ -157,7 +157,7 @@ def run_matrix(model_dir: Path, base: list[str], info: DistInfo, args: argparse.
     cells: dict[str, str] = {}
     result: dict[str, object] = {"device": torch.cuda.get_device_name() if info.device.type == "cuda" else "cpu",
                                  "shape": args.shape, "date": datetime.date.today().isoformat(), "cells": cells}
-    for overrides in MATRIX:
+    for overrides in [MATRIX[i] for i in args.cells] if args.cells else MATRIX:
         name = " ".join(overrides)
         cfg = load_config(None, [*base, *overrides])
         try:
@@ -171,8 +171,7 @@ def run_matrix(model_dir: Path, base: list[str], info: DistInfo, args: argparse.
         print(f"{'ok' if cells[name] == 'ok' else 'FAILED':8s}{name}{'' if cells[name] == 'ok' else ': ' + cells[name]}", flush=True)
         failed = {k: v for k, v in cells.items() if v != "ok"}
         result.update(ok=len(cells) - len(failed), failed=failed)
-        if args.json is not None:
-            report_json(result, args.json)
+        report_json(result, args.json)
     report({k: v for k, v in result.items() if k != "cells"}, None)
 
 
@@ -248,6 +247,8 @@ def main() -> None:
                         "(when both do not fit in memory at once); default: interleaved")
     parser.add_argument("--matrix", action="store_true", help="instead: one learner step per loss x updates x KL combination "
                         "(the NCCL device check; 4 prompts of the batch), each reported as ok or its error")
+    parser.add_argument("--cells", type=lambda s: [int(i) for i in s.split(",")], help="with --matrix: only these "
+                        "combinations (indices into MATRIX, e.g. 0,19,20; the CPU smoke run's sample)")
     parser.add_argument("--plain-only", type=Path, help=argparse.SUPPRESS)  # --sequential's child: the model directory
     parser.add_argument("--plain-checkpointing", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -326,7 +327,8 @@ def main() -> None:
         **({"plain_error": plain_error} if plain_error is not None else {}),
         "estimate_gb": planned.total_gb, "estimate_vs_peak": planned.total_gb / rounds.peaks["learner"],
         "step_time_split_s": {k: statistics.median(getattr(t, k) for t in timed) for k in ("prox", "fwd_bwd", "optim")},
-        "setup": {"shape": args.shape, "model": model_config, "device": name, "params": params, "tokens_per_step": tokens, "samples": batch.size,
+        "calibration_key": memory.setting_key(model_config, lrn, checkpointing, info.device.type),
+        "setup": {"shape": args.shape, "device": name, "params": params, "tokens_per_step": tokens, "samples": batch.size,
                   "micro_batches": len(plan), "max_tokens_per_microbatch": args.micro_tokens, "gradient_checkpointing": checkpointing,
                   "logprob_chunk_tokens": lrn.logprob_chunk_tokens, "attention": attention,
                   "compute_dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(), "steps": args.steps,
