@@ -130,7 +130,7 @@ def markdown(doc: dict[str, Any]) -> str:
         if phase is None:
             continue
         status = "ok" if phase.get("ok") else phase.get("status", "FAILED")
-        lines.append(f"| {name} | {phase.get('date', '')} | {status}: {phase_summary(name, phase)} |")
+        lines.append(f"| {name} | {phase.get('date', '')} | {status}: {phase_summary(name, phase).replace('|', '/')} |")
     throughput = doc["phases"].get("throughput", {}).get("runs", {})
     if throughput:
         lines += ["", "| run | tokens/s | plain tokens/s | ratio | MFU | peak GB | plain peak GB | planner estimate GB |",
@@ -160,11 +160,13 @@ def phase_summary(name: str, phase: dict[str, Any]) -> str:
     if name == "throughput":
         return ", ".join(f"{k} {r['tokens_per_s']:.0f} tokens/s" if "error" not in r else f"{k} failed" for k, r in phase.get("runs", {}).items())
     if name == "vlm":
+        if "step_s" not in phase:
+            return "no step yet"
         return (f"{phase.get('images')} images, {phase.get('tokens')} tokens, step {phase.get('step_s', 0):.2f} s, "
                 f"peak {phase.get('peak_memory_gb', 0):.1f} GB, loss {phase.get('loss') or 0:.3g}")
     if name == "kernels":
-        return ", ".join(f"{k} {v.get('max_abs_diff', 0):.2g} nats" if v.get("present") else f"{k} absent"
-                         for k, v in phase.get("kernels", {}).items())
+        return ", ".join(f"{k} absent" if not v.get("present") else f"{k} error: {v['error']}" if "error" in v
+                         else f"{k} {v['max_abs_diff']:.2g} nats" for k, v in phase.get("kernels", {}).items())
     return ""
 
 
