@@ -25,7 +25,7 @@ phases merged into one file, written as each phase goes (a phase cut short says
 ``"status": "running"``), and ``gpu_acceptance_<slug>.md`` beside it (a short table); both,
 and the calibration table when it changed, are copied into ``$OUT`` when it is set.
 ``--cpu-smoke``: a CPU "device", gloo, tiny shapes (a 512-token vocabulary; the VLM keeps the
-real one for its token ids), the matrix's first, last and critic cells, one timed step; the
+real one for its token ids), three matrix cells (:data:`SMOKE_CELLS`), one timed step; the
 slug is ``cpu-smoke`` and the calibration table is a copy in ``--out-dir``.
 Exit status 1 when the phase failed.
 """
