@@ -15,5 +15,13 @@ def report(result: dict[str, Any], json_path: Path | None) -> None:
     for key, value in scalars.items():
         print(f"{key:<{width}}  {value:.4g}" if isinstance(value, float) else f"{key:<{width}}  {value}")
     if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(result, indent=2) + "\n")
+        report_json(result, json_path)
+
+
+def report_json(result: dict[str, Any], json_path: Path) -> None:
+    """Write ``result`` to ``json_path`` (indented), whole or not at all: a reader, or a run cut
+    short mid-write, never sees half a file."""
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    partial = json_path.with_name(json_path.name + ".partial")
+    partial.write_text(json.dumps(result, indent=2) + "\n")
+    partial.replace(json_path)

@@ -3,6 +3,8 @@
     .venv/bin/python benchmarks/learner_gpu.py --shape tiny --json benchmarks/results/learner_gpu_tiny_cpu.json
     python3 benchmarks/learner_gpu.py --shape qwen2.5-1.5b --json benchmarks/results/learner_gpu_qwen2.5-1.5b_h100.json  # on a GPU
 
+On a GPU machine ``scripts/gpu_acceptance.sh`` runs it (``matrix`` and ``throughput`` phases).
+
 Batch: 16 prompts x 8 samples, prompts 128-384 tokens, responses 128-1024 (about 106k tokens;
 ``tiny``: 4 prompts, about 26k tokens), micro-batches of ``--micro-tokens`` (16384). The
 learner (``screen`` -> ``prepare`` -> ``Trainer.step`` on an FSDP2 model, one rank, packed rows, chunked
@@ -10,12 +12,16 @@ log-probs, the shipped defaults) and the plain loop of ``_plain_packed.py`` trai
 tokens on the same device, alternating step by step; each is rated by its median step.
 ``tiny`` is 2 layers of hidden size 64 with the real 151,936-token vocabulary: one
 ``[16384, 151936]`` float32 tensor is 10 GB, so on a CPU the log-prob memory problem is real
-in miniature (target: ``peak_memory_gb <= 6``, ``ratio_vs_plain >= 0.8``).
+in miniature (target: ``peak_memory_gb <= 6``, ``ratio_vs_plain >= 0.8``). ``smoke`` (a 512-token
+vocabulary, 2 prompts of 8-24 tokens, responses of 8-48) only checks that the code runs
+(``gpu_acceptance.sh --cpu-smoke``).
 
 JSON: ``tokens_per_s``, ``plain_tokens_per_s``, ``ratio_vs_plain``, ``mfu`` (``6 * params *
 tokens / time / peak``, peak bf16 dense FLOP/s of the GPU from a table; null on CPU),
 ``peak_memory_gb`` (GPU: peak allocated; CPU: peak resident memory the step adds, sampled
-every 2 ms), the same for the plain loop, and the learner's step-time split.
+every 2 ms), the same for the plain loop (``plain_error`` instead when it fails, e.g. out of
+memory), the learner's step-time split, and the memory planner's estimate for the same config
+(``estimate_gb``, ``estimate_vs_peak``: estimate / measured peak; ``learner/memory.py``).
 """
 
 from __future__ import annotations
@@ -40,9 +46,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _plain_packed import plain_packed_step  # noqa: E402
-from _report import report  # noqa: E402
+from _report import report, report_json  # noqa: E402
 
 from async_rl.config import load_config  # noqa: E402
+from async_rl.learner import memory  # noqa: E402
 from async_rl.learner.batching import Batch, plan_micro_batches, prepare  # noqa: E402
 from async_rl.learner.model import DistInfo, compute_dtype, free_port, init_distributed, load_sharded  # noqa: E402
 from async_rl.learner.screening import Limits, screen  # noqa: E402
@@ -51,34 +58,47 @@ from async_rl.records import RolloutGroup, Sample  # noqa: E402
 
 VOCAB = 151936
 SHAPES: dict[str, dict[str, object]] = {
+    "smoke": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+              "vocab_size": 512},
     "tiny": {"hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1},
     "qwen2.5-0.5b": {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2},
     "qwen2.5-1.5b": {"hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2},
 }
-PROMPTS = {"tiny": 4, "qwen2.5-0.5b": 16, "qwen2.5-1.5b": 16}
+PROMPTS = {"smoke": 2, "tiny": 4, "qwen2.5-0.5b": 16, "qwen2.5-1.5b": 16}
+LENGTHS = {"smoke": ((8, 24), (8, 48))}
+"""``((prompt min, max), (response min, max))`` tokens of a shape's samples; others: :data:`REAL_LENGTHS`."""
+REAL_LENGTHS = ((128, 384), (128, 1024))
 #: Dense bf16 tensor-core peak (FLOP/s) by a substring of the device name.
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
+
+
+def vocab(shape: str) -> int:
+    """The vocabulary of ``shape`` (the real 151,936 tokens unless the shape says otherwise)."""
+    return int(SHAPES[shape].get("vocab_size", VOCAB))  # type: ignore[call-overload]
 
 
 def build_model(shape: str, out: Path) -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=VOCAB, max_position_embeddings=32768, tie_word_embeddings=True, rope_theta=1e6,
-                         **SHAPES[shape])  # type: ignore[arg-type]
+    config = Qwen2Config(**{"vocab_size": VOCAB, "max_position_embeddings": 32768, "tie_word_embeddings": True, "rope_theta": 1e6,
+                            **SHAPES[shape]})
     Qwen2ForCausalLM(config).save_pretrained(out)
 
 
-def make_groups(prompts: int, samples: int, seed: int) -> list[RolloutGroup]:
-    """``prompts`` groups of ``samples`` responses: prompts 128-384 tokens, responses 128-1024."""
+def make_groups(shape: str, prompts: int, samples: int, seed: int) -> list[RolloutGroup]:
+    """``prompts`` groups of ``samples`` responses of :data:`LENGTHS` (prompts 128-384 tokens,
+    responses 128-1024 for the real shapes)."""
     rng = random.Random(seed)
+    (p_low, p_high), (r_low, r_high) = LENGTHS.get(shape, REAL_LENGTHS)
+    top = vocab(shape)
     groups = []
     for g in range(prompts):
-        prompt = [rng.randrange(2, VOCAB) for _ in range(rng.randint(128, 384))]
+        prompt = [rng.randrange(2, top) for _ in range(rng.randint(p_low, p_high))]
         members = []
         for _ in range(samples):
-            n = rng.randint(128, 1024)
-            members.append(Sample.from_lists([rng.randrange(2, VOCAB) for _ in range(n)], [-2.0] * n, 0, rng.random()))
+            n = rng.randint(r_low, r_high)
+            members.append(Sample.from_lists([rng.randrange(2, top) for _ in range(n)], [-2.0] * n, 0, rng.random()))
         groups.append(RolloutGroup.from_lists("bench", f"g{g}", g, prompt, members, "s", 0.0, created_at=0.0))
     return groups
 
@@ -123,42 +143,50 @@ MATRIX = [
     for loss in ("ppo", "decoupled_ppo", "tis", "gspo", "cispo")
     for updates in ((), ("learner.ppo_mini_batches=2", "learner.ppo_epochs=2"))
     for kl in ((), ("algorithm.loss.kl_coef=0.1", "algorithm.loss.entropy_coef=0.01", "algorithm.advantage.name=reinforce_pp"))
-]
+] + [("algorithm.advantage.name=gae", "learner.critic.ppo_mini_batches=2")]
 """Config overrides of ``--matrix``: every loss, with one or several updates per step (recomputed
-proximal log-probs), with and without the reference model."""
+proximal log-probs), with and without the reference model; and PPO with a critic (``gae``)."""
 
 
 def run_matrix(model_dir: Path, base: list[str], info: DistInfo, args: argparse.Namespace) -> None:
-    """One step per :data:`MATRIX` entry; writes ``{"ok": n, "failed": {combination: error}}``."""
-    batch = prepare([screen(g, Limits(args.micro_tokens, VOCAB)) for g in make_groups(4, 8, seed=1)]).batch
-    failed: dict[str, str] = {}
-    for overrides in MATRIX:
+    """One step per :data:`MATRIX` entry; writes ``{"ok": n, "failed": {combination: error},
+    "cells": {combination: "ok" or the error}}`` after every combination (a run cut short keeps
+    what it did)."""
+    top = vocab(args.shape)
+    batch = prepare([screen(g, Limits(args.micro_tokens, top)) for g in make_groups(args.shape, 4, 8, seed=1)]).batch
+    cells: dict[str, str] = {}
+    result: dict[str, object] = {"device": torch.cuda.get_device_name() if info.device.type == "cuda" else "cpu",
+                                 "shape": args.shape, "date": datetime.date.today().isoformat(), "cells": cells}
+    for overrides in [MATRIX[i] for i in args.cells] if args.cells else MATRIX:
         name = " ".join(overrides)
         cfg = load_config(None, [*base, *overrides])
         try:
             policy = load_sharded(str(model_dir), cfg.learner, info.device, trainable=True)
-            reference = load_sharded(str(model_dir), cfg.learner, info.device, trainable=False) if cfg.algorithm.loss.kl_coef > 0 else None
-            Trainer(policy, reference, cfg.learner, cfg.algorithm, info, 2, 1).step(batch, 0)
-            print(f"ok      {name}", flush=True)
+            reference = load_sharded(str(model_dir), cfg.learner, info.device, trainable=False) if cfg.algorithm.needs_reference else None
+            critic = load_sharded(str(model_dir), cfg.learner, info.device, trainable=True, value_model=True) if cfg.algorithm.needs_critic else None
+            Trainer(policy, reference, cfg.learner, cfg.algorithm, info, 2, 1, critic=critic).step(batch, 0)
+            cells[name] = "ok"
         except Exception as exc:  # report every combination, then the failures
-            failed[name] = f"{type(exc).__name__}: {exc}"
-            print(f"FAILED  {name}: {failed[name]}", flush=True)
-    result = {"ok": len(MATRIX) - len(failed), "failed": failed, "device": torch.cuda.get_device_name() if info.device.type == "cuda" else "cpu",
-              "shape": args.shape, "date": datetime.date.today().isoformat()}
-    report(result, args.json)
+            cells[name] = f"{type(exc).__name__}: {exc}"
+        print(f"{'ok' if cells[name] == 'ok' else 'FAILED':8s}{name}{'' if cells[name] == 'ok' else ': ' + cells[name]}", flush=True)
+        failed = {k: v for k, v in cells.items() if v != "ok"}
+        result.update(ok=len(cells) - len(failed), failed=failed)
+        report_json(result, args.json)
+    report({k: v for k, v in result.items() if k != "cells"}, None)
 
 
 def base_overrides(model_dir: Path, args: argparse.Namespace, cuda: bool) -> list[str]:
     """The benchmark's config: the shape's batch, its sequence bounds, ``--micro-tokens`` and ``--set``."""
+    (_, prompt_max), (_, response_max) = LENGTHS.get(args.shape, REAL_LENGTHS)
     return [f"learner.model_path={model_dir}", f"learner.batch_size={PROMPTS[args.shape]}", "rollout.n=8",
-            f"learner.max_tokens_per_microbatch={args.micro_tokens}", "data.max_prompt_length=384",
-            "rollout.max_response_length=1024", "queue.max_depth=256", "learner.optim.lr=1e-6",
+            f"learner.max_tokens_per_microbatch={args.micro_tokens}", f"data.max_prompt_length={prompt_max}",
+            f"rollout.max_response_length={response_max}", "queue.max_depth=256", "learner.optim.lr=1e-6",
             f"learner.gpus_per_rank={1 if cuda else 0}", *args.set]
 
 
 def bench_batch(args: argparse.Namespace) -> tuple[Batch, list[list[int]]]:
     """The timed batch (the same in every process: seeded) and its micro-batch plan."""
-    batch = prepare([screen(g, Limits(args.micro_tokens, VOCAB)) for g in make_groups(PROMPTS[args.shape], 8, seed=0)]).batch
+    batch = prepare([screen(g, Limits(args.micro_tokens, vocab(args.shape))) for g in make_groups(args.shape, PROMPTS[args.shape], 8, seed=0)]).batch
     plan = plan_micro_batches(batch.lengths.tolist(), range(batch.size), 1, args.micro_tokens)[0]
     return batch, [list(rows) for rows in plan]
 
@@ -219,6 +247,8 @@ def main() -> None:
                         "(when both do not fit in memory at once); default: interleaved")
     parser.add_argument("--matrix", action="store_true", help="instead: one learner step per loss x updates x KL combination "
                         "(the NCCL device check; 4 prompts of the batch), each reported as ok or its error")
+    parser.add_argument("--cells", type=lambda s: [int(i) for i in s.split(",")], help="with --matrix: only these "
+                        "combinations (indices into MATRIX, e.g. 0,19,20; the CPU smoke run's sample)")
     parser.add_argument("--plain-only", type=Path, help=argparse.SUPPRESS)  # --sequential's child: the model directory
     parser.add_argument("--plain-checkpointing", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -257,6 +287,9 @@ def main() -> None:
             return result.tokens
 
         dtype = compute_dtype(lrn.fsdp, info.device)
+        model_config = json.loads((model_dir / "config.json").read_text())
+        planned = memory.estimate(model_config, lrn, checkpointing, memory.budget_gb(lrn, info.device.type), info.device.type)
+        plain_error: str | None = None
         if args.sequential:  # both models and optimizers do not fit at once (1.5B on 80 GB): all learner steps, then the plain loop's
             for round_ in range(args.steps + 1):
                 rounds.timed("learner", learner, round_)
@@ -268,25 +301,33 @@ def main() -> None:
             child = [sys.executable, __file__, "--shape", args.shape, "--json", str(plain_json), "--steps", str(args.steps),
                      "--micro-tokens", str(args.micro_tokens), "--plain-only", str(model_dir),
                      *(["--plain-checkpointing"] if checkpointing else []), *(f"--set={s}" for s in args.set)]
-            subprocess.run(child, check=True)
-            plain_result = json.loads(plain_json.read_text())
-            rounds.times["plain"], rounds.peaks["plain"] = plain_result["times"], plain_result["peak_gb"]
+            done = subprocess.run(child, stderr=subprocess.PIPE, text=True)
+            sys.stderr.write(done.stderr)
+            if done.returncode == 0:
+                plain_result = json.loads(plain_json.read_text())
+                rounds.times["plain"], rounds.peaks["plain"] = plain_result["times"], plain_result["peak_gb"]
+            else:  # the learner's figures stand; the plain loop's failure (out of memory at 1.5B) is the result
+                plain_error = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
         else:
             plain = build_plain(model_dir, batch, plan, info.device, checkpointing, dtype)
             for round_ in range(args.steps + 1):  # round 0 warms up
                 rounds.timed("learner", learner, round_)
                 rounds.timed("plain", plain, round_)
 
-    rate = {name: tokens / statistics.median(t) for name, t in rounds.times.items()}
+    rate = {name: tokens / statistics.median(t) if t else None for name, t in rounds.times.items()}
     name = torch.cuda.get_device_name() if cuda else "cpu"
     peak_flops = next((v for k, v in PEAK_FLOPS.items() if k in name), None) if cuda else None
     timed = splits[1:]
+    learner_rate, plain_rate = rate["learner"] or 0.0, rate["plain"]
     result = {
-        "tokens_per_s": rate["learner"], "plain_tokens_per_s": rate["plain"], "ratio_vs_plain": rate["learner"] / rate["plain"],
-        "mfu": 6 * params * rate["learner"] / peak_flops if peak_flops else None,
-        "plain_mfu": 6 * params * rate["plain"] / peak_flops if peak_flops else None,
-        "peak_memory_gb": rounds.peaks["learner"], "plain_peak_memory_gb": rounds.peaks["plain"],
+        "tokens_per_s": learner_rate, "plain_tokens_per_s": plain_rate, "ratio_vs_plain": learner_rate / plain_rate if plain_rate else None,
+        "mfu": 6 * params * learner_rate / peak_flops if peak_flops else None,
+        "plain_mfu": 6 * params * plain_rate / peak_flops if peak_flops and plain_rate else None,
+        "peak_memory_gb": rounds.peaks["learner"], "plain_peak_memory_gb": rounds.peaks["plain"] if plain_error is None else None,
+        **({"plain_error": plain_error} if plain_error is not None else {}),
+        "estimate_gb": planned.total_gb, "estimate_vs_peak": planned.total_gb / rounds.peaks["learner"],
         "step_time_split_s": {k: statistics.median(getattr(t, k) for t in timed) for k in ("prox", "fwd_bwd", "optim")},
+        "calibration_key": memory.setting_key(model_config, lrn, checkpointing, info.device.type),
         "setup": {"shape": args.shape, "device": name, "params": params, "tokens_per_step": tokens, "samples": batch.size,
                   "micro_batches": len(plan), "max_tokens_per_microbatch": args.micro_tokens, "gradient_checkpointing": checkpointing,
                   "logprob_chunk_tokens": lrn.logprob_chunk_tokens, "attention": attention,

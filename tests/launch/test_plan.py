@@ -207,6 +207,18 @@ def test_auto_checkpointing_in_the_plan(tmp_path: Path, data: Path):
     assert cpu.memory is not None and not cpu.memory.checkpointing
 
 
+def test_the_plan_shows_the_last_measured_peak_of_the_same_setting(tmp_path: Path, data: Path):
+    model = _config_only_model(tmp_path, "Qwen/Qwen2.5-0.5B-Instruct")
+    base = [f"learner.model_path={model}", f"data.train_files={data}", "learner.gpus_per_rank=1", "learner.gpu_memory_gb=80",
+            "learner.world_size=1", "learner.logprob_chunk_tokens=2048"]
+    plan = make_plan(load_config(None, [*base, "learner.max_tokens_per_microbatch=16384"]))  # measured on an H100 (memory_calibration.json)
+    measured = plan.memory.measured if plan.memory is not None else None
+    assert measured is not None and measured.peak_gb <= plan.memory.total_gb  # type: ignore[union-attr]
+    assert f"; last measured: {measured.peak_gb:.1f} GB peak allocated on {measured.device}, {measured.date}" in render(plan)
+    other = make_plan(load_config(None, [*base, "learner.max_tokens_per_microbatch=12288"]))  # never measured
+    assert other.memory is not None and other.memory.measured is None and "last measured" not in render(other)
+
+
 def test_hub_model_without_local_config_gets_no_memory_estimate(data: Path):
     plan = make_plan(load_config(None, ["learner.model_path=async-rl-tests/no-such-model", f"data.train_files={data}"]))
     assert plan.memory is None and plan.errors == []

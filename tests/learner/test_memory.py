@@ -99,6 +99,35 @@ def test_estimate_is_calibrated_against_the_gpu_measurements(model_config: dict,
     assert est.total_gb >= measured_gb, est.summary()  # on the high side: an underestimate is an OOM
 
 
+@pytest.mark.parametrize("entry", range(len(memory.calibration())))
+def test_estimate_is_at_or_above_every_measured_learner_peak(entry: int):
+    """The committed learner peaks (``memory_calibration.json``, from ``gpu_acceptance.sh
+    throughput``): the estimate of the same setting shows the measurement and is not below it."""
+    key, measured = memory.calibration()[entry]
+    dtype = {2: "bfloat16", 4: "float32"}[key["compute_bytes"]]
+    lrn = _learner(f"learner.max_tokens_per_microbatch={key['tokens']}", f"learner.logprob_chunk_tokens={key['logprob_chunk_tokens']}",
+                   f"learner.world_size={key['world_size']}", f"learner.fsdp.param_dtype={dtype}")
+    est = memory.estimate(key["model"], lrn, key["checkpointing"], 80.0, "cuda", memory.Beside(key["reference"], key["critic"]))
+    assert est.measured == measured and f"last measured: {measured.peak_gb:.1f} GB" in est.summary()
+    assert measured.peak_gb <= est.total_gb <= 1.25 * measured.peak_gb, est.summary()
+
+
+def test_a_recorded_measurement_is_found_for_the_same_shape_only(tmp_path):
+    table = tmp_path / "calibration.json"
+    lrn = _learner("learner.max_tokens_per_microbatch=8192")
+    key = memory.setting_key(QWEN25_05B, lrn, False, "cuda")
+    assert memory.last_measured(key, table) is None
+    memory.record_measurement(key, memory.Measurement(30.0, "GPU", "2026-01-01", "a.json"), table)
+    memory.record_measurement(key, memory.Measurement(31.0, "GPU", "2026-02-01", "b.json"), table)  # replaces the first
+    same = memory.setting_key({**QWEN25_05B, "torch_dtype": "bfloat16", "head_dim": 64}, lrn, False, "cuda")  # same shape
+    assert memory.last_measured(same, table) == memory.Measurement(31.0, "GPU", "2026-02-01", "b.json")
+    assert len(memory.calibration(table)) == 1
+    for other in (memory.setting_key(QWEN25_05B, lrn, True, "cuda"), memory.setting_key(QWEN25_15B, lrn, False, "cuda"),
+                  memory.setting_key(QWEN25_05B, _learner("learner.max_tokens_per_microbatch=4096"), False, "cuda"),
+                  memory.setting_key(QWEN25_05B, lrn, False, "cuda", memory.Beside(reference=True))):
+        assert memory.last_measured(other, table) is None
+
+
 def test_parts_scale_as_documented():
     one = memory.estimate(QWEN25_15B, _learner("learner.max_tokens_per_microbatch=16384"), False, 80.0)
     four = memory.estimate(QWEN25_15B, _learner("learner.max_tokens_per_microbatch=16384", "learner.world_size=4"), False, 80.0)
