@@ -231,12 +231,19 @@ def _check_lora(cfg: Config, plan: Plan) -> None:
         return
     from async_rl.learner.lora import target_problems  # loads peft and transformers: only for a LoRA run
 
-    problems = target_problems(model_config, lora)
+    try:
+        problems = target_problems(model_config, lora)
+    except (TypeError, ValueError) as exc:  # AutoConfig.for_model: no model_type, or one transformers does not know
+        problems = [f"learner.model_path={cfg.learner.model_path!r}: transformers cannot build a model from its config.json "
+                    f"({str(exc).split('. ')[0]}), so learner.lora.target_modules cannot be checked; LoRA needs a Qwen2/Llama causal LM"]
     plan.errors.extend(problems)
     if problems:
         return
-    shape = ModelShape.from_config(model_config)
-    adapter = shape.lora_params(lora.target_modules, lora.rank)
+    try:
+        shape = ModelShape.from_config(model_config)
+        adapter = shape.lora_params(lora.target_modules, lora.rank)
+    except ValueError:
+        return  # no shape the estimate knows: the memory check says why
     plan.lora = (f"lora: rank {lora.rank}, alpha {lora.alpha:g}, dropout {lora.dropout:g} on {','.join(lora.target_modules)}: "
                  f"{adapter / 1e6:.1f}M trained parameters ({adapter / shape.params:.2%} of {shape.params / 1e9:.2f}B, the base frozen); "
                  f"{UPDATE_BYTES_PER_PARAM * adapter / 1e6:.1f} MB per weight update (full weights: "

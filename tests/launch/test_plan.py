@@ -260,6 +260,12 @@ def test_a_lora_plan_refuses_a_vision_language_model_and_warns_without_config_js
     assert [e for e in plan.errors if e.startswith("learner.lora is not supported for a vision-language model (model_type 'qwen2_5_vl')")], plan.errors
     hub = make_plan(load_config(None, ["learner.model_path=async-rl-tests/no-such-model", *lora]))
     assert hub.errors == [] and any(w.startswith("learner.lora.target_modules not checked") for w in hub.warnings), hub.warnings
+    unknown = tmp_path / "unknown"
+    unknown.mkdir()
+    (unknown / "config.json").write_text('{"model_type": "no-such-type", "hidden_size": 8}')
+    plan = make_plan(load_config(None, [f"learner.model_path={unknown}", *lora]))
+    assert [e for e in plan.errors if e.startswith(f"learner.model_path={str(unknown)!r}: transformers cannot build a model from its config.json "
+                                                   "(Unrecognized model identifier: no-such-type), so learner.lora.target_modules cannot be checked")], plan.errors
 
 
 def test_hub_model_without_local_config_gets_no_memory_estimate(data: Path):
