@@ -394,6 +394,8 @@ class LearnerConfig:
     """Attention implementation and fused kernels."""
     critic: CriticConfig = field(default_factory=CriticConfig)
     """The value model (used with ``algorithm.advantage.name: gae``)."""
+    lora: Optional[LoraConfig] = None
+    """Train LoRA adapters on the frozen policy instead of all its weights, and send only the adapters to the servers (a text Qwen2/Llama policy; ``learner.lora.rank=8`` sets the section with its defaults); null: full fine-tuning."""
 
 
 @dataclass
@@ -644,7 +646,9 @@ def _read_yaml(path: str | Path) -> dict[str, Any]:
 
 
 def _check_path(dotted: str) -> None:
-    """Raise ConfigError if ``dotted`` does not name a field (or a key under a dict field)."""
+    """Raise ConfigError if ``dotted`` does not name a field (or a key under a dict field).
+    An optional section (``learner.lora``) may be set whole (``learner.lora=null``), or by
+    one of its keys, which creates it with its defaults."""
     cls: Any = Config
     parts = dotted.split(".")
     for i, part in enumerate(parts):
@@ -654,11 +658,14 @@ def _check_path(dotted: str) -> None:
         ftype = _field_types(cls)[part]
         if typing.get_origin(ftype) is dict:  # free-form mapping: any key below it
             return
-        if not _is_dataclass_type(ftype):
+        section = _section_type(ftype)
+        if section is None:
             if i != len(parts) - 1:
                 raise ConfigError(f"{'.'.join(parts[: i + 1])} is a value, not a section: cannot set {dotted}")
             return
-        cls = ftype
+        if i == len(parts) - 1 and section is not ftype:
+            return  # an optional section as a whole: null, or a mapping of its keys
+        cls = section
     raise ConfigError(f"{dotted} is a section; set one of its keys, e.g. {dotted}.{dataclasses.fields(cls)[0].name}=...")
 
 
@@ -758,6 +765,8 @@ def _type_name(tp: Any) -> str:
         return f"list[{_type_name(args[0])}]"
     if origin is dict:
         return "mapping"
+    if _is_dataclass_type(tp):
+        return "section"
     return getattr(tp, "__name__", str(tp))
 
 
@@ -767,6 +776,17 @@ def _field_types(cls: type) -> dict[str, Any]:
 
 def _is_dataclass_type(tp: Any) -> bool:
     return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _section_type(tp: Any) -> type | None:
+    """The section (dataclass) a field of type ``tp`` holds: ``tp`` itself, or ``X`` for an
+    optional section ``Optional[X]`` (null: the section is off); None for a value."""
+    if _is_dataclass_type(tp):
+        return tp
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        sections = [a for a in typing.get_args(tp) if _is_dataclass_type(a)]
+        return sections[0] if sections else None
+    return None
 
 
 # --------------------------------------------------------------------------- validation
@@ -795,6 +815,8 @@ def _key_problems(cfg: Config) -> list[str]:
     for name, optim in (("learner.optim", cfg.learner.optim), ("learner.critic.optim", cfg.learner.critic.optim)):
         if len(optim.betas) != 2:
             problems.append(f"{name}.betas={optim.betas} must be two numbers")
+    if cfg.learner.lora is not None:
+        problems += cfg.learner.lora.problems()
     return problems
 
 
@@ -867,6 +889,12 @@ def _cross_field_problems(cfg: Config) -> list[str]:
         alg.recompute_proximal or not LOSSES[loss.name].behaviour_weight,
         f"algorithm.loss.name={loss.name!r} needs algorithm.recompute_proximal=true (with false, pi_prox = mu and the loss is {bypass})",
     )
+    if lrn.lora is not None:
+        need(not r.openai_api, f"{LORA_KEY} needs rollout.openai_api=false: the OpenAI-compatible API cannot serve the trained adapter yet "
+                               f"(its requests would get the base model); or train without {LORA_KEY} (null)")
+        for key, on in (("algorithm.use_vppo_on_perception", alg.use_vppo_on_perception), ("learner.freeze_vision_tower", lrn.freeze_vision_tower)):
+            need(not on, f"{key}=true is for vision-language models, which {LORA_KEY} does not support yet: set {key}=false, "
+                         f"or train without {LORA_KEY} (null)")
     return problems
 
 
@@ -952,9 +980,11 @@ def reference_markdown() -> str:
         lines.extend([f"## `{prefix}`", "", (inspect.getdoc(cls) or "").splitlines()[0], "", "| key | type | default | range | meaning |", "| --- | --- | --- | --- | --- |"])
         for f in dataclasses.fields(cls):
             tp = hints[f.name]
-            if _is_dataclass_type(tp):
-                nested.append((tp, f"{prefix}.{f.name}"))
-                continue
+            sub = _section_type(tp)
+            if sub is not None:
+                nested.append((sub, f"{prefix}.{f.name}"))
+                if sub is tp:
+                    continue  # an optional section also gets its own row: its default is null
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
             type_text = _type_name(tp).replace("|", "\\|")
             default_text = yaml.safe_dump(default, default_flow_style=True).strip().removesuffix("...").strip()

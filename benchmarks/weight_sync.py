@@ -22,7 +22,7 @@ Targets: ``ipc_transfer_s`` at most 1/3 of ``gloo_transfer_s``, ``ipc_update_s``
 
 ``--lora-rank R`` compares, on each backend, full updates with LoRA adapter updates (rank
 ``R`` on the seven projections of every layer, float32 as the learner's master copy): a LoRA
-server (``engine_kwargs(cfg, lora_rank=R)``) beside a full one per backend, four engines in
+server (``learner.lora.rank=R``, ``alpha = 2 R``) beside a full one per backend, four engines in
 all, updates alternating. Keys are then ``<backend>_<full|lora>_*``, plus per backend:
 
 - ``*_fixed_s``: the part of an update that does not depend on its size: the learner's whole
@@ -106,19 +106,21 @@ def main() -> int:
 
             model_dir = Path(tmp) / "model"
             build_model(model_dir, hidden=512, layers=8)
-        cfg = load_config(None, [f"learner.model_path={model_dir}", "rollout.vllm.dtype=float32", "rollout.openai_api=false",
-                                 "data.max_prompt_length=64", "rollout.max_response_length=64"])
+        base = [f"learner.model_path={model_dir}", "rollout.vllm.dtype=float32", "rollout.openai_api=false",
+                "data.max_prompt_length=64", "rollout.max_response_length=64"]
+        cfgs = {"full": load_config(None, base)}
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         full = list(model.named_parameters())
         updates = {"full": (full, tensor_specs(full), None)}
         if lora:
             adapter = random_adapter(model, lora)
             updates["lora"] = (adapter, tensor_specs(adapter), AdapterSpec(lora, 2.0 * lora, LORA_TARGETS))
+            cfgs["lora"] = load_config(None, [*base, f"learner.lora.rank={lora}", f"learner.lora.alpha={2.0 * lora}"])
 
         init_ray(num_cpus=os.cpu_count() or 1)
         senders = {c: WeightSender(secret=secret, bucket_mb=args.bucket_mb, backend=c[0], timeout_s=120.0) for c in cases}
         env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
-        pools = {c: ServerPool(ServerSpec(engine_kwargs(cfg, lora_rank=lora if c[1] == "lora" else None), num_cpus=0, env_vars=env,
+        pools = {c: ServerPool(ServerSpec(engine_kwargs(cfgs[c[1]]), num_cpus=0, env_vars=env,
                                           sync=SyncEndpoint(s.address, secret)), 1)
                  for c, s in senders.items()}
         runs: dict[str, list[dict[str, float]]] = {key(c): [] for c in cases}

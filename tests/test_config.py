@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from async_rl.bounds import Bound, bound_of
-from async_rl.config import Config, ConfigError, LossConfig, load_config, redact_url, reference_markdown, save_resolved, shareable, to_yaml
+from async_rl.config import Config, ConfigError, LoraConfig, LossConfig, load_config, redact_url, reference_markdown, save_resolved, shareable, to_yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
@@ -292,8 +292,9 @@ def _numeric_keys(cls: type = Config, prefix: str = "") -> Iterator[tuple[str, d
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         tp, key = hints[f.name], prefix + f.name
-        if dataclasses.is_dataclass(tp):
-            yield from _numeric_keys(tp, key + ".")
+        sections = [a for a in (tp, *typing.get_args(tp)) if isinstance(a, type) and dataclasses.is_dataclass(a)]
+        if sections:  # a section, or an optional one (learner.lora: setting one key creates it)
+            yield from _numeric_keys(sections[0], key + ".")
             continue
         args = typing.get_args(tp) if typing.get_origin(tp) in (Union, types.UnionType, list) else (tp,)
         numbers = [a for a in args if a in (int, float)]
@@ -305,7 +306,8 @@ def test_every_numeric_key_has_a_bound_or_a_documented_reason():
     """Each number of the schema declares its range beside its field (``bounds.bounded``), or
     why it has none (``bounds.unbounded``: a :class:`Bound` without limits needs a reason)."""
     keys = {key: f for key, f, _, _ in _numeric_keys()}
-    assert {"learner.critic.optim.lr", "algorithm.loss.clip_c", "rollout.vllm.max_model_len", "learner.optim.betas"} <= set(keys)  # every kind
+    assert {"learner.critic.optim.lr", "algorithm.loss.clip_c", "rollout.vllm.max_model_len", "learner.optim.betas",
+            "learner.lora.rank", "learner.lora.dropout"} <= set(keys)  # every kind, optional sections included
     missing = [key for key, f in keys.items() if bound_of(f) is None]
     assert not missing, f"declare a range with bounds.bounded (or the reason for none with bounds.unbounded): {missing}"
 
@@ -375,3 +377,63 @@ def test_servers_bind_loopback_by_default():
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").rglob("*.yaml")), ids=lambda p: str(p.relative_to(ROOT)))
 def test_shipped_configs_load(path: Path):
     assert isinstance(load_config(path), Config)
+
+
+# --------------------------------------------------------------------------- learner.lora (an optional section)
+
+LORA_OK = ["rollout.openai_api=false"]
+"""What a LoRA run needs besides the section: the OpenAI API cannot serve the adapter."""
+
+
+def test_lora_is_off_by_default_and_one_key_sets_the_section_with_its_defaults():
+    assert load_config().learner.lora is None
+    lora = load_config(None, ["learner.lora.rank=8", *LORA_OK]).learner.lora
+    assert lora == LoraConfig(rank=8)
+    assert load_config(None, ["learner.lora={}", *LORA_OK]).learner.lora == LoraConfig()
+    assert load_config(None, ["learner.lora.target_modules=[q_proj,v_proj]", *LORA_OK]).learner.lora.target_modules == ["q_proj", "v_proj"]
+
+
+def test_lora_from_yaml_and_null_override(tmp_path: Path):
+    path = tmp_path / "lora.yaml"
+    path.write_text("rollout: {openai_api: false}\nlearner: {lora: {rank: 8, alpha: 16}}\n")
+    cfg = load_config(path)
+    assert cfg.learner.lora == LoraConfig(rank=8, alpha=16.0)
+    assert load_config(path, ["learner.lora.dropout=0.1"]).learner.lora == LoraConfig(rank=8, alpha=16.0, dropout=0.1)
+    assert load_config(path, ["learner.lora=null"]).learner.lora is None
+    resolved = tmp_path / "resolved.yaml"
+    resolved.write_text(to_yaml(cfg))
+    assert load_config(resolved) == cfg
+
+
+def test_lora_keys_are_checked_like_every_other_key(tmp_path: Path):
+    assert "unknown config key learner.lora.rnak: did you mean learner.lora.rank?" in _error(["learner.lora.rnak=8"])
+    assert "learner.lora.rank is a value, not a section" in _error(["learner.lora.rank.x=8"])
+    assert "learner.lora.rank='big' has type str, expected int" in _error(["learner.lora.rank=big"])
+    assert "learner.lora must be a mapping (a section), got True" in _error(["learner.lora=true"])
+    msg = _error(["learner.lora.rank=513", "learner.lora.alpha=0", *LORA_OK])
+    assert "learner.lora.rank=513 must be in [1, 512]" in msg and "learner.lora.alpha=0.0 must be > 0" in msg
+    path = tmp_path / "typo.yaml"
+    path.write_text("learner: {lora: {ranks: 8}}\n")
+    assert "unknown config key learner.lora.ranks" in _error([], path)
+
+
+def test_lora_targets_are_checked_at_load():
+    msg = _error(["learner.lora.target_modules=[q_proj,lm_head,q_proj]", *LORA_OK])
+    assert "learner.lora.target_modules=['q_proj', 'lm_head', 'q_proj'] names ['q_proj'] more than once" in msg
+    assert "vLLM cannot serve a LoRA on ['lm_head']" in msg
+    assert "learner.lora.target_modules must name at least one module" in _error(["learner.lora.target_modules=[]", *LORA_OK])
+
+
+def test_lora_refuses_what_cannot_serve_or_train_it():
+    msg = _error(["learner.lora.rank=8"])  # rollout.openai_api is on by default
+    assert "learner.lora needs rollout.openai_api=false" in msg and "learner.lora (null)" in msg
+    for key in ("algorithm.use_vppo_on_perception", "learner.freeze_vision_tower"):
+        msg = _error(["learner.lora.rank=8", f"{key}=true", *LORA_OK])
+        assert f"{key}=true is for vision-language models, which learner.lora does not support yet: set {key}=false" in msg, msg
+    assert load_config(None, ["rollout.openai_api=true", "algorithm.use_vppo_on_perception=true", "learner.freeze_vision_tower=true"])
+
+
+def test_lora_section_in_the_reference():
+    text = reference_markdown()
+    assert "| `learner.lora` | `section \\| null` | `null` |" in text
+    assert "## `learner.lora`" in text and "| `learner.lora.rank` | `int` | `16` | `[1, 512]` |" in text

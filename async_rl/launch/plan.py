@@ -15,8 +15,10 @@ from async_rl.launch import run_state
 from async_rl.launch.prometheus import port_error
 from async_rl.learner import attention, kernels, vision
 from async_rl.learner.memory import (
+    GB,
     Beside,
     MemoryEstimate,
+    ModelShape,
     budget_gb,
     estimate,
     max_fitting_tokens,
@@ -60,6 +62,8 @@ class Plan:
     """Per-rank memory estimate of the learner; None when the model's config.json is not here."""
     checkpointing_auto: bool = False
     """Whether ``memory.checkpointing`` was chosen by ``learner.fsdp.gradient_checkpointing: auto``."""
+    lora: str = ""
+    """``learner.lora``: the adapter's size and the bytes of one weight update; empty otherwise."""
     monitoring: str = ""
     """Where the run's metrics go."""
 
@@ -108,6 +112,7 @@ def make_plan(cfg: Config) -> Plan:
     _check_files(cfg, plan)
     _check_kernels(cfg, plan)
     _check_vision(cfg, plan)
+    _check_lora(cfg, plan)
     _check_memory(cfg, plan)
     if problem := run_state.refusal(cfg):
         plan.errors.append(problem)
@@ -205,6 +210,46 @@ def _check_vision(cfg: Config, plan: Plan) -> None:
                            "has no vision_config")
 
 
+UPDATE_BYTES_PER_PARAM = 4
+"""Bytes of each parameter in a weight update: the learner sends its float32 master
+copy, as it sends full weights (``learner.model.iter_full_parameters`` casts nothing)."""
+
+
+def _check_lora(cfg: Config, plan: Plan) -> None:
+    """``learner.lora``'s targets against the model's modules (a name that matches none is an
+    error listing the valid ones; so is a vision-language model), and the adapter's size."""
+    lora = cfg.learner.lora
+    if lora is None:
+        return
+    try:
+        model_config = read_model_config(cfg.learner.model_path)
+    except ValueError:
+        return  # reported by the memory check
+    if model_config is None:
+        if is_hub_id(cfg.learner.model_path):
+            plan.warnings.append(f"learner.lora.target_modules not checked: learner.model_path={cfg.learner.model_path!r} has no local config.json")
+        return
+    from async_rl.learner.lora import target_problems  # loads peft and transformers: only for a LoRA run
+
+    try:
+        problems = target_problems(model_config, lora)
+    except (TypeError, ValueError) as exc:  # AutoConfig.for_model: no model_type, or one transformers does not know
+        problems = [f"learner.model_path={cfg.learner.model_path!r}: transformers cannot build a model from its config.json "
+                    f"({str(exc).split('. ')[0]}), so learner.lora.target_modules cannot be checked; LoRA needs a Qwen2/Llama causal LM"]
+    plan.errors.extend(problems)
+    if problems:
+        return
+    try:
+        shape = ModelShape.from_config(model_config)
+        adapter = shape.lora_params(lora.target_modules, lora.rank)
+    except ValueError:
+        return  # no shape the estimate knows: the memory check says why
+    plan.lora = (f"lora: rank {lora.rank}, alpha {lora.alpha:g}, dropout {lora.dropout:g} on {','.join(lora.target_modules)}: "
+                 f"{adapter / 1e6:.1f}M trained parameters ({adapter / shape.params:.2%} of {shape.params / 1e9:.2f}B, the base frozen); "
+                 f"{UPDATE_BYTES_PER_PARAM * adapter / 1e6:.1f} MB per weight update (full weights: "
+                 f"{UPDATE_BYTES_PER_PARAM * shape.params / GB:.1f} GB)")
+
+
 def _check_memory(cfg: Config, plan: Plan) -> None:
     """Estimate the learner's per-rank memory; an error naming the knobs when it does not fit."""
     lrn = cfg.learner
@@ -219,7 +264,7 @@ def _check_memory(cfg: Config, plan: Plan) -> None:
                                  "(point it at a local copy, or at a directory holding the model's config.json, to check memory)")
         return  # an empty or missing model directory is already an error
     device_type = learner_device_type(cfg)
-    beside = Beside.of(cfg.algorithm)
+    beside = Beside.of(cfg.algorithm, lrn.lora)
     share = servers_gpu_share(cfg.rollout, lrn) if device_type == "cuda" else 0.0
     if share >= 1:
         plan.errors.append(f"the inference servers on learner rank 0's GPU take all of it: {share:.0%} (rollout.vllm.gpu_memory_utilization="
@@ -318,6 +363,7 @@ def render(plan: Plan) -> str:
         f"redis: {plan.redis}",
         f"resources: {plan.cpus_needed:g} CPUs, {plan.gpus_needed:g} GPUs for actors (this machine: {plan.cpus_here} CPUs, {plan.gpus_here} GPUs)",
         *([plan.memory.summary(auto=plan.checkpointing_auto)] if plan.memory is not None else []),
+        *([plan.lora] if plan.lora else []),
         "processes:",
         *(f"  {p.role:<22} cpus={p.cpus:g} gpus={p.gpus:g}  {p.detail}" for p in plan.processes),
         f"monitoring: {plan.monitoring}",

@@ -37,6 +37,21 @@ the learner's own peak for a setting, when one was measured, is shown beside the
 above every one of them, so a GPU run that finds more than the estimate fails the tests until
 the estimate is fixed.
 
+With ``learner.lora`` (``P_lora`` adapter parameters, :meth:`ModelShape.lora_params`; ``P_lora_layer``
+one layer's) only the adapter trains, on a frozen base held in the compute dtype:
+
+* params: ``(c P + 4 P_lora) / W`` (the base's shard, the adapter's float32 master weights);
+* grads: ``4 P_lora / W + (4 + c) P_lora_layer``: no LM-head term (the head is frozen, so the
+  chunked head computes no weight gradient) and one layer's adapter gradients in flight;
+* optimizer: ``8 P_lora / W``;
+* compute copies: ``c (P_root + 2 (P_layer + P_lora_layer))``;
+* activations: each layer also saves ``A x`` for ``B``'s gradient, ``r c`` bytes per token and
+  target, and with dropout each target's dropped input and its mask, ``(c + 1) in`` bytes
+  (:func:`lora_activation_bytes`);
+* reference: none (the reference is the policy with its adapters disabled, :meth:`Beside.of`);
+* critic (fully fine-tuned): its float32 gradients as well, ``4 P / W + (4 + c) P_layer``,
+  which the adapter's small gradients no longer cover.
+
 Calibration (docs/learner.md#memory-estimate): one H100, bf16, 16384-token packed rows,
 4096-token log-prob chunks, the plain packed loop of ``benchmarks/_plain_packed.py`` measured
 43.7 GB peak allocated for Qwen2.5-0.5B without checkpointing and 36.7 GB for 1.5B with it;
@@ -56,7 +71,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from async_rl.config import AlgorithmConfig, LearnerConfig, RolloutConfig
+from async_rl.config import AlgorithmConfig, LearnerConfig, LoraConfig, RolloutConfig
 
 GB = 1e9
 """Bytes per GB."""
@@ -155,6 +170,26 @@ class ModelShape:
     def params(self) -> int:
         """All parameters."""
         return self.layers * self.layer_params + self.root_params + self.vision_params
+
+    def lora_shapes(self) -> dict[str, tuple[int, int]]:
+        """``(in, out)`` features of each projection of a decoder layer that LoRA can target."""
+        h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
+        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+    def lora_target_shapes(self, targets: list[str]) -> list[tuple[int, int]]:
+        """``(in, out)`` of each target, named as in ``learner.lora.target_modules`` (the last
+        part of a module's path counts); ``ValueError`` for a name that is no projection here."""
+        shapes = self.lora_shapes()
+        unknown = [t for t in targets if t.rsplit(".", 1)[-1] not in shapes]
+        if unknown:
+            raise ValueError(f"learner.lora.target_modules={targets}: no decoder projection named {unknown} (one of {list(shapes)})")
+        return [shapes[t.rsplit(".", 1)[-1]] for t in targets]
+
+    def lora_params(self, targets: list[str], r: int) -> int:
+        """Parameters of rank-``r`` LoRA adapters on ``targets`` in every decoder layer:
+        ``layers r sum(in_t + out_t)`` (``A`` is ``[r, in]``, ``B`` ``[out, r]``)."""
+        return self.layers * r * sum(i + o for i, o in self.lora_target_shapes(targets))
 
 
 def vision_parameter_count(vision_config: Mapping[str, Any], text_hidden: int, scale_factor: int = 2) -> int:
@@ -258,7 +293,8 @@ class MemoryEstimate:
     """Memory of one learner rank at its peak (the start of a micro-batch's backward), in GB."""
 
     params_gb: float
-    """Float32 master weights, this rank's shard."""
+    """Float32 master weights, this rank's shard (LoRA: the frozen base's shard in the compute
+    dtype and the adapter's float32 master weights)."""
     grads_gb: float
     """Float32 gradient shard plus the unsharded gradients in flight in backward."""
     optimizer_gb: float
@@ -277,6 +313,8 @@ class MemoryEstimate:
     """The critic's resident state (gae), 0 without one."""
     tokens: int
     """Tokens of one micro-batch (``learner.max_tokens_per_microbatch``)."""
+    adapter_params: int
+    """LoRA: the adapter's parameters (the only trained ones); 0 in full fine-tuning."""
     checkpointing: bool
     """Gradient checkpointing of the decoder layers."""
     budget_gb: float
@@ -298,7 +336,8 @@ class MemoryEstimate:
     def summary(self, auto: bool = False) -> str:
         """One line: ``learner memory: T GB of B GB per rank (parts...)``; ``auto`` notes that
         ``gradient_checkpointing: auto`` chose the checkpointing."""
-        parts = [f"params {self.params_gb:.1f}", f"grads {self.grads_gb:.1f}", f"optimizer {self.optimizer_gb:.1f}",
+        parts = [f"params {self.params_gb:.1f}" + (" (frozen base + LoRA adapter)" if self.adapter_params else ""),
+                 f"grads {self.grads_gb:.1f}", f"optimizer {self.optimizer_gb:.1f}",
                  f"compute copies {self.compute_copies_gb:.1f}",
                  f"activations {self.activations_gb:.1f} at {self.tokens} tokens with gradient checkpointing "
                  f"{'on' if self.checkpointing else 'off'}{' (auto)' if auto else ''}",
@@ -346,7 +385,16 @@ def layer_activation_bytes(shape: ModelShape, c: int, repeat_kv: bool = False) -
     return 2 * (4 * h + 2 * c * h + 4) + c * (3 * q + 2 * kv) + 4 * shape.heads + 4 * c * i
 
 
-def activation_bytes_per_token(shape: ModelShape, c: int, checkpointing: bool, repeat_kv: bool = False) -> int:
+def lora_activation_bytes(shape: ModelShape, c: int, lora: LoraConfig) -> int:
+    """Bytes per token that ``lora``'s adapters add to what one decoder layer saves for
+    backward: ``A x`` (``B``'s input, ``r`` values) per target, and with dropout the dropped
+    input (``in`` values) and its boolean mask, which ``A`` and the dropout save.
+    ``sum_t (r c + (c + 1) in_t [dropout > 0])``."""
+    dropped = lora.dropout > 0
+    return sum(lora.rank * c + ((c + 1) * i if dropped else 0) for i, _ in shape.lora_target_shapes(lora.target_modules))
+
+
+def activation_bytes_per_token(shape: ModelShape, c: int, checkpointing: bool, repeat_kv: bool = False, lora_layer: int = 0) -> int:
     """Bytes per token of the tensors saved for backward, plus backward's working set.
 
     Outside the layers: ``A_out = 2 c d`` (RoPE cos/sin) ``+ 4 H + 2 c H`` (final norm) ``+ c H``
@@ -358,9 +406,11 @@ def activation_bytes_per_token(shape: ModelShape, c: int, checkpointing: bool, r
     * without checkpointing: ``L A_layer + A_out + A_bwd``;
     * with it (each layer's input kept, one layer recomputed at a time):
       ``L c H + A_layer + A_out + A_bwd``.
+
+    ``lora_layer`` (:func:`lora_activation_bytes`) is added to ``A_layer``.
     """
     h = shape.hidden
-    layer = layer_activation_bytes(shape, c, repeat_kv)
+    layer = layer_activation_bytes(shape, c, repeat_kv) + lora_layer
     outer = 2 * c * shape.head_dim + 4 * h + 2 * c * h + c * h + _SMALL_PER_TOKEN
     backward = 3 * c * shape.intermediate + 8 * h
     kept = shape.layers * c * h + layer if checkpointing else shape.layers * layer
@@ -377,8 +427,10 @@ class Beside:
     """The critic (``algorithm.needs_critic``)."""
 
     @classmethod
-    def of(cls, algorithm: AlgorithmConfig) -> Beside:
-        return cls(algorithm.needs_reference, algorithm.needs_critic)
+    def of(cls, algorithm: AlgorithmConfig, lora: LoraConfig | None = None) -> Beside:
+        """What ``algorithm`` needs beside the policy; with ``lora`` (``learner.lora``) no
+        reference model: a LoRA run's reference is the policy with its adapters disabled."""
+        return cls(algorithm.needs_reference and lora is None, algorithm.needs_critic)
 
 
 def estimate(model_config: Mapping[str, Any], learner: LearnerConfig, checkpointing: bool, budget_gb: float,
@@ -388,7 +440,9 @@ def estimate(model_config: Mapping[str, Any], learner: LearnerConfig, checkpoint
     ``model_config`` is the model's ``config.json`` (Qwen2/Llama keys; raises ``ValueError``
     when one is missing); ``checkpointing`` the resolved gradient checkpointing; ``budget_gb``
     what a rank may use (:func:`budget_gb`); ``device_type`` ``cuda`` or ``cpu`` (compute dtype,
-    attention path, overhead); ``beside`` adds the frozen reference and the critic.
+    attention path, overhead); ``beside`` adds the frozen reference and the critic
+    (:meth:`Beside.of`). ``learner.lora`` estimates a LoRA run (module docstring); a target
+    that is no decoder projection raises ``ValueError`` too.
     """
     shape = ModelShape.from_config(model_config)
     c = compute_bytes(learner, device_type)
@@ -396,20 +450,29 @@ def estimate(model_config: Mapping[str, Any], learner: LearnerConfig, checkpoint
     p, v_h = shape.params, shape.vocab * shape.hidden
     tokens = learner.max_tokens_per_microbatch
     chunk = min(learner.logprob_chunk_tokens, tokens)
-    per_token = activation_bytes_per_token(shape, c, checkpointing, _sdpa_attention(learner, device_type))
+    lora = learner.lora
+    if lora is None:  # full fine-tuning: every parameter trains from float32 master weights
+        weights, trained, adapter_layer, in_flight, lora_layer = 4 * p, p, 0, v_h + shape.layer_params, 0
+    else:  # the frozen base in the compute dtype; only the adapter trains (the LM head computes no weight gradient)
+        trained = shape.lora_params(lora.target_modules, lora.rank)
+        adapter_layer = trained // shape.layers
+        weights, in_flight, lora_layer = c * p + 4 * trained, adapter_layer, lora_activation_bytes(shape, c, lora)
+    per_token = activation_bytes_per_token(shape, c, checkpointing, _sdpa_attention(learner, device_type), lora_layer)
     activations, chunk_bytes = per_token * tokens, chunk * shape.vocab * (c + 8)
     fixed = GPU_OVERHEAD_GB if device_type == "cuda" else CPU_OVERHEAD_GB
+    critic_grads = 0 if lora is None else 4 * p / world + (4 + c) * shape.layer_params  # the adapter's no longer cover them
     return MemoryEstimate(
-        params_gb=4 * p / world / GB,
-        grads_gb=(4 * p / world + (4 + c) * (v_h + shape.layer_params)) / GB,
-        optimizer_gb=8 * p / world / GB,
-        compute_copies_gb=c * (shape.root_params + 2 * shape.layer_params) / GB,
+        params_gb=weights / world / GB,
+        grads_gb=(4 * trained / world + (4 + c) * in_flight) / GB,
+        optimizer_gb=8 * trained / world / GB,
+        compute_copies_gb=c * (shape.root_params + 2 * (shape.layer_params + adapter_layer)) / GB,
         activations_gb=activations / GB,
         logprob_chunk_gb=chunk_bytes / GB,
         overhead_gb=fixed + FRAGMENTATION * (activations + chunk_bytes) / GB,
         reference_gb=(4 * p / world + c * shape.root_params) / GB if beside.reference else 0.0,
-        critic_gb=(12 * p / world + c * shape.root_params) / GB if beside.critic else 0.0,
+        critic_gb=(12 * p / world + c * shape.root_params + critic_grads) / GB if beside.critic else 0.0,
         tokens=tokens,
+        adapter_params=0 if lora is None else trained,
         checkpointing=checkpointing,
         budget_gb=budget_gb,
         measured=None if "vision_config" in model_config else last_measured(setting_key(model_config, learner, checkpointing, device_type, beside)),
@@ -473,7 +536,9 @@ def resolve_gradient_checkpointing(learner: LearnerConfig, model_config: Mapping
                                    beside: Beside = Beside(), servers_share: float = 0.0) -> bool:
     """Whether to checkpoint the decoder layers: ``on`` -> True, ``off`` -> False, ``auto`` ->
     True only on GPU (``device_type == "cuda"``) when the estimate without checkpointing does
-    not fit :func:`budget_gb` (CPU: memory is plentiful and recomputation costs more than it saves)."""
+    not fit :func:`budget_gb` (CPU: memory is plentiful and recomputation costs more than it saves).
+    The estimate is the LoRA one with ``learner.lora`` (pass ``beside`` from :meth:`Beside.of`
+    with the same lora: no reference model then)."""
     mode = learner.fsdp.gradient_checkpointing
     if mode != "auto":
         return mode == "on"

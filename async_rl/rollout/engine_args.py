@@ -31,11 +31,11 @@ def vllm_max_lora_rank(rank: int) -> int:
     raise ValueError(f"LoRA rank {rank} is above vLLM's largest max_lora_rank ({VLLM_LORA_RANKS[-1]})")
 
 
-def engine_kwargs(cfg: Config, model_path: str | None = None, lora_rank: int | None = None) -> dict[str, Any]:
+def engine_kwargs(cfg: Config, model_path: str | None = None) -> dict[str, Any]:
     """Keyword arguments of ``vllm.LLM`` / ``AsyncEngineArgs`` for the policy model.
 
-    With ``lora_rank``, the engine serves one LoRA adapter of up to that rank on top of the
-    base model (``enable_lora``; the policy adapter, replaced at each weight update, never
+    With ``learner.lora`` set, the engine serves one LoRA adapter of up to that rank on top of
+    the base model (``enable_lora``; the policy adapter, replaced at each weight update, never
     evicted: one slot on the device and one in the CPU cache). On CPU, vLLM then runs without
     ``torch.compile`` (it forces ``CompilationMode.NONE`` with LoRA), so rollouts are slower.
 
@@ -56,8 +56,8 @@ def engine_kwargs(cfg: Config, model_path: str | None = None, lora_rank: int | N
         "allowed_media_domains": list(NO_MEDIA_DOMAINS),
         "allowed_local_media_path": "",
     }
-    if lora_rank is not None:
-        kwargs.update(enable_lora=True, max_lora_rank=vllm_max_lora_rank(lora_rank), max_loras=1, max_cpu_loras=1)
+    if (lora := cfg.learner.lora) is not None:
+        kwargs.update(enable_lora=True, max_lora_rank=vllm_max_lora_rank(lora.rank), max_loras=1, max_cpu_loras=1)
     if gpu:
         kwargs["gpu_memory_utilization"] = v.gpu_memory_utilization
         kwargs["tensor_parallel_size"] = v.tensor_parallel_size

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from async_rl.config import Config, save_resolved
 from async_rl.data.prompts import ImageFields, PromptFormatter, PromptRow, read_prompt_rows, write_rejected
@@ -42,6 +42,14 @@ class EvalResult:
     """A few (prompt, response, answer, reward) examples."""
 
 
+def base_engine_kwargs(cfg: Config) -> dict[str, Any]:
+    """The engine arguments of an evaluation: ``learner.model_path`` as it is, without the
+    LoRA serving a ``learner.lora`` run's servers get (a zero adapter would give the same
+    tokens, only slower: vLLM on CPU runs without ``torch.compile`` with LoRA). To evaluate a
+    trained adapter, export it merged."""
+    return engine_kwargs(replace(cfg, learner=replace(cfg.learner, lora=None)))
+
+
 def evaluate(cfg: Config, out_dir: str | Path, limit: int | None = None, progress: Callable[[str], None] = print) -> EvalResult:
     """Greedy-decode ``cfg.data.val_files`` with ``cfg.learner.model_path``; write eval.json to out_dir."""
     from transformers import AutoTokenizer
@@ -68,7 +76,7 @@ def evaluate(cfg: Config, out_dir: str | Path, limit: int | None = None, progres
 
     progress(f"starting vLLM engine for {cfg.learner.model_path}")
     t0 = time.perf_counter()
-    llm = LLM(**engine_kwargs(cfg))
+    llm = LLM(**base_engine_kwargs(cfg))
     engine_start_s = time.perf_counter() - t0
     try:
         prompts = [{"prompt_token_ids": formatter.token_ids(r.prompt)} for r in rows]
@@ -116,7 +124,7 @@ def _evaluate_episodes(cfg: Config, rows: list[PromptRow], rejected: int, progre
     async def run() -> tuple[list[Episode], float, float]:
         progress(f"starting vLLM engine for {cfg.learner.model_path}")
         t0 = time.perf_counter()
-        server = InferenceServer("eval", engine_kwargs(cfg))
+        server = InferenceServer("eval", base_engine_kwargs(cfg))
         envs = EnvPool(cfg.rollout.env)
         try:
             await envs.start()

@@ -30,7 +30,7 @@ def data(tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize("config", GPU_CONFIGS, ids=lambda p: p.name)
 def test_gpu_configs_validate_and_plan(config: Path, data: Path):
-    assert len(GPU_CONFIGS) == 6
+    assert len(GPU_CONFIGS) == 8
     res = _dry_run(str(config), f"data.train_files={data}", f"data.val_files={data}")
     assert res.returncode == 0, res.stdout + res.stderr
     cfg = load_config(config)
@@ -129,6 +129,9 @@ MODEL_CONFIGS = {
     "Qwen/Qwen2.5-1.5B-Instruct": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 1536,
                                    "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12,
                                    "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True},
+    "Qwen/Qwen2.5-7B-Instruct": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584,
+                                 "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+                                 "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False},
     # Qwen2.5-VL's config.json: the text keys at the top level, the vision tower's apart
     "Qwen/Qwen2.5-VL-3B-Instruct": {"architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl", "hidden_size": 2048,
                                     "intermediate_size": 11008, "num_hidden_layers": 36, "num_attention_heads": 16,
@@ -217,6 +220,64 @@ def test_the_plan_shows_the_last_measured_peak_of_the_same_setting(tmp_path: Pat
     assert f"; last measured: {measured.peak_gb:.1f} GB peak allocated on {measured.device}, {measured.date}" in render(plan)
     other = make_plan(load_config(None, [*base, "learner.max_tokens_per_microbatch=12288"]))  # never measured
     assert other.memory is not None and other.memory.measured is None and "last measured" not in render(other)
+
+
+# --------------------------------------------------------------------------- LoRA
+
+LORA_CONFIGS = [c for c in GPU_CONFIGS if "lora" in c.name]
+
+
+@pytest.mark.parametrize("config", LORA_CONFIGS, ids=lambda p: p.name)
+def test_lora_configs_plan_7b_on_one_gpu_or_two_learner_gpus(config: Path, data: Path, tmp_path: Path):
+    """Issue 32: Qwen2.5-7B with LoRA plans within budget from its config.json, one server and
+    the learner on one 80 GB GPU; the plan shows the adapter and the size of a weight update."""
+    assert len(LORA_CONFIGS) == 2
+    model = _config_only_model(tmp_path, "Qwen/Qwen2.5-7B-Instruct")
+    cfg = load_config(config, [f"learner.model_path={model}", f"data.train_files={data}", f"data.val_files={data}", "learner.gpu_memory_gb=80"])
+    plan = make_plan(cfg)
+    assert plan.errors == [], plan.errors
+    est = plan.memory
+    assert est is not None and est.fits and est.reference_gb == 0.0 and est.adapter_params == 28 * 32 * (
+        (3584 + 3584) + 2 * (3584 + 512) + (3584 + 3584) + 3 * (3584 + 18944)) == 80_740_352
+    if "1gpu" in config.name:  # 80 GB less vLLM's 40 %: the frozen bf16 base (15 GB) and the rest
+        assert cfg.rollout.num_servers == 1 and cfg.learner.world_size == 1 and est.budget_gb == pytest.approx(48.0)
+        assert "share one GPU" in plan.device
+    assert est.total_gb <= 0.7 * est.budget_gb, est.summary()
+    text = render(plan)
+    assert ("lora: rank 32, alpha 64, dropout 0 on q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj: 80.7M trained parameters "
+            "(1.06% of 7.62B, the base frozen); 323.0 MB per weight update (full weights: 30.5 GB)") in text.splitlines(), text
+    full = make_plan(load_config(config, [f"learner.model_path={model}", f"data.train_files={data}", "learner.gpu_memory_gb=80",
+                                          "learner.lora=null"]))
+    assert full.memory is not None and full.lora == "" and full.memory.total_gb > 3 * est.total_gb, full.memory.summary()
+    if "1gpu" in config.name:  # what LoRA buys: without it 7B does not fit beside its server
+        assert not full.memory.fits
+
+
+def test_dry_run_with_a_wrong_lora_target_exits_2_and_lists_the_valid_modules(data: Path, tmp_path: Path):
+    model = _config_only_model(tmp_path, "Qwen/Qwen2.5-0.5B-Instruct")
+    res = _dry_run(str(ROOT / "configs" / "quickstart.yaml"), f"learner.model_path={model}", f"data.train_files={data}",
+                   f"data.val_files={data}", "rollout.openai_api=false", "learner.lora.target_modules=[q_proj,qproj,mlp]")
+    assert res.returncode == 2, res.stdout + res.stderr
+    for line in ("error: learner.lora.target_modules: 'qproj' matches no module of this model",
+                 "error: learner.lora.target_modules: 'mlp' names a module that is not a Linear layer",
+                 "error: learner.lora.target_modules: valid module names of this model: down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj"):
+        assert line in res.stdout.splitlines(), res.stdout
+    assert "lora: rank" not in res.stdout
+
+
+def test_a_lora_plan_refuses_a_vision_language_model_and_warns_without_config_json(data: Path, tmp_path: Path):
+    vlm = _config_only_model(tmp_path, "Qwen/Qwen2.5-VL-3B-Instruct")
+    lora = [f"data.train_files={data}", "rollout.openai_api=false", "learner.lora.rank=8"]
+    plan = make_plan(load_config(None, [f"learner.model_path={vlm}", *lora]))
+    assert [e for e in plan.errors if e.startswith("learner.lora is not supported for a vision-language model (model_type 'qwen2_5_vl')")], plan.errors
+    hub = make_plan(load_config(None, ["learner.model_path=async-rl-tests/no-such-model", *lora]))
+    assert hub.errors == [] and any(w.startswith("learner.lora.target_modules not checked") for w in hub.warnings), hub.warnings
+    unknown = tmp_path / "unknown"
+    unknown.mkdir()
+    (unknown / "config.json").write_text('{"model_type": "no-such-type", "hidden_size": 8}')
+    plan = make_plan(load_config(None, [f"learner.model_path={unknown}", *lora]))
+    assert [e for e in plan.errors if e.startswith(f"learner.model_path={str(unknown)!r}: transformers cannot build a model from its config.json "
+                                                   "(Unrecognized model identifier: no-such-type), so learner.lora.target_modules cannot be checked")], plan.errors
 
 
 def test_hub_model_without_local_config_gets_no_memory_estimate(data: Path):

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from async_rl.config import LearnerConfig, load_config
+from async_rl.config import LORA_TARGETS, LearnerConfig, LoraConfig, load_config
 from async_rl.learner import memory
 
 QWEN25_05B = {"model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
@@ -223,3 +223,87 @@ def test_max_fitting_tokens():
 def test_a_config_without_the_needed_keys_is_a_value_error():
     with pytest.raises(ValueError, match="intermediate_size"):
         memory.estimate({"hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1, "vocab_size": 10}, _learner(), False, 80.0)
+
+
+# --------------------------------------------------------------------------- LoRA
+
+LORA = ("learner.lora.rank=16", "rollout.openai_api=false")
+"""A rank-16 LoRA run on the seven projections (the OpenAI API cannot serve its adapter)."""
+QWEN25_05B_LORA_LAYER = 16 * ((896 + 896) + 2 * (896 + 128) + (896 + 896) + 3 * (896 + 4864))
+"""One Qwen2.5-0.5B layer's rank-16 adapter, by hand: q and o 896 -> 896 (14 heads x 64), k and v
+896 -> 128 (2 KV heads), gate, up 896 -> 4864 and down 4864 -> 896; r (in + out) each."""
+
+
+def test_lora_params_of_qwen25_05b_by_hand_and_by_peft():
+    import peft
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    shape = memory.ModelShape.from_config(QWEN25_05B)
+    assert QWEN25_05B_LORA_LAYER == 366_592
+    assert shape.lora_params(list(LORA_TARGETS), 16) == 24 * 366_592 == 8_798_208
+    assert shape.lora_params(["q_proj", "v_proj"], 8) == 24 * 8 * (1792 + 1024)
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(Qwen2Config(**{k: v for k, v in QWEN25_05B.items() if k != "model_type"}))
+    peft.inject_adapter_in_model(peft.LoraConfig(r=16, target_modules=list(LORA_TARGETS)), model)
+    assert sum(p.numel() for n, p in model.named_parameters() if ".lora_" in n) == 8_798_208
+    with pytest.raises(ValueError, match=r"no decoder projection named \['mlp'\]"):
+        shape.lora_params(["q_proj", "mlp"], 16)
+
+
+def test_lora_estimate_of_qwen25_05b_by_hand():
+    """bf16 on one GPU, 8192 tokens: the base in bf16, the adapter's float32 weights, gradients
+    and AdamW states, one layer's adapter gradients in flight, no LM-head gradient."""
+    lrn, full = _learner(*LORA), _learner()
+    est, ref = memory.estimate(QWEN25_05B, lrn, False, 80.0), memory.estimate(QWEN25_05B, full, False, 80.0)
+    p, a, a_layer = memory.parameter_count(QWEN25_05B), 8_798_208, QWEN25_05B_LORA_LAYER
+    assert est.adapter_params == a and ref.adapter_params == 0
+    assert est.params_gb == pytest.approx((2 * p + 4 * a) / 1e9)
+    assert est.grads_gb == pytest.approx((4 * a + 6 * a_layer) / 1e9)  # 0.037 GB against the full run's 2.9 GB
+    assert est.optimizer_gb == pytest.approx(8 * a / 1e9)
+    shape = memory.ModelShape.from_config(QWEN25_05B)
+    assert est.compute_copies_gb == pytest.approx(2 * (shape.root_params + 2 * (shape.layer_params + a_layer)) / 1e9)
+    # each of the 24 layers also saves A x (16 bf16 values) per target and token
+    assert est.activations_gb - ref.activations_gb == pytest.approx(24 * 7 * 16 * 2 * 8192 / 1e9)
+    ckpt, ckpt_ref = memory.estimate(QWEN25_05B, lrn, True, 80.0), memory.estimate(QWEN25_05B, full, True, 80.0)
+    assert ckpt.activations_gb - ckpt_ref.activations_gb == pytest.approx(7 * 16 * 2 * 8192 / 1e9)  # one layer recomputed at a time
+    assert (est.logprob_chunk_gb, est.reference_gb, est.critic_gb) == (ref.logprob_chunk_gb, 0.0, 0.0)
+    assert est.total_gb < ref.total_gb - 7.5, (est.summary(), ref.summary())  # about 14 P + 6 V H bytes less: 7.7 GB
+    assert "params 1.0 (frozen base + LoRA adapter)" in est.summary()
+
+
+def test_lora_dropout_keeps_each_target_s_dropped_input_and_mask():
+    shape = memory.ModelShape.from_config(QWEN25_05B)
+    plain, dropped = LoraConfig(rank=16), LoraConfig(rank=16, dropout=0.1)
+    inputs = 5 * 896 + 896 + 4864  # q, k, v, gate, up read H; o reads heads x head_dim = 896; down reads I
+    assert memory.lora_activation_bytes(shape, 2, plain) == 7 * 16 * 2
+    assert memory.lora_activation_bytes(shape, 2, dropped) == 7 * 16 * 2 + 3 * inputs
+    assert memory.lora_activation_bytes(shape, 4, LoraConfig(rank=8, target_modules=["q_proj"])) == 8 * 4
+
+
+def test_lora_is_below_full_fine_tuning_for_every_shape_and_sharding():
+    for model_config in (QWEN25_05B, QWEN25_15B):
+        for ws in ("1", "4"):
+            for ckpt in (False, True):
+                lora = memory.estimate(model_config, _learner(*LORA, f"learner.world_size={ws}"), ckpt, 80.0)
+                full = memory.estimate(model_config, _learner(f"learner.world_size={ws}"), ckpt, 80.0)
+                assert lora.total_gb < full.total_gb and lora.params_gb < full.params_gb and lora.grads_gb < full.grads_gb / 20
+
+
+def test_a_lora_run_holds_no_reference_model_but_its_critic_keeps_its_gradients():
+    kl = load_config(None, ["algorithm.loss.kl_coef=0.01", "algorithm.advantage.name=gae"]).algorithm
+    assert memory.Beside.of(kl) == memory.Beside(reference=True, critic=True)
+    assert memory.Beside.of(kl, LoraConfig()) == memory.Beside(reference=False, critic=True)
+    lrn = _learner(*LORA)
+    est = memory.estimate(QWEN25_05B, lrn, False, 80.0, beside=memory.Beside.of(kl, lrn.lora))
+    p, shape = memory.parameter_count(QWEN25_05B), memory.ModelShape.from_config(QWEN25_05B)
+    assert est.reference_gb == 0.0
+    assert est.critic_gb == pytest.approx((16 * p + 2 * shape.root_params + 6 * shape.layer_params) / 1e9)
+
+
+def test_lora_auto_checkpointing_follows_the_lora_estimate():
+    """Qwen2.5-1.5B at 4096 tokens in 24 GB: full fine-tuning needs checkpointing, LoRA does not."""
+    full = _learner("learner.max_tokens_per_microbatch=4096", "learner.gpu_memory_gb=24")
+    lora = _learner(*LORA, "learner.max_tokens_per_microbatch=4096", "learner.gpu_memory_gb=24")
+    assert memory.resolve_gradient_checkpointing(full, QWEN25_15B, "cuda") is True
+    assert memory.resolve_gradient_checkpointing(lora, QWEN25_15B, "cuda") is False
+    assert memory.estimate(QWEN25_15B, lora, False, 24.0).fits

@@ -55,7 +55,7 @@ def test_lora_engines_get_the_smallest_max_lora_rank_vllm_accepts() -> None:
     assert [vllm_max_lora_rank(r) for r in (1, 2, 8, 9, 16, 300, 321, 512)] == [1, 8, 8, 16, 16, 320, 512, 512]
     with pytest.raises(ValueError, match="LoRA rank 513 is above vLLM's largest max_lora_rank"):
         vllm_max_lora_rank(513)
-    kwargs = engine_kwargs(load_config(), lora_rank=12)
+    kwargs = engine_kwargs(load_config(None, ["learner.lora.rank=12", "rollout.openai_api=false"]))
     assert {k: kwargs[k] for k in ("enable_lora", "max_lora_rank", "max_loras", "max_cpu_loras")} == {
         "enable_lora": True, "max_lora_rank": 16, "max_loras": 1, "max_cpu_loras": 1}
     assert "enable_lora" not in engine_kwargs(load_config())

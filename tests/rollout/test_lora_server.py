@@ -38,14 +38,15 @@ def test_a_lora_server_serves_each_version_and_tags_a_request_across_an_update(t
     from transformers import AutoModelForCausalLM
 
     cfg = load_config(None, [f"learner.model_path={tiny_assets.model_dir}", "rollout.vllm.max_model_len=512",
-                             "data.max_prompt_length=16", "rollout.max_response_length=496"])
+                             "data.max_prompt_length=16", "rollout.max_response_length=496",
+                             f"learner.lora.rank={RANK}", f"learner.lora.alpha={ALPHA}", "rollout.openai_api=false"])
     model = AutoModelForCausalLM.from_pretrained(tiny_assets.model_dir, dtype=torch.float32).eval()
     adapter = random_adapter(model, seed=1, rank=RANK)
     tuned = merged(model, adapter, ALPHA, RANK)
     items = list(adapter.items())
     secret = RunSecret.generate()
     sender = WeightSender(secret=secret, bucket_mb=1, backend="gloo", timeout_s=60.0)
-    server = InferenceServer("server-0", engine_kwargs(cfg, lora_rank=RANK))
+    server = InferenceServer("server-0", engine_kwargs(cfg))
     greedy = Sampling(temperature=0.0, max_tokens=12, ignore_eos=True)
 
     async def go():

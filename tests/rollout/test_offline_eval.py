@@ -10,7 +10,7 @@ import time
 import pytest
 
 from async_rl.config import load_config
-from async_rl.rollout.offline_eval import evaluate
+from async_rl.rollout.offline_eval import base_engine_kwargs, evaluate
 
 pytestmark = pytest.mark.integration
 
@@ -42,3 +42,10 @@ def _engine_children(wait_s: float = 10.0) -> list[str]:
         if not alive or time.monotonic() > deadline:
             return alive
         time.sleep(0.5)
+
+
+def test_an_evaluation_serves_the_base_model_without_lora() -> None:
+    cfg = load_config(None, ["learner.lora.rank=8", "rollout.openai_api=false"])
+    kwargs = base_engine_kwargs(cfg)
+    assert "enable_lora" not in kwargs and kwargs["model"] == cfg.learner.model_path
+    assert cfg.learner.lora is not None  # the caller's config is left as it is
