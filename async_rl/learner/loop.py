@@ -76,8 +76,10 @@ class LearnerLoop:
         timeout_s = 2 * max(cfg.queue.timeout_s, cfg.sync.timeout_s)
         self.info: DistInfo = init_distributed(rank, world_size, master_addr, master_port, timeout_s)
         lrn = cfg.learner
-        beside, share = Beside.of(cfg.algorithm), servers_gpu_share(cfg.rollout, lrn)
-        policy = load_sharded(lrn.model_path, lrn, self.info.device, trainable=True, beside=beside, servers_share=share)
+        # A LoRA policy (learner.lora) trains only its adapter; its reference is itself with the
+        # adapter disabled (beside.reference is then False: no second model).
+        beside, share = Beside.of(cfg.algorithm, lrn.lora), servers_gpu_share(cfg.rollout, lrn)
+        policy = load_sharded(lrn.model_path, lrn, self.info.device, trainable=True, beside=beside, servers_share=share, lora=lrn.lora)
         reference = load_sharded(lrn.model_path, lrn, self.info.device, trainable=False) if beside.reference else None
         critic = (load_sharded(lrn.critic.model_path or lrn.model_path, lrn, self.info.device, trainable=True, beside=beside,
                                servers_share=share, value_model=True) if beside.critic else None)
@@ -88,7 +90,7 @@ class LearnerLoop:
                         getattr(policy.config, "image_token_id", None) if self.process_images is not None else None,
                         cfg.algorithm.failed_samples, 2 if ESTIMATORS[cfg.algorithm.advantage.name].group else 1, cfg.data.max_pixels)
         self.trainer = Trainer(policy, reference, lrn, cfg.algorithm, self.info, cfg.trainer.total_steps, cfg.trainer.seed,
-                               temperature=cfg.rollout.temperature, critic=critic)
+                               temperature=cfg.rollout.temperature, critic=critic, lora=lrn.lora)
         self.output_dir = Path(cfg.trainer.output_dir)
         self.queue = (
             ReplayQueue(redis_url, cfg.trainer.run_name, cfg.queue.max_depth, consumer=f"{cfg.trainer.run_name}-learner",
@@ -112,7 +114,7 @@ class LearnerLoop:
         changes (:func:`checkpoint.resharding_note`), for the driver's console."""
         self._resume()
         self.publication = Publication(self.info.rank, self.info.device, policy, cfg.sync.bucket_mb, self.counters, publisher,
-                                       self.queue.publish_version if self.queue is not None else None, self.version)
+                                       self.queue.publish_version if self.queue is not None else None, self.version, lora=lrn.lora)
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -133,7 +135,9 @@ class LearnerLoop:
                 self.resharded = checkpoint.resharding_note(self.head, self.info.world_size)
                 if self.resharded is not None:
                     log.info("%s", self.resharded)
-            state = checkpoint.load(Path(chosen), self.trainer.policy, self.trainer.optimizer, self._critic())
+            lrn = self.cfg.learner
+            state = checkpoint.load(Path(chosen), self.trainer.policy, self.trainer.optimizer, self._critic(), lora=lrn.lora,
+                                    model_path=lrn.model_path)
             self.trainer.scheduler.load_state_dict(state.scheduler)
             if self.trainer.critic_scheduler is not None:
                 self.trainer.critic_scheduler.load_state_dict(state.critic_scheduler)
@@ -245,7 +249,7 @@ class LearnerLoop:
         state = checkpoint.TrainingState(self.version, trainer.scheduler.state_dict(), list(self.uncommitted), dict(self.counters), kl_ctrl,
                                          critic_scheduler, parent)
         checkpoint.save(path, trainer.policy, trainer.optimizer, state, self.cfg.learner.model_path, self.cfg.trainer.keep_checkpoints,
-                        critic=self._critic())
+                        critic=self._critic(), lora=self.cfg.learner.lora)
         self.head = path
         if self.queue is not None:
             self.queue.commit(self.uncommitted)
