@@ -1,7 +1,8 @@
 """Runs that always finish or say why (issue: run reliability), as a user runs them:
 `async-rl train` in a subprocess on the tiny assets, with real Redis, Ray, vLLM and learner.
 
-- a run SIGKILLed twice and resumed reaches its last step, training every group once and
+- a run of a LoRA policy (``learner.lora``: the adapter is what is trained, sent, checkpointed
+  and resumed) SIGKILLed twice and resumed reaches its last step, training every group once and
   neither skipping nor repeating a prompt (the ledger is reconciled at each start), and the
   resume sweeps what a killed checkpoint save left, naming it on the console; its embedded
   Redis and then its learner rank, SIGKILLed during the last run, are restarted (Redis on
@@ -22,11 +23,14 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
-from run_helpers import assert_ledger, lineage, queue_state, redis_pid, start_train, step_versions, train_cli, wait_for_version, wait_gone, write_config
+from safetensors.torch import load_file
+from run_helpers import ROOT, assert_ledger, lineage, queue_state, redis_pid, start_train, step_versions, train_cli, wait_for_version, wait_gone, write_config
 
 pytestmark = pytest.mark.integration
 
@@ -50,7 +54,8 @@ def test_sigkill_and_resume_reach_the_last_step_every_time(tiny_assets, tmp_path
     reward = _reward_file(tmp_path, "(time.sleep(3600) if item['response'].strip().endswith('3') else float(item['response'].strip() == item['ground_truth']))")
     steps = 12
     config = write_config(tiny_assets, tmp_path, steps, trainer={"save_every": 3, "val_every": 0},
-                          rollout={"reward": {"function": reward}})
+                          rollout={"reward": {"function": reward}, "openai_api": False},
+                          learner={"lora": {"rank": 8}, "optim": {"lr": 1e-3}})
     run_dir = tmp_path / "run"
     for kill_at in (5, 8):  # each time after a checkpoint, with trained-but-uncommitted steps and groups queued
         logged = len(step_versions(run_dir))
@@ -83,7 +88,14 @@ def test_sigkill_and_resume_reach_the_last_step_every_time(tiny_assets, tmp_path
     assert last["queue/redis_restarts"] == 1.0 and last["learner/restarts"] == 1.0
 
     final = sorted((run_dir / "checkpoints").iterdir())[-1]
-    assert json.loads((final / "state.json").read_text())["version"] == steps
+    saved = json.loads((final / "state.json").read_text())
+    assert saved["version"] == steps and saved["lora"]["rank"] == 8  # an adapter-only checkpoint of the resumed line
+    exported = subprocess.run(  # the adapter as a PEFT directory
+        [sys.executable, "-m", "async_rl.cli", "export", str(final), "--out", str(tmp_path / "adapter")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert exported.returncode == 0, exported.stdout + exported.stderr
+    adapter_bytes = sum(t.nbytes for t in load_file(tmp_path / "adapter" / "adapter_model.safetensors").values())
+    updates = {r["sync/update_bytes"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "sync/update_bytes" in r}
+    assert updates - {0.0} == {adapter_bytes}, (updates, adapter_bytes)  # every update sent the adapter, nothing else (0: none sent)
     steps_run = lineage(run_dir)
     assert len(steps_run) == steps
     entries = [e for line in steps_run.values() for e in line["entry_ids"]]
