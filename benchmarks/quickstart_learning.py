@@ -6,15 +6,18 @@ tiny assets if absent, timed apart) into a fresh run directory, then reads the r
 greedy accuracy — for an environment task the success rate of greedy episodes — and pass@n)
 and the environment (``env/*``) and critic (``critic/*``) metrics averaged over the last ten
 steps, with the best ``critic/explained_variance`` of the run when it trains a critic. The gain is the last greedy figure minus
-the one at version 0, in points; the target is ``--target-points`` within ``--target-min``
-minutes of training (the asset build is reported apart).
+the one at version 0, in points; the target is met when a validation within ``--target-min``
+minutes of the run's start shows ``--target-points`` or more (``target_reached_s``: when the
+first one did; the asset build is reported apart).
 
     python benchmarks/quickstart_learning.py multiturn --json benchmarks/results/quickstart_multiturn.json
     python benchmarks/quickstart_learning.py addition --out runs/bench/quickstart-gae --target-points 15 \
         --json benchmarks/results/quickstart_gae.json \
         algorithm.advantage.name=gae learner.critic.optim.lr=1e-4 learner.critic.warmup_steps=5
+    python benchmarks/quickstart_learning.py addition --target-points 15 --json benchmarks/results/quickstart_learning_lora.json \
+        learner.lora.rank=8 rollout.openai_api=false learner.optim.lr=1e-3 trainer.total_steps=400
 
-JSON keys: gain_points, train_wall_s, target_met, assets_s (with assets_built), val (the curve),
+JSON keys: gain_points, train_wall_s, target_reached_s, target_met, assets_s (with assets_built), val (the curve),
 last10, critic_explained_variance_max (with a critic), plus the command and settings.
 """
 
@@ -74,7 +77,9 @@ def main() -> None:
     last = steps[-10:]
     last10 = {k: sum(r[k] for r in last) / len(last) for k in sorted(last[0]) if k.startswith(("env/", "critic/"))} if last else {}
     explained = [r["critic/explained_variance"] for r in steps if "critic/explained_variance" in r]
-    gain = 100.0 * (val[-1]["greedy"] - val[0]["greedy"])
+    gain = round(100.0 * (val[-1]["greedy"] - val[0]["greedy"]), 6)  # accuracies are multiples of 1 / rows: no float dust
+    # The first validation at or above the target gain, and when (seconds since the run started).
+    reached = next((v for v in val if round(100.0 * (v["greedy"] - val[0]["greedy"]), 6) >= args.target_points), None)
     result = {
         "greedy_start": val[0]["greedy"],
         "greedy_end": val[-1]["greedy"],
@@ -83,7 +88,8 @@ def main() -> None:
         "assets_s": assets_s,
         "assets_built": assets_built,  # False: they were there already and assets_s is ~0
         "steps": val[-1]["version"],
-        "target_met": gain >= args.target_points and train_wall_s <= 60 * args.target_min,
+        "target_reached_s": None if reached is None else reached["elapsed_s"],
+        "target_met": reached is not None and reached["elapsed_s"] <= 60 * args.target_min,
         "target": f"+{args.target_points:g} points in <= {args.target_min:g} min of training",
         "val": val,
         "last10": last10,
