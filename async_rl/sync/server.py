@@ -234,8 +234,11 @@ class WeightUpdateServer:
         if self.engine.dead:
             refusal: str | None = "the vLLM engine is dead"
         else:
-            refusals = await self.engine.rpc("wsync_check", (encode(announce),), self.control_timeout_s)
-            refusal = next((r for r in refusals if r is not None), None)
+            try:
+                refusals = await self.engine.rpc("wsync_check", (encode(announce),), self.control_timeout_s)
+                refusal = next((r for r in refusals if r is not None), None)
+            except Exception as e:  # noqa: BLE001 - an engine that cannot answer cannot take the update either
+                refusal = f"the vLLM engine did not check the update: {type(e).__name__}: {e}"
         await self._send(Ready(announce.update_id, self.server_id, error=None if refusal is None else clip_error(refusal)))
         return refusal
 

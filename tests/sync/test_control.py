@@ -241,6 +241,41 @@ class _DeadEngine:
         return [0]
 
 
+class _UnansweringEngine:
+    """A live vLLM engine whose workers cannot run the update's check."""
+
+    errored = False
+
+    async def collective_rpc(self, method, timeout=None, args=()):
+        if method == "wsync_check":
+            raise RuntimeError("the engine core is gone")
+        return [0]
+
+
+def test_a_server_whose_engine_cannot_check_an_update_declines_it_and_serves_on():
+    import asyncio
+
+    from async_rl.sync.server import WeightUpdateServer
+
+    sender = _sender(backend="gloo", timeout_s=60.0, control_timeout_s=5.0)
+
+    async def go():
+        server = WeightUpdateServer(_UnansweringEngine(), SyncEndpoint(sender.address, SECRET), "s0", version=0)
+        await server.start()
+        await asyncio.to_thread(sender.wait_for_servers, 1, 5.0)
+        named = [("w", torch.ones(4))]
+        serving = asyncio.ensure_future(server.serve_one(10.0))
+        result = await asyncio.to_thread(sender.send, iter(named), 1, specs=tensor_specs(named))
+        outcome = await serving  # the loop ended this update with an outcome instead of raising
+        server.close()
+        return result, outcome
+
+    result, outcome = asyncio.run(go())
+    assert not result.ok and "declined: the vLLM engine did not check the update: RuntimeError: the engine core is gone" in result.failed["s0"]
+    assert outcome is not None and not outcome.ok and not outcome.fatal and outcome.version == 0
+    sender.close()
+
+
 def test_a_server_with_a_dead_engine_declines_updates_at_once():
     import asyncio
 
