@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import signal
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -286,17 +287,23 @@ class _Run:
         except (RunStateError, RunInUseError) as exc:
             raise StartupError(str(exc)) from None
         stack.callback(ownership.release)  # after everything that writes to the queue has stopped
-        holder = asyncio.create_task(self._hold_lease(ownership))
-        stack.push_async_callback(_cancel, holder)
+        done = threading.Event()
+        holder = threading.Thread(target=self._hold_lease, args=(ownership, done, asyncio.get_running_loop()),
+                                  name="run-lease", daemon=True)
+        holder.start()
+        stack.callback(holder.join, 2 * ownership.op_timeout_s)
+        stack.callback(done.set)
 
-    async def _hold_lease(self, ownership: RunOwnership) -> None:
-        """Renew the run name's lease every few seconds; end the run if another driver took it."""
-        while True:
-            await asyncio.sleep(LEASE_RENEW_S)
+    def _hold_lease(self, ownership: RunOwnership, done: threading.Event, loop: asyncio.AbstractEventLoop) -> None:
+        """Renew the run name's lease every few seconds until ``done``; end the run if another
+        driver took it. A thread of its own: neither a busy event loop nor a thread pool whose
+        workers all wait (on Redis, on a server's start) may delay it past the lease's TTL, or
+        the run would look dead to ``async-rl scale`` and to a second driver."""
+        while not done.wait(LEASE_RENEW_S):
             try:
-                await asyncio.to_thread(ownership.renew)
+                ownership.renew()
             except LeaseLostError as exc:
-                self._fail(str(exc))
+                loop.call_soon_threadsafe(self._fail, str(exc))
                 return
             except QueueUnavailableError as exc:  # Redis away: the queue's own calls decide the run's fate
                 log.warning("the run's lease was not renewed: %s", exc)
