@@ -291,7 +291,9 @@ class _Run:
         holder = threading.Thread(target=self._hold_lease, args=(ownership, done, asyncio.get_running_loop()),
                                   name="run-lease", daemon=True)
         holder.start()
-        stack.callback(holder.join, 2 * ownership.op_timeout_s)
+        # At the end: stop renewing, and give a renewal in progress a moment to finish before the
+        # release (a late renewal would hold the lease for another TTL); never wait on a dead Redis.
+        stack.callback(holder.join, 5.0)
         stack.callback(done.set)
 
     def _hold_lease(self, ownership: RunOwnership, done: threading.Event, loop: asyncio.AbstractEventLoop) -> None:
