@@ -252,7 +252,13 @@ class _UnansweringEngine:
         return [0]
 
 
-def test_a_server_whose_engine_cannot_check_an_update_declines_it_and_serves_on():
+@pytest.mark.parametrize("engine, why", [
+    (_DeadEngine, "the vLLM engine is dead"),
+    (_UnansweringEngine, "the vLLM engine did not check the update: RuntimeError: the engine core is gone"),
+], ids=["dead", "unanswering"])
+def test_a_server_whose_engine_cannot_take_an_update_declines_it_at_once_and_serves_on(engine, why: str):
+    """Declined at Ready: the sender leaves it out at once, and the server's loop ends the
+    update with an outcome (not fatal, the old version kept) instead of raising."""
     import asyncio
 
     from async_rl.sync.server import WeightUpdateServer
@@ -260,43 +266,20 @@ def test_a_server_whose_engine_cannot_check_an_update_declines_it_and_serves_on(
     sender = _sender(backend="gloo", timeout_s=60.0, control_timeout_s=5.0)
 
     async def go():
-        server = WeightUpdateServer(_UnansweringEngine(), SyncEndpoint(sender.address, SECRET), "s0", version=0)
-        await server.start()
-        await asyncio.to_thread(sender.wait_for_servers, 1, 5.0)
-        named = [("w", torch.ones(4))]
-        serving = asyncio.ensure_future(server.serve_one(10.0))
-        result = await asyncio.to_thread(sender.send, iter(named), 1, specs=tensor_specs(named))
-        outcome = await serving  # the loop ended this update with an outcome instead of raising
-        server.close()
-        return result, outcome
-
-    result, outcome = asyncio.run(go())
-    assert not result.ok and "declined: the vLLM engine did not check the update: RuntimeError: the engine core is gone" in result.failed["s0"]
-    assert outcome is not None and not outcome.ok and not outcome.fatal and outcome.version == 0
-    sender.close()
-
-
-def test_a_server_with_a_dead_engine_declines_updates_at_once():
-    import asyncio
-
-    from async_rl.sync.server import WeightUpdateServer
-
-    sender = _sender(backend="gloo", timeout_s=60.0, control_timeout_s=5.0)
-
-    async def go():
-        server = WeightUpdateServer(_DeadEngine(), SyncEndpoint(sender.address, SECRET), "s0", version=0)
+        server = WeightUpdateServer(engine(), SyncEndpoint(sender.address, SECRET), "s0", version=0)
         await server.start()
         await asyncio.to_thread(sender.wait_for_servers, 1, 5.0)
         serving = asyncio.ensure_future(server.serve_one(10.0))
         named = [("w", torch.ones(4))]
         t0 = time.monotonic()
         result = await asyncio.to_thread(sender.send, iter(named), 1, specs=tensor_specs(named))
-        serving.cancel()
+        outcome = await serving
         server.close()
-        return result, time.monotonic() - t0
+        return result, outcome, time.monotonic() - t0
 
-    result, took = asyncio.run(go())
-    assert took < 3.0 and not result.ok and "declined: the vLLM engine is dead" in result.failed["s0"]
+    result, outcome, took = asyncio.run(go())
+    assert took < 3.0 and not result.ok and f"declined: {why}" in result.failed["s0"]
+    assert outcome is not None and not outcome.ok and not outcome.fatal and outcome.version == 0
     sender.close()
 
 
