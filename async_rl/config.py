@@ -496,7 +496,7 @@ class SyncConfig:
     bucket_mb: int = bounded(256, ge=1)
     """Size of one broadcast bucket in MiB (bounds the extra memory of a sync)."""
     backend: Literal["auto", "ipc", "nccl", "gloo"] = "auto"
-    """``auto`` and ``ipc``: shared memory to the servers on learner rank 0's machine, a broadcast group (NCCL on GPU, gloo on CPU) to the others; ``nccl`` or ``gloo``: that group to every server."""
+    """``auto`` and ``ipc``: CUDA IPC to the servers on learner rank 0's own GPU, host shared memory to the others on its machine (and to any that cannot open CUDA IPC), a broadcast group (NCCL on GPU, gloo on CPU) to the rest; ``nccl`` or ``gloo``: that group to every server."""
     timeout_s: float = _seconds(300.0)
     """Timeout of one weight update (announcement, broadcast, acknowledgement), seconds."""
     max_lag_s: float = _seconds(600.0)

@@ -8,7 +8,8 @@ One phase per call of this script (``PHASE``), each bounded by ``--budget-s`` (5
 machine allows 10 minutes a command); ``ASYNC_RL_STRICT_DEVICES=1`` (set by the shell script)
 makes a tensor of the learner's group off its device fail loudly.
 
-* ``matrix``: one learner step per loss x updates x KL combination and one with a critic
+* ``matrix``: one learner step per loss x updates x KL combination, one with a critic and one
+  of a LoRA policy
   (``learner_gpu.py --matrix`` on Qwen2.5-0.5B, NCCL): ``ok`` or the error, per cell;
 * ``throughput``: ``learner_gpu.py`` on Qwen2.5-0.5B and on 1.5B (gradient checkpointing, the
   plain loop in a second process) against the plain packed loop: tokens/s, MFU, peak memory
@@ -18,14 +19,20 @@ makes a tensor of the learner's group off its device fail loudly.
   widths: the vision tower with windowed and full attention blocks, M-RoPE) on a batch with images;
 * ``kernels``: the attention kernels present (flash-attn reported absent when not
   importable, flex attention only on a GPU) and the packed log-probs each gives against the
-  model's own forward of each sample alone.
+  model's own forward of each sample alone;
+* ``handoff``: ``weight_handoff.py``: the one-GPU weight hand-off, 100 updates of the 0.5B
+  shape from this process to a receiver process on the same GPU (the server's receiving
+  code, loading into a transformers model), over CUDA IPC and over host shared memory:
+  update and transfer time against a raw device-to-device copy, both processes' memory
+  after the first and the last update (no growth), served weights equal to the sent ones.
 
 Output: ``gpu_acceptance_<device slug>.json`` in ``--out-dir`` (``benchmarks/results``), the
 phases merged into one file, written as each phase goes (a phase cut short says
 ``"status": "running"``), and ``gpu_acceptance_<slug>.md`` beside it (a short table); both,
 and the calibration table when it changed, are copied into ``$OUT`` when it is set.
 ``--cpu-smoke``: a CPU "device", gloo, tiny shapes (a 512-token vocabulary; the VLM keeps the
-real one for its token ids), three matrix cells (:data:`SMOKE_CELLS`), one timed step; the
+real one for its token ids), four matrix cells (:data:`SMOKE_CELLS`), one timed step, five
+host-route updates of the hand-off (CUDA IPC is reported not applicable); the
 slug is ``cpu-smoke`` and the calibration table is a copy in ``--out-dir``.
 Exit status 1 when the phase failed.
 """
@@ -66,10 +73,11 @@ from async_rl.learner.screening import Limits, screen  # noqa: E402
 from async_rl.learner.train_step import Trainer  # noqa: E402
 from async_rl.records import ImageRef, RolloutGroup, Sample  # noqa: E402
 
-PHASES = ("matrix", "throughput", "vlm", "kernels")
-SMOKE_CELLS = (0, len(learner_gpu.MATRIX) - 2, len(learner_gpu.MATRIX) - 1)
-"""The matrix cells of a CPU smoke run: plain PPO, the last loss with updates and KL, the critic
-(every cell runs on CPU in ``tests/learner/test_collectives.py``)."""
+PHASES = ("matrix", "throughput", "vlm", "kernels", "handoff")
+SMOKE_CELLS = (0, len(learner_gpu.MATRIX) - 3, len(learner_gpu.MATRIX) - 2, len(learner_gpu.MATRIX) - 1)
+"""The matrix cells of a CPU smoke run: plain PPO, the last loss with updates and KL, the critic,
+LoRA (every cell but LoRA runs on CPU in ``tests/learner/test_collectives.py``; LoRA in
+``tests/learner/test_lora.py``)."""
 LOGP_TOLERANCE = {4: 1e-4, 2: 0.1}
 """Largest accepted difference (nats) between packed and per-sample log-probs by compute-dtype
 bytes: float32 agrees to rounding; bfloat16 to 0.02-0.05 nats (GPU notes), 0.1 allowed."""
@@ -164,6 +172,11 @@ def phase_summary(name: str, phase: dict[str, Any]) -> str:
             return "no step yet"
         return (f"{phase.get('images')} images, {phase.get('tokens')} tokens, step {phase.get('step_s', 0):.2f} s, "
                 f"peak {phase.get('peak_memory_gb', 0):.1f} GB, loss {phase.get('loss') or 0:.3g}")
+    if name == "handoff":
+        return "; ".join(f"{k} n/a ({r['why']})" if r.get("ok") is None else
+                         f"{k} {'ok' if r['ok'] else 'FAILED'}: update {r['update']['median_ms']:.1f} ms "
+                         f"({r['update_vs_raw_copy']:.1f}x the raw copy), growth {max(r['growth_mb'].values()):.0f} MB"
+                         if r.get("update") else f"{k}: {r.get('error')}" for k, r in phase.get("routes", {}).items())
     if name == "kernels":
         return ", ".join(f"{k} absent" if not v.get("present") else f"{k} error: {v['error']}" if "error" in v
                          else f"{k} {v['max_abs_diff']:.2g} nats" for k, v in phase.get("kernels", {}).items())
@@ -198,9 +211,9 @@ def copy_out(run: Run, extra: list[Path]) -> None:
 # --------------------------------------------------------------------------- phases
 
 
-def _benchmark(run: Run, args: list[str], json_path: Path) -> tuple[dict[str, Any] | None, str | None]:
-    """``learner_gpu.py ARGS --json JSON_PATH`` within the phase's budget: (its JSON, error)."""
-    cmd = [sys.executable, str(HERE / "learner_gpu.py"), *args, "--json", str(json_path)]
+def _benchmark(run: Run, args: list[str], json_path: Path, script: str = "learner_gpu.py") -> tuple[dict[str, Any] | None, str | None]:
+    """``SCRIPT ARGS --json JSON_PATH`` within the phase's budget: (its JSON, error)."""
+    cmd = [sys.executable, str(HERE / script), *args, "--json", str(json_path)]
     print("$", " ".join(cmd[1:]), flush=True)
     error = None
     try:
@@ -246,6 +259,17 @@ def phase_throughput(run: Run, write: Writer, tmp: Path) -> bool:
             recorded.append(memory.last_measured(result["calibration_key"], run.calibration) == measured)
         write(runs=runs)
     return len(recorded) == len(plan) and all(recorded)
+
+
+def phase_handoff(run: Run, write: Writer, tmp: Path) -> bool:
+    """``weight_handoff.py``: 100 updates of the 0.5B shape to a receiver process on this GPU,
+    over CUDA IPC and over host shared memory (on a CPU: the host route, tiny, 5 updates)."""
+    args = ["--shape", "smoke", "--updates", "5"] if run.smoke else ["--shape", "qwen2.5-0.5b", "--updates", "100"]
+    write(shape=args[1], updates=int(args[3]))
+    result, error = _benchmark(run, args, tmp / "handoff.json", "weight_handoff.py")
+    write(**(result or {}), **({"error": error} if error else {}))
+    routes = (result or {}).get("routes", {})
+    return error is None and bool(routes) and all(r["ok"] is not False for r in routes.values()) and any(r["ok"] for r in routes.values())
 
 
 def _process_group(device: torch.device) -> DistInfo:
@@ -421,8 +445,8 @@ def main() -> None:
     ok = False
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            if args.phase in ("matrix", "throughput"):  # learner_gpu.py processes, each with its own group
-                ok = (phase_matrix if args.phase == "matrix" else phase_throughput)(run, write, Path(tmp))
+            if args.phase in ("matrix", "throughput", "handoff"):  # benchmark processes, each with its own group
+                ok = {"matrix": phase_matrix, "throughput": phase_throughput, "handoff": phase_handoff}[args.phase](run, write, Path(tmp))
             else:
                 info = _process_group(device)
                 try:

@@ -143,9 +143,11 @@ MATRIX = [
     for loss in ("ppo", "decoupled_ppo", "tis", "gspo", "cispo")
     for updates in ((), ("learner.ppo_mini_batches=2", "learner.ppo_epochs=2"))
     for kl in ((), ("algorithm.loss.kl_coef=0.1", "algorithm.loss.entropy_coef=0.01", "algorithm.advantage.name=reinforce_pp"))
-] + [("algorithm.advantage.name=gae", "learner.critic.ppo_mini_batches=2")]
+] + [("algorithm.advantage.name=gae", "learner.critic.ppo_mini_batches=2"),
+       ("learner.lora.rank=8", "rollout.openai_api=false", "algorithm.loss.kl_coef=0.1", "learner.ppo_mini_batches=2")]
 """Config overrides of ``--matrix``: every loss, with one or several updates per step (recomputed
-proximal log-probs), with and without the reference model; and PPO with a critic (``gae``)."""
+proximal log-probs), with and without the reference model; PPO with a critic (``gae``); and a
+LoRA policy (bf16 base, fp32 adapter) whose KL reference is itself with the adapter disabled."""
 
 
 def run_matrix(model_dir: Path, base: list[str], info: DistInfo, args: argparse.Namespace) -> None:
@@ -161,10 +163,12 @@ def run_matrix(model_dir: Path, base: list[str], info: DistInfo, args: argparse.
         name = " ".join(overrides)
         cfg = load_config(None, [*base, *overrides])
         try:
-            policy = load_sharded(str(model_dir), cfg.learner, info.device, trainable=True)
-            reference = load_sharded(str(model_dir), cfg.learner, info.device, trainable=False) if cfg.algorithm.needs_reference else None
+            lora = cfg.learner.lora
+            policy = load_sharded(str(model_dir), cfg.learner, info.device, trainable=True, lora=lora)
+            reference = (load_sharded(str(model_dir), cfg.learner, info.device, trainable=False)
+                         if cfg.algorithm.needs_reference and lora is None else None)
             critic = load_sharded(str(model_dir), cfg.learner, info.device, trainable=True, value_model=True) if cfg.algorithm.needs_critic else None
-            Trainer(policy, reference, cfg.learner, cfg.algorithm, info, 2, 1, critic=critic).step(batch, 0)
+            Trainer(policy, reference, cfg.learner, cfg.algorithm, info, 2, 1, critic=critic, lora=lora).step(batch, 0)
             cells[name] = "ok"
         except Exception as exc:  # report every combination, then the failures
             cells[name] = f"{type(exc).__name__}: {exc}"

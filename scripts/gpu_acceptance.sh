@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU-checkable part of the learner, proven on a GPU machine in phases (issue 33;
+# Every GPU-checkable part of the learner and the one-GPU weight hand-off, proven on a GPU machine in phases (issue 33;
 # benchmarks/gpu_acceptance.py says what each phase runs and writes).
 #
 # On a machine with the package registry, fetch the pure wheels the GPU machine lacks
@@ -7,7 +7,7 @@
 #     bash scripts/gpu_acceptance.sh wheels
 # On the GPU machine (the `device` tool: run(command="bash scripts/gpu_acceptance.sh all",
 # carry=[".gpu_wheels"], timeout_s=600)), install them and run phases, in order:
-#     bash scripts/gpu_acceptance.sh all | PHASE...        PHASE: matrix throughput vlm kernels
+#     bash scripts/gpu_acceptance.sh all | PHASE...        PHASE: matrix throughput vlm kernels handoff
 # Each phase is one process bounded by 540 s and writes
 # benchmarks/results/gpu_acceptance_<gpu>.json (merged phase by phase, as it goes) and a
 # markdown table beside it, both copied into $OUT when set (with the planner's
@@ -26,7 +26,7 @@ WHEELS=.gpu_wheels
 if [[ "${1:-}" == wheels ]]; then
     mkdir -p "$WHEELS"
     .venv/bin/python -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
-        --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d "$WHEELS" msgspec omegaconf
+        --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d "$WHEELS" msgspec omegaconf pyzmq
     .venv/bin/python -m pip wheel --no-deps -w "$WHEELS" antlr4-python3-runtime==4.9.3
     ls -l "$WHEELS"
     exit 0
@@ -35,13 +35,13 @@ fi
 phases=() smoke=()
 for arg in "$@"; do
     case "$arg" in
-        all) phases+=(matrix throughput vlm kernels) ;;
-        matrix|throughput|vlm|kernels) phases+=("$arg") ;;
+        all) phases+=(matrix throughput vlm kernels handoff) ;;
+        matrix|throughput|vlm|kernels|handoff) phases+=("$arg") ;;
         --cpu-smoke) smoke=(--cpu-smoke) ;;
-        *) echo "usage: $0 wheels | {all|matrix|throughput|vlm|kernels}... [--cpu-smoke]" >&2; exit 2 ;;
+        *) echo "usage: $0 wheels | {all|matrix|throughput|vlm|kernels|handoff}... [--cpu-smoke]" >&2; exit 2 ;;
     esac
 done
-[[ ${#phases[@]} -gt 0 ]] || { echo "usage: $0 wheels | {all|matrix|throughput|vlm|kernels}... [--cpu-smoke]" >&2; exit 2; }
+[[ ${#phases[@]} -gt 0 ]] || { echo "usage: $0 wheels | {all|matrix|throughput|vlm|kernels|handoff}... [--cpu-smoke]" >&2; exit 2; }
 
 export ASYNC_RL_STRICT_DEVICES=1  # a tensor of the learner's group off its device fails loudly
 if [[ ${#smoke[@]} -gt 0 ]]; then

@@ -27,11 +27,12 @@ def test_every_phase_runs_on_the_cpu_and_writes_its_results(tmp_path: Path) -> N
     doc = json.loads((results / "gpu_acceptance_cpu-smoke.json").read_text())
     assert doc["smoke"] and doc["strict_devices"] and doc["device"] == "cpu"
     phases = doc["phases"]
-    assert list(phases) == ["matrix", "throughput", "vlm", "kernels"]
+    assert list(phases) == ["matrix", "throughput", "vlm", "kernels", "handoff"]
     assert all(p["ok"] and p["status"] == "ok" for p in phases.values()), phases
 
     cells = phases["matrix"]["cells"]
-    assert len(cells) == phases["matrix"]["expected"] == 3 and set(cells.values()) == {"ok"}
+    assert len(cells) == phases["matrix"]["expected"] == 4 and set(cells.values()) == {"ok"}
+    assert any("lora.rank" in name for name in cells)
     assert any("gae" in name for name in cells) and any("kl_coef" in name and "ppo_epochs=2" in name for name in cells)
 
     runs = phases["throughput"]["runs"]
@@ -49,6 +50,12 @@ def test_every_phase_runs_on_the_cpu_and_writes_its_results(tmp_path: Path) -> N
     assert kernels["sdpa"]["present"] and kernels["sdpa"]["equal"] and kernels["sdpa"]["max_abs_diff"] <= 1e-4
     assert not kernels["flex_attention"]["present"] and "GPU" in kernels["flex_attention"]["why"]
     assert not kernels["flash_attention_2"]["present"]
+
+    handoff = phases["handoff"]["routes"]
+    assert handoff["cuda"]["ok"] is None and "GPU machine" in handoff["cuda"]["why"]
+    host = handoff["host"]
+    assert host["ok"] and host["read_from"] == "host" and host["served_equals_sent"] and host["updates"] == 5
+    assert host["update"]["median_ms"] > 0 and phases["handoff"]["raw_copy_ms"] > 0 and host["growth_mb"]["receiver"] < 64
 
     table = (results / "gpu_acceptance_cpu-smoke.md").read_text()
     assert all(f"| {name} |" in table for name in phases) and "| smoke-checkpointed |" in table

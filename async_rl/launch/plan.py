@@ -78,7 +78,8 @@ def sync_backends(backend: str, gpu: bool, local: bool) -> str:
     group = backend if backend in ("nccl", "gloo") else ("nccl" if gpu else "gloo")
     if backend in ("nccl", "gloo"):
         return group
-    return "ipc" if local else f"ipc on learner rank 0's node, {group} to the others"
+    handoff = "ipc (CUDA IPC to servers on learner rank 0's GPU, host shared memory to the rest)" if gpu else "ipc"
+    return handoff if local else f"{handoff} on learner rank 0's node, {group} to the others"
 
 
 def make_plan(cfg: Config) -> Plan:

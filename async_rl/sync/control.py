@@ -9,7 +9,8 @@ also re-registers it with a restarted sender). Sequence of one update, per serve
     sender -> server  Start(update_id, rendezvous, rank_offset, timeout_s)
                       ... buckets flow on the weight group ...
                       (a server on the sender's host instead gets, once the buckets
-                      are in shared memory, Start(update_id, shm=ShmSource(...)))
+                      are in shared memory, Start(update_id, handoff=ShmSource(...)); one
+                      on the sender's own GPU, Start(update_id, handoff=CudaSource(...)))
     server -> sender  Ack(update_id, version, error, timings, error_kind)
     sender -> server  Abort(update_id, reason)         (instead of/after Start on failure)
 
@@ -38,6 +39,7 @@ from async_rl.config import LORA_MAX_RANK
 from async_rl.sync.auth import FrameDropped, RunSecret, Sealer, new_connection_id
 from async_rl.sync.buckets import Bucket, TensorSpec
 from async_rl.sync.group import Rendezvous
+from async_rl.sync.cuda_ipc import CudaSource
 from async_rl.sync.ipc import ShmSource
 
 
@@ -71,9 +73,11 @@ class ControlTimeout(ControlError, TimeoutError):
 
 ErrorKind = Literal["ipc_unavailable"]
 """What the sender must act on in a failed update, as a value (an error's text is for
-people): ``ipc_unavailable``: a worker could not map the sender's shared memory
-(:class:`~async_rl.sync.ipc.IpcUnavailable`, e.g. a container with its own ``/dev/shm``),
-so the server gets its weights over the broadcast group from then on."""
+people): ``ipc_unavailable``: a worker could not open the hand-off it was given
+(:class:`~async_rl.sync.ipc.IpcUnavailable`: a container with its own ``/dev/shm``, a
+CUDA IPC handle that does not open there), so the server gets its weights one way down
+from then on: host shared memory instead of CUDA IPC, the broadcast group instead of
+host shared memory."""
 
 
 class Hello(msgspec.Struct, tag=True, frozen=True):
@@ -86,6 +90,9 @@ class Hello(msgspec.Struct, tag=True, frozen=True):
     """Weights version the server holds; None before it received any."""
     host: Annotated[str, msgspec.Meta(max_length=256)] = ""
     """The server's :func:`~async_rl.sync.ipc.host_identity` ("": never served over shared memory)."""
+    gpu: Annotated[str, msgspec.Meta(max_length=256)] = ""
+    """UUID of the GPU all the server's workers run on (:func:`~async_rl.sync.cuda_ipc.gpu_identity`;
+    "": none, or more than one): the sender's own GPU makes it a CUDA IPC reader."""
 
 
 class AdapterSpec(msgspec.Struct, frozen=True):
@@ -120,8 +127,9 @@ class Ready(msgspec.Struct, tag=True, frozen=True):
 
 
 class Start(msgspec.Struct, tag=True, frozen=True):
-    """Receive the announced buckets: join the weight group (``rendezvous``), or map them
-    from the sender's shared memory (``shm``: they are all there already)."""
+    """Receive the announced buckets: join the weight group (``rendezvous``), or read them
+    from the sender's memory (``handoff``: they are all there already): host shared memory
+    or, for a server on the sender's GPU, a CUDA IPC buffer."""
 
     update_id: int
     rendezvous: Rendezvous | None
@@ -129,7 +137,7 @@ class Start(msgspec.Struct, tag=True, frozen=True):
     """Group rank of this server's worker 0; worker i is ``rank_offset + i``."""
     timeout_s: float
     """Seconds left for the transfer, counted from receipt."""
-    shm: ShmSource | None = None
+    handoff: ShmSource | CudaSource | None = None
 
 
 class Abort(msgspec.Struct, tag=True, frozen=True):

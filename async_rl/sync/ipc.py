@@ -50,7 +50,7 @@ class IpcUnavailable(RuntimeError):
     segment that cannot be created, reserved or mapped): it goes over the broadcast group."""
 
 
-class ShmSource(msgspec.Struct, frozen=True):
+class ShmSource(msgspec.Struct, tag=True, frozen=True):
     """Where an update's buckets are: segment ``name``, bucket ``i`` at byte ``offsets[i]``."""
 
     name: str
@@ -149,7 +149,8 @@ def _unlink(path: str) -> bool:
     return True
 
 
-def _layout(buckets: Sequence[Bucket]) -> tuple[tuple[int, ...], int]:
+def layout(buckets: Sequence[Bucket]) -> tuple[tuple[int, ...], int]:
+    """Byte offset of each bucket in one buffer holding them all, and the buffer's size."""
     offsets, total = [], 0
     for bucket in buckets:
         offsets.append(total)
@@ -168,7 +169,7 @@ class ShmWriter:
         """A segment laid out for ``buckets``; raises :class:`IpcUnavailable` if ``/dev/shm``
         cannot hold it or a segment cannot be made. Free space is checked first (reserving
         what is not there would briefly fill the tmpfs other processes write to as well)."""
-        offsets, total = _layout(buckets)
+        offsets, total = layout(buckets)
         if self._shm is None or self._shm.size < total:
             self.abandon()
             try:
@@ -186,6 +187,9 @@ class ShmWriter:
         if self._data is None:
             raise RuntimeError("ShmWriter.bucket before prepare")
         return self._data[source.offsets[i] : source.offsets[i] + nbytes]
+
+    def finish(self) -> None:
+        """Every bucket is written once the pack returned (host memory): nothing to wait for."""
 
     def abandon(self) -> None:
         """Stop using the current segment (unlinked: readers that still map it keep it)."""
@@ -213,8 +217,10 @@ class ShmReader:
             except OSError as exc:
                 raise IpcUnavailable(f"cannot map shared memory {source.name!r} of the sender: {exc}") from None
             # Python < 3.13 registers every attach with the resource tracker, which would unlink
-            # the sender's segment when this process exits: it is not ours to remove.
-            resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+            # the sender's segment when this process exits: it is not ours to remove (unless
+            # this process is the sender, whose registration it is).
+            if not source.name.lstrip("/").startswith(f"{SHM_PREFIX}{os.getpid()}-"):
+                resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
             self._shm, self._data = shm, torch.frombuffer(shm.buf, dtype=torch.uint8)
         if self._shm.size < source.nbytes:
             raise IpcUnavailable(f"shared memory {source.name!r} holds {self._shm.size} bytes, the update {source.nbytes}")

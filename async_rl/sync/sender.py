@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Collection, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -46,9 +46,16 @@ from async_rl.sync.group import (
     new_key_prefix,
     resolve_backend,
 )
+from async_rl.sync.cuda_ipc import CudaIpcWriter, CudaSource
 from async_rl.sync.ipc import IpcUnavailable, ShmSource, ShmWriter, host_identity, sweep_segments
 
 log = logging.getLogger(__name__)
+
+Route = Literal["cuda", "host", "group"]
+"""How a server gets an update: the sender's CUDA IPC buffer (a server on its GPU), its host
+shared memory (on its machine), or the broadcast group."""
+HandOff = Literal["cuda", "host"]
+_ROUTE_NAMES: dict[Route, str] = {"cuda": "CUDA IPC", "host": "host shared memory", "group": "the broadcast group"}
 
 
 @dataclass(frozen=True)
@@ -102,6 +109,7 @@ class _Server:
     num_workers: int
     version: int | None
     host: str = ""
+    gpu: str = ""
 
 
 @dataclass
@@ -125,8 +133,8 @@ class PendingSend:
     """Servers (ZeroMQ peer -> id) whose acknowledgement has not arrived yet."""
     settled_at: float | None = None
     """``time.monotonic()`` when the last acknowledgement arrived (or the deadline passed)."""
-    via_shm: frozenset[str] = frozenset()
-    """Servers that read this update from the sender's shared memory."""
+    via: dict[str, HandOff] = field(default_factory=dict)
+    """Servers that read this update from the sender's memory, and from which."""
 
     @property
     def acknowledged(self) -> bool:
@@ -140,14 +148,16 @@ def stream_buckets(
     specs: Sequence[TensorSpec],
     buckets: Sequence[Bucket],
     deadline: float,
-    shm: tuple[ShmWriter, ShmSource] | None = None,
+    handoffs: Sequence[tuple[ShmWriter | CudaIpcWriter, ShmSource | CudaSource]] = (),
 ) -> int:
-    """Put every bucket in shared memory (``shm``) and/or broadcast it on ``group`` (as rank
-    0) by ``deadline`` (``time.monotonic()``); returns the bytes of the update.
+    """Put every bucket in each hand-off buffer (``handoffs``: host shared memory, a CUDA
+    IPC buffer) and/or broadcast it on ``group`` (as rank 0) by ``deadline``
+    (``time.monotonic()``); returns the bytes of the update. The caller finishes the
+    hand-off buffers (:meth:`~async_rl.sync.ipc.ShmWriter.finish`) before naming them.
 
     Pipelined: bucket *i+1* is gathered and packed while bucket *i* is on the wire, into
     one of two staging buffers (a one-tensor bucket goes from its own memory, unstaged; a
-    CPU group broadcasts the shared-memory copy). Every tensor of a bucket stays
+    CPU group broadcasts the host shared-memory copy). Every tensor of a bucket stays
     referenced until its broadcast finished.
     """
     staging: list[torch.Tensor | None] = [None, None]
@@ -155,9 +165,10 @@ def stream_buckets(
     nbytes = 0
     for i, (bucket, tensors) in enumerate(iter_bucket_tensors(named_tensors, specs, buckets)):
         nbytes += bucket.nbytes
-        shared = None if shm is None else pack_bucket(bucket, specs, tensors, shm[0].bucket(shm[1], i, bucket.nbytes))
+        copies = [pack_bucket(bucket, specs, tensors, writer.bucket(source, i, bucket.nbytes)) for writer, source in handoffs]
         if group is None:
             continue
+        shared = next((c for c in copies if c.is_cpu), None)
         data = shared if shared is not None and group.device.type == "cpu" else bucket_in_place(bucket, specs, tensors, group.device)
         if data is None:  # slot i % 2 was last used by broadcast i - 2, finished below at i - 1
             buf = staging[i % 2]
@@ -186,6 +197,7 @@ class WeightSender:
         backend: Literal["auto", "ipc", "nccl", "gloo"] = "auto",
         timeout_s: float = 300.0,
         control_timeout_s: float = 10.0,
+        cuda_ipc: bool = True,
     ):
         """
         Args:
@@ -196,12 +208,16 @@ class WeightSender:
             bucket_mb: bucket size in MiB; bounds the sender's and each server's extra
                 device memory to one bucket (servers stage received buckets on CPU).
             backend: ``auto`` or ``ipc``: servers on this machine read each update from
-                shared memory (:mod:`async_rl.sync.ipc`), the others get it on a broadcast
+                shared memory (:mod:`async_rl.sync.ipc`; on this process's own GPU, CUDA IPC:
+                :mod:`async_rl.sync.cuda_ipc`), the others get it on a broadcast
                 group (NCCL when this process sees a GPU, else gloo); ``nccl`` or ``gloo``:
                 that group for every server.
             timeout_s: bound of one update from Announce to the end of the broadcast;
                 acknowledgements get ``control_timeout_s`` more (the load).
             control_timeout_s: bound of one control round trip (Ready, a send).
+            cuda_ipc: with ``auto`` or ``ipc`` in a process that sees a GPU, servers whose
+                workers all run on that GPU read each update from a buffer in its memory
+                (:mod:`async_rl.sync.cuda_ipc`); False: host shared memory for them too.
         """
         self.bucket_bytes = bucket_mb * 2**20
         self.backend = resolve_backend("auto" if backend == "ipc" else backend)
@@ -210,9 +226,14 @@ class WeightSender:
         if self._shm is not None:  # segments of learners killed with their resource tracker
             for line in sweep_segments():
                 log.info("weight sync: %s", line)
+        self._cuda = CudaIpcWriter(torch.device("cuda", torch.cuda.current_device())) if (
+            cuda_ipc and self._shm is not None and torch.cuda.is_available()) else None
+        """The device buffer of servers on this process's GPU (it must see one)."""
         self._host = host_identity()
         self._no_shm: set[str] = set()
         """Servers on this host that could not map the shared memory: they get the group."""
+        self._no_cuda: set[str] = set()
+        """Servers on this GPU that could not open the CUDA IPC buffer: they get shared memory."""
         self.timeout_s = timeout_s
         self.control_timeout_s = control_timeout_s
         self._bind_host = host
@@ -339,14 +360,8 @@ class WeightSender:
         ready = self._ready(announce, targets, reports, min(deadline, t0 + self.control_timeout_s))
         if not ready:
             return self._done(version, uid, t0, 0.0, 0.0, 0.0, 0, reports)
-        local = {sid: s for sid, s in ready.items() if self._shm is not None and s.host == self._host and sid not in self._no_shm}
-        source = None
-        if local:
-            try:
-                source = self._shm.prepare(buckets)  # type: ignore[union-attr]
-            except IpcUnavailable as e:
-                log.warning("weight sync: shared memory unusable (%s); this update goes over the %s group", e, self.backend)
-                local = {}
+        routes, sources = self._hand_offs(ready, buckets)
+        local = {sid: s for sid, s in ready.items() if routes[sid] != "group"}
         members = tuple((sid, s.peer, s.num_workers) for sid, s in ready.items() if sid not in local)
         if members and (members != self._members or self._group is None):
             self._drop_group()
@@ -376,8 +391,10 @@ class WeightSender:
                 self._group = WeightGroup.join(rv, 0, self._store, deadline - time.monotonic())
                 self._members = members
                 group_s = self._group.create_s
-            shm = None if source is None else (self._shm, source)
-            nbytes = stream_buckets(self._group if members else None, named_tensors, specs, buckets, deadline, shm)  # type: ignore[arg-type]
+            writers = [(self._writer(kind), source) for kind, source in sources.items()]
+            nbytes = stream_buckets(self._group if members else None, named_tensors, specs, buckets, deadline, writers)
+            for writer, _ in writers:
+                writer.finish()
         except GroupError as e:
             self._abort(uid, ready, f"sender: {e}")
             for sid in ready:
@@ -386,12 +403,14 @@ class WeightSender:
         except BaseException as e:
             self._abort(uid, ready, f"sender raised {type(e).__name__}: {e}")
             raise
-        for sid, s in local.items():  # only now: the buckets are all in shared memory
-            self._send_or_report(s.peer, sid, Start(uid, None, 0, max(0.0, deadline - time.monotonic()), shm=source), reports)
+        for sid, s in local.items():  # only now: the buckets are all in the hand-off buffers
+            start = Start(uid, None, 0, max(0.0, deadline - time.monotonic()), handoff=sources[routes[sid]])  # type: ignore[index]
+            self._send_or_report(s.peer, sid, start, reports)
         transfer_s = time.monotonic() - t1
         waiting = {s.peer: sid for sid, s in ready.items() if sid not in reports}
         self._pending = PendingSend(version, uid, t0, announce_s, group_s, transfer_s, nbytes,
-                                    deadline + self.control_timeout_s, reports, waiting, via_shm=frozenset(local))
+                                    deadline + self.control_timeout_s, reports, waiting,
+                                    via={sid: routes[sid] for sid in local})  # type: ignore[misc]
         return self._pending
 
     def complete(self, pending: PendingSend, wait: bool = True) -> SendResult | None:
@@ -416,8 +435,9 @@ class WeightSender:
     def close(self) -> None:
         """Release the group, the shared memory, the store and the socket."""
         self._drop_group()
-        if self._shm is not None:
-            self._shm.close()
+        for writer in (self._shm, self._cuda):
+            if writer is not None:
+                writer.close()
         self._channel.close()
 
     # -- internals -----------------------------------------------------------------
@@ -430,10 +450,11 @@ class WeightSender:
             sid = pending.waiting.pop(peer)
             pending.reports[sid] = ServerReport(sid, msg.error is None, msg.error, msg.fatal, msg.receive_s, msg.load_s, msg.pause_s)
             pending.settled_at = time.monotonic()
-            if sid in pending.via_shm and msg.error_kind == "ipc_unavailable":
-                log.warning("weight sync: %s cannot map this host's shared memory (%s); it gets the %s group from now on",
-                            sid, msg.error, self.backend)
-                self._no_shm.add(sid)
+            handoff = pending.via.get(sid)
+            if handoff is not None and msg.error_kind == "ipc_unavailable":
+                (self._no_cuda if handoff == "cuda" else self._no_shm).add(sid)
+                log.warning("weight sync: %s cannot open the sender's %s (%s); it gets %s from now on",
+                            sid, _ROUTE_NAMES[handoff], msg.error, _ROUTE_NAMES[self._route(sid, self._servers.get(sid))])
             if sid in self._servers:
                 self._servers[sid].version = msg.version
         elif isinstance(msg, Hello):
@@ -445,7 +466,7 @@ class WeightSender:
                 del pending.waiting[known.peer]
                 pending.reports[msg.server_id] = ServerReport(msg.server_id, False, "replaced during the update (its process died)")
                 pending.settled_at = time.monotonic()
-            self._servers[msg.server_id] = _Server(peer, msg.num_workers, msg.version, msg.host)
+            self._servers[msg.server_id] = _Server(peer, msg.num_workers, msg.version, msg.host, msg.gpu)
         elif isinstance(msg, Leave) and (known := self._servers.get(msg.server_id)) is not None and known.peer == peer:
             del self._servers[msg.server_id]
             log.info("weight sync: server %s left (%s)", msg.server_id, msg.reason or "no reason given")
@@ -510,14 +531,49 @@ class WeightSender:
         silent = dict(pending.waiting)
         if silent:
             pending.settled_at = time.monotonic()
-            if self._shm is not None and pending.via_shm & set(silent.values()):
-                self._shm.abandon()  # a silent reader may still be reading it: the next update writes a new one
+            for kind in {pending.via[sid] for sid in silent.values() if sid in pending.via}:
+                self._writer(kind).abandon()  # a silent reader may still be reading it: the next update writes a new one
         pending.waiting.clear()
         for sid in silent.values():
             pending.reports[sid] = ServerReport(sid, False, "no Ack within the timeout")
         if silent:
             self._abort(pending.update_id, {sid: self._servers[sid] for sid in silent.values() if sid in self._servers},
                         "sender: no Ack in time")
+
+    def _route(self, sid: str, server: _Server | None) -> Route:
+        """How ``server`` gets updates now: CUDA IPC when all its workers are on this
+        process's GPU, host shared memory when it is on this machine, else the group; a
+        way it could not open before is not tried again."""
+        if server is None or server.host != self._host:
+            return "group"
+        if self._cuda is not None and server.gpu and server.gpu == self._cuda.gpu and sid not in self._no_cuda:
+            return "cuda"
+        return "host" if self._shm is not None and sid not in self._no_shm else "group"
+
+    def _writer(self, kind: HandOff) -> ShmWriter | CudaIpcWriter:
+        writer = self._cuda if kind == "cuda" else self._shm
+        if writer is None:
+            raise RuntimeError(f"no {_ROUTE_NAMES[kind]} writer: a route to it is a bug")
+        return writer
+
+    def _hand_offs(
+        self, ready: dict[str, _Server], buckets: Sequence[Bucket]
+    ) -> tuple[dict[str, Route], dict[HandOff, ShmSource | CudaSource]]:
+        """Each ready server's route for this update and the hand-off buffers laid out for
+        ``buckets``; a buffer that cannot be made (:class:`IpcUnavailable`) sends its servers
+        one way down for this update: CUDA IPC to host shared memory, that to the group."""
+        routes: dict[str, Route] = {sid: self._route(sid, s) for sid, s in ready.items()}
+        sources: dict[HandOff, ShmSource | CudaSource] = {}
+        for kind, lower in (("cuda", "host" if self._shm is not None else "group"), ("host", "group")):
+            if kind not in routes.values():
+                continue
+            try:
+                sources[kind] = self._writer(kind).prepare(buckets)  # type: ignore[arg-type]
+            except IpcUnavailable as e:
+                log.warning("weight sync: %s unusable (%s); this update goes through %s instead",
+                            _ROUTE_NAMES[kind], e, _ROUTE_NAMES[lower] if lower == "host" else f"the {self.backend} group")  # type: ignore[index]
+                routes = {sid: (lower if r == kind else r) for sid, r in routes.items()}  # type: ignore[misc]
+        return routes, sources
 
     def _abort(self, uid: int, servers: dict[str, _Server], reason: str) -> None:
         """Tell ``servers`` to drop ``uid`` now rather than at their timeout."""

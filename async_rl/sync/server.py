@@ -150,13 +150,17 @@ class WeightUpdateServer:
         self.poll_s = poll_s
         self._channel = ServerChannel(endpoint.address, endpoint.secret)
         self._num_workers = 0
+        self._gpu = ""
+        """UUID of the GPU every worker runs on ("": none, or several)."""
         self._pending: Announce | None = None
         """An Announce that arrived while another update was running."""
 
     async def start(self) -> None:
-        """Count the engine's workers and register with the sender."""
+        """Count the engine's workers, find their GPU and register with the sender."""
         indices = await self.engine.rpc("wsync_worker_index", timeout_s=self.control_timeout_s)
         self._num_workers = len(indices)
+        gpus = set(await self.engine.rpc("wsync_gpu", timeout_s=self.control_timeout_s))
+        self._gpu = gpus.pop() if len(gpus) == 1 else ""
         await self._hello()
 
     async def serve(self, on_outcome: Callable[[UpdateOutcome], None] | None = None) -> None:
@@ -247,7 +251,7 @@ class WeightUpdateServer:
         return UpdateOutcome(announce.update_id, self.version, f"declined: {refusal}")
 
     async def _hello(self) -> None:
-        await self._send(Hello(self.server_id, self._num_workers, self.version, host_identity()))
+        await self._send(Hello(self.server_id, self._num_workers, self.version, host_identity(), self._gpu))
 
     async def _update(self, announce: Announce, start: Start) -> UpdateOutcome:
         uid = announce.update_id

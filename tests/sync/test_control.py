@@ -146,7 +146,7 @@ class _ShmServer:
                 self._peer.send(Ready(msg.update_id, "local"))
             elif isinstance(msg, Start):
                 self.starts.append(msg)
-                if msg.shm is not None:
+                if msg.handoff is not None:
                     self._peer.send(Ack(msg.update_id, "local", None, self._error, error_kind=self._kind))
 
     def close(self) -> None:
@@ -170,8 +170,8 @@ def test_a_server_is_moved_to_the_group_by_the_acks_error_kind_not_its_text(kind
         first = sender.send(iter(named), 1, specs=tensor_specs(named))
         assert not first.ok and "IpcUnavailable" in first.failed["local"]
         sender.send(iter(named), 1, specs=tensor_specs(named))  # over the group it times out: the fake never joins
-        assert server.starts[0].shm is not None
-        assert (server.starts[1].shm is None and server.starts[1].rendezvous is not None) == then_group
+        assert server.starts[0].handoff is not None
+        assert (server.starts[1].handoff is None and server.starts[1].rendezvous is not None) == then_group
     finally:
         server.close()
         sender.close()
@@ -189,7 +189,7 @@ def test_shared_memory_that_cannot_be_reserved_sends_the_update_over_the_group(m
     named = [("w", torch.ones(4))]
     try:
         sender.send(iter(named), 1, specs=tensor_specs(named))  # over the group it times out: the fake never joins
-        assert server.starts[0].shm is None and server.starts[0].rendezvous is not None
+        assert server.starts[0].handoff is None and server.starts[0].rendezvous is not None
     finally:
         server.close()
         sender.close()
@@ -231,6 +231,10 @@ def test_a_replacement_registering_ends_the_wait_for_the_dead_servers_ack():
     sender.close()
 
 
+_REGISTRATION = {"wsync_worker_index": 0, "wsync_gpu": ""}
+"""What a one-worker CPU engine's workers answer when its server registers."""
+
+
 class _DeadEngine:
     """A vLLM engine whose process is gone: vLLM's ``errored`` flag is set (every call would
     raise ``EngineDeadError``; none is made here but the worker count at registration)."""
@@ -238,7 +242,7 @@ class _DeadEngine:
     errored = True
 
     async def collective_rpc(self, method, timeout=None, args=()):
-        return [0]
+        return [_REGISTRATION[method]]
 
 
 class _UnansweringEngine:
@@ -249,7 +253,7 @@ class _UnansweringEngine:
     async def collective_rpc(self, method, timeout=None, args=()):
         if method == "wsync_check":
             raise RuntimeError("the engine core is gone")
-        return [0]
+        return [_REGISTRATION[method]]
 
 
 @pytest.mark.parametrize("engine, why", [
@@ -317,7 +321,7 @@ def test_what_is_not_this_runs_sealed_message_is_dropped_and_counted_never_raise
         pending = sender.begin(iter(named), 1, specs=tensor_specs(named))
         answer.join(5)
         start = real.recv()  # the real server's connection got the update, nobody else's
-        assert isinstance(start, Start) and start.shm is not None and not pending.acknowledged
+        assert isinstance(start, Start) and start.handoff is not None and not pending.acknowledged
         with pytest.raises(TimeoutError):
             intruder.recv(100)
     finally:
