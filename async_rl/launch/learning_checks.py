@@ -27,10 +27,10 @@ WARN_PREFIX = "warn/"
 """Metric key prefix of the checks' flags: ``warn/<rule name>``."""
 CRITIC_STEPS = 50
 """Consecutive learner steps after the critic's warm-up (``learner.critic.warmup_steps``) with
-``critic/explained_variance`` <= 0 before the critic is said not to learn. A critic that learns
-passes 0 within a few dozen steps (the quickstart's, at lr 1e-4: above 0.4 by step 30); one
-whose learning rate is too low stays below 0 for hundreds (the default 1e-6 on the tiny model:
-at most -0.08 over 200 steps)."""
+``critic/explained_variance`` <= 0 before the critic is said not to learn: long enough that a
+critic still fitting its first returns is not named (the quickstart's at lr 1e-4 reaches
+0.47-0.51), short against a run whose critic's learning rate is too low, which stays below 0
+throughout (the default 1e-6 on the tiny model: at most -0.08 over 200 steps)."""
 WINDOW_STEPS = 20
 """Learner steps a windowed rule looks back over (a rule says nothing before it has seen this
 many): 320 groups at the quickstart's batch of 16, so one unlucky batch decides nothing."""
