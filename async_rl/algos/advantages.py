@@ -122,6 +122,18 @@ class _Groups:
         return maxima.scatter_reduce(0, self.ids, values, reduce="amax")[self.ids]
 
 
+def equal_reward_fraction(rewards: Tensor, group_index: Tensor) -> float:
+    """Share of the groups whose sequences all got the same outcome reward: ``[B]`` rewards
+    and ``[B]`` group ids -> a float in ``[0, 1]`` (a group of one counts as equal). A group
+    estimator's advantages are 0 on such a group: it carries no learning signal."""
+    groups = _Groups(group_index)
+    if groups.n_groups == 0:
+        return 0.0
+    equal = groups.amax(rewards) == -groups.amax(-rewards)  # per sequence: its group's max equals its min
+    per_group = torch.zeros(groups.n_groups, dtype=torch.bool, device=equal.device).index_fill(0, groups.ids[equal], True)
+    return float(per_group.float().mean())
+
+
 def _outcome(advantages: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     """Broadcast per-sequence advantages ``[B]`` over the mask; returns equal advantages (verl)."""
     token_advantages = advantages.unsqueeze(-1) * mask

@@ -98,7 +98,8 @@ def compute(
     Returns:
         ``(loss, metrics)``; metrics: ``pg_loss``, ``pg_clipfrac``, ``pg_clipfrac_lower``,
         ``ppo_kl``, ``is_weight_mean``, ``is_weight_max``, ``is_ess``, ``masked_fraction``,
-        ``behav_kl``, plus ``kl_loss`` / ``entropy`` when those inputs are given.
+        ``is_clipped_fraction`` (share of the valid tokens whose weight was truncated at
+        ``is_cap``), ``behav_kl``, plus ``kl_loss`` / ``entropy`` when those inputs are given.
     """
     options = LossOptions.from_any(config)
     fn = _REGISTRY.get(name)
@@ -112,7 +113,8 @@ def compute(
         prox_logp = train_logp = old_logp
     behav_log_ratio = (train_logp - behav_logp).detach()
     level = "token" if info.behaviour_weight and options.is_level == "none" else options.is_level
-    weight = importance_weight(behav_log_ratio, mask, level, options.is_cap)
+    uncapped = importance_weight(behav_log_ratio, mask, level, None)
+    weight = uncapped if options.is_cap is None else uncapped.clamp_max(options.is_cap)
     keep = mask * rejection_mask(behav_log_ratio, mask, options.mask_level, options.mask_lower, options.mask_upper)
 
     terms = fn(logp, prox_logp, advantages, keep, options)
@@ -123,6 +125,7 @@ def compute(
         "pg_clipfrac_lower": masked_mean(terms.clipped_lower.to(keep.dtype), keep),
         "ppo_kl": masked_mean(prox_logp - logp, keep),
         **_correction_metrics(weight, mask, keep),
+        "is_clipped_fraction": masked_mean((uncapped > weight).to(mask.dtype), mask),
         "behav_kl": masked_mean(kl.estimate("k3", behav_logp, train_logp), mask),
     }
     loss = pg_loss

@@ -39,6 +39,7 @@ from async_rl.envs import EnvPool, EnvStartupError
 from async_rl.envs.conversation import ChatEncoder
 from async_rl.launch.cores import cpu_layout, pinned_to, set_process_cores, support_cores
 from async_rl.launch.failures import FailureLog
+from async_rl.launch.learning_checks import LearningChecks, rules_for
 from async_rl.launch.plan import make_plan
 from async_rl.launch.prometheus import server_states
 from async_rl.launch.ray_cluster import init_ray
@@ -129,6 +130,8 @@ class _Run:
         self.failure: str | None = None
         """Why the run stopped early (exit status 1), or None."""
         self.failures = FailureLog(self.run_dir, cfg.algorithm.failed_samples)
+        self.checks = LearningChecks(rules_for(cfg))
+        """Conditions under which the run cannot learn, said on the console (:mod:`~async_rl.launch.learning_checks`)."""
         self._last_step = time.monotonic()
         """When the learner's last step was logged (or the rollout workers started)."""
         self._generated = RateMeter(RATE_WINDOW_S)
@@ -503,6 +506,7 @@ class _Run:
                 metrics.update(await self._rollout_now())
                 metrics["learner/restarts"] = float(self.learner_restarts)
                 self._say_control_drops(metrics)
+                self._say_learning_checks(metrics)
                 self.tracker.log(metrics)
                 self._last_step = time.monotonic()
                 self._maybe_validate()
@@ -524,6 +528,12 @@ class _Run:
             self._say(f"the weight sender dropped control messages ({', '.join(f'{r} {n:.0f}' for r, n in new.items() if n)}) at "
                       f"{self._sender_address}: something other than this run's servers reaches it; training goes on "
                       "(docs/security.md)")
+
+    def _say_learning_checks(self, metrics: dict[str, float]) -> None:
+        """Say each learning check that just became active; its ``warn/<name>`` flags join the step's metrics."""
+        for line in self.checks.observe(metrics):
+            self._say(line)
+        metrics.update(self.checks.flags())
 
     def _fail(self, reason: str) -> None:
         """End the run with exit status 1 and ``reason`` (the first failure wins)."""

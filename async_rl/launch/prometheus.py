@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from async_rl.launch.learning_checks import WARN_PREFIX
 from async_rl.rollout.openai_api import ANY_ADDRESS
 
 
@@ -112,6 +113,12 @@ class RunCollector(Collector):
             if f"time/{phase}" in latest:
                 phases.add_metric([phase], latest[f"time/{phase}"])
         yield phases
+        warnings = GaugeMetricFamily(PREFIX + "learning_warning", "1 while the learning check is active (the run may not learn; "
+                                     "docs/training.md, Monitoring), else 0.", labels=["warning"])
+        for key, value in latest.items():
+            if key.startswith(WARN_PREFIX):
+                warnings.add_metric([key.removeprefix(WARN_PREFIX)], value)
+        yield warnings
         yield _staleness_histogram(snap.staleness_groups, self._max_staleness)
         up = GaugeMetricFamily(PREFIX + "server_up", "1 if the inference server answered its last health check.", labels=["server"])
         held = GaugeMetricFamily(PREFIX + "server_weight_version", "Policy version of the weights each server holds.", labels=["server"])

@@ -25,7 +25,7 @@ from async_rl.data.images import ImageError, decode_blob
 from async_rl.learner import collectives
 from async_rl.learner.screening import Limits, ScreenedGroup, screen
 from async_rl.queue import Drop, ReplayQueue, Staleness
-from async_rl.records import RolloutGroup, decode
+from async_rl.records import RolloutGroup, Sample, decode
 
 
 _DROP_HINTS = {
@@ -272,3 +272,19 @@ def staleness_metrics(groups: Sequence[RolloutGroup], version: int) -> dict[str,
     out = {"staleness/mean": sum(lags) / len(lags), "staleness/max": float(max(lags))}
     out.update({f"staleness/hist/{k}": float(n) for k, n in sorted(Counter(lags).items())})
     return out
+
+
+def truncation_metrics(groups: Sequence[RolloutGroup], max_turns: int | None) -> dict[str, float]:
+    """``batch/truncated_fraction``: the share of the step's scored samples (failed ones left
+    out) that ended on the token budget (``rollout.max_response_length``) rather than on their
+    own: a response vLLM cut (``finish_reason`` ``length``), or, in a multi-turn run
+    (``max_turns``: ``rollout.env.max_turns``), an episode the environment did not end that
+    played fewer than ``max_turns`` turns (its ``turns`` reward component)."""
+    scored = [s for g in groups for s in g.samples if s.error is None]
+
+    def truncated(sample: Sample) -> bool:
+        if sample.finish_reason != "length":
+            return False
+        return max_turns is None or sample.reward_components.get("turns", 0.0) < max_turns
+
+    return {"batch/truncated_fraction": sum(map(truncated, scored)) / len(scored) if scored else 0.0}

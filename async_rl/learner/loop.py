@@ -28,7 +28,7 @@ from async_rl.data.images import decode_blob
 from async_rl.heap import release_freed_heap
 from async_rl.learner import checkpoint, collectives, vision
 from async_rl.learner.batching import Batch, Prepared, prepare
-from async_rl.learner.feed import BatchFeed, QueueReader, StepData, staleness_metrics
+from async_rl.learner.feed import BatchFeed, QueueReader, StepData, staleness_metrics, truncation_metrics
 from async_rl.learner.memory import Beside, servers_gpu_share
 from async_rl.learner.model import DistInfo, init_distributed, load_sharded
 from async_rl.learner.publish import Publication, WeightPublisher
@@ -203,7 +203,9 @@ class LearnerLoop:
         if prepared.batch is None:  # the screen let through only groups with a trainable sample
             raise RuntimeError(f"no trainable sample in a screened batch (dropped: {dict(prepared.dropped)}): a bug in the screen")
         batch = self._with_images(prepared.batch, prepared, data) if data.images else prepared.batch
-        metrics: dict[str, float] = staleness_metrics([data.fed[i].screened.group for i in prepared.kept], self.version)
+        trained = [data.fed[i].screened.group for i in prepared.kept]
+        metrics: dict[str, float] = staleness_metrics(trained, self.version)
+        metrics.update(truncation_metrics(trained, self.cfg.rollout.env.max_turns if self.cfg.rollout.env.name is not None else None))
         result = self.trainer.step(batch, self.version)
         self.version += 1
         metrics["version"] = float(self.version)  # the version this step produced

@@ -420,6 +420,7 @@ class Trainer:
             "batch/response_length_max": float(lengths.max()),
             "batch/reward_mean": float(batch.rewards.mean()),
             "batch/reward_std": float(batch.rewards.std()) if batch.size > 1 else 0.0,
+            "batch/equal_reward_groups": advantages.equal_reward_fraction(batch.rewards, batch.group_index),
             "batch/advantage_mean": float((adv * mask).sum() / mask.sum()),
             "batch/advantage_abs_max": float((adv * mask).abs().max()),
         }

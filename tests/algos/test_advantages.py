@@ -148,3 +148,13 @@ def test_integer_rewards_and_adv_carry_no_gradient() -> None:
 def test_invalid_inputs(kwargs: dict[str, torch.Tensor | None], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         advantages.compute("grpo", response_mask=torch.ones(3, 2), **kwargs)
+
+
+def test_equal_reward_fraction_counts_groups_without_signal() -> None:
+    # REWARDS/GROUPS: group 7 (0, 1, 0) differs, group 3 (2, 4) differs, group 9 (5) is a group of one
+    assert advantages.equal_reward_fraction(REWARDS, GROUPS) == pytest.approx(1 / 3)
+    tied = torch.tensor([1.0, 1.0, 1.0, 0.5, 0.5, 5.0])
+    assert advantages.equal_reward_fraction(tied, GROUPS) == 1.0
+    # and a group estimator's advantages are 0 exactly there
+    assert advantages.compute("grpo", rewards=tied, group_index=GROUPS, response_mask=MASK).abs().max() == 0.0
+    assert advantages.equal_reward_fraction(torch.zeros(0), torch.zeros(0, dtype=torch.long)) == 0.0

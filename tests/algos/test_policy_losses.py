@@ -30,6 +30,7 @@ METRIC_NAMES = {
     "is_weight_max",
     "is_ess",
     "masked_fraction",
+    "is_clipped_fraction",
     "behav_kl",
 }
 
@@ -140,6 +141,9 @@ def test_importance_weight_metrics() -> None:
     normalised = [w / mean for w in weights]
     assert metrics["is_ess"] == pytest.approx(1 / (sum(w * w for w in normalised) / 5))
     assert metrics["masked_fraction"] == 0.0
+    assert metrics["is_clipped_fraction"] == pytest.approx(2 / 5)  # 3 and 4 truncated at is_cap 2
+    _, uncapped = _corrected("decoupled_ppo", {"is_cap": None})
+    assert uncapped["is_clipped_fraction"] == 0.0
     ratios = [3.0, 0.5, 1.0, 4.0, 1.0]  # behav_kl: k3 of pi_old against mu on trained tokens
     assert metrics["behav_kl"] == pytest.approx(sum(r - L(r) - 1 for r in ratios) / 5)
 

@@ -81,7 +81,8 @@ def test_prometheus_serves_the_runs_metrics_over_http(tmp_path):
         for record in (_step(1, lag=0), _step(2, lag=1), _step(3, lag=1), _val(2, 0.5)):
             tracker.log(record)
         tracker.log({"version": 3, "rollout/tokens_generated": 1234.0, "queue/dead_lettered": 2.0, "queue/depth": 5.0,
-                     "rollout/tokens_per_s": 80.0, "perf/tokens_per_s": 90.0, "perf/tokens": 10.0})
+                     "rollout/tokens_per_s": 80.0, "perf/tokens_per_s": 90.0, "perf/tokens": 10.0,
+                     "warn/no_learning_signal": 1.0, "warn/token_budget": 0.0})
         url = tracker.prometheus.url
         assert url.startswith("http://127.0.0.1:") and url.endswith("/metrics")
         body = urllib.request.urlopen(url, timeout=10).read().decode()
@@ -104,6 +105,8 @@ def test_prometheus_serves_the_runs_metrics_over_http(tmp_path):
     assert value("async_rl_server_weight_lag_versions", server="server-0") == 2
     assert value("async_rl_server_up", server="server-1") == 0
     assert value("async_rl_eta_seconds") > 0
+    assert value("async_rl_learning_warning", warning="no_learning_signal") == 1
+    assert value("async_rl_learning_warning", warning="token_budget") == 0
     staleness = {s.labels["le"]: s.value for s in families["async_rl_staleness_versions"].samples if s.name.endswith("_bucket")}
     assert staleness == {"0.0": 4, "1.0": 12, "2.0": 12, "+Inf": 12}  # groups: 4 at lag 0, 8 at lag 1; buckets up to max_staleness
     assert value("async_rl_staleness_versions_sum") == 8

@@ -10,7 +10,7 @@ import pytest
 from image_bombs import bomb_png
 from learner_helpers import make_groups
 
-from async_rl.learner.feed import BatchFeed, NoTrainableDataError, QueueReader, staleness_metrics
+from async_rl.learner.feed import BatchFeed, NoTrainableDataError, QueueReader, staleness_metrics, truncation_metrics
 from async_rl.learner.model import DistInfo
 from async_rl.learner.screening import Limits
 from async_rl.queue import ReplayQueue
@@ -116,6 +116,21 @@ def test_staleness_is_measured_on_the_groups_behaviour_version() -> None:
     assert metrics["staleness/mean"] == pytest.approx(5 / 3) and metrics["staleness/max"] == 3.0
     assert {k: v for k, v in metrics.items() if "hist" in k} == {"staleness/hist/1": 2.0, "staleness/hist/3": 1.0}
     assert all(isinstance(v, float) for v in metrics.values())
+
+
+def test_truncation_counts_the_samples_the_token_budget_ended() -> None:
+    def sample(finish: str, turns: float | None = None, error: str | None = None) -> Sample:
+        return Sample.from_lists([5, 6], [-0.1, -0.2], 0, 0.0, {} if turns is None else {"turns": turns}, finish, error)
+
+    def group(*samples: Sample) -> RolloutGroup:
+        return RolloutGroup.from_lists("r", "g", 0, [1, 2], list(samples), "s", 0.0)
+
+    single = [group(sample("length"), sample("stop"), sample("length", error="ValueError: x")), group(sample("stop"))]
+    assert truncation_metrics(single, None) == {"batch/truncated_fraction": pytest.approx(1 / 3)}  # the failed sample is left out
+    # episodes of at most 3 turns: the budget ended the first two; max_turns the third; the environment the last
+    episodes = [group(sample("length", 1.0), sample("length", 2.0), sample("length", 3.0), sample("stop", 1.0))]
+    assert truncation_metrics(episodes, 3) == {"batch/truncated_fraction": pytest.approx(2 / 4)}
+    assert truncation_metrics([group(sample("length", error="E: x"))], None) == {"batch/truncated_fraction": 0.0}
 
 
 def test_an_image_bomb_in_the_queue_is_dead_lettered_and_the_feed_goes_on(redis_url: str, one_rank: DistInfo) -> None:

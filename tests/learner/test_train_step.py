@@ -60,7 +60,9 @@ def test_decoupled_ppo_equals_ppo_on_policy(tiny_model: Path, one_rank: DistInfo
         metrics = trainer.step(prepare_groups(groups, 64, 512).batch, 0).metrics
         results.append((_params(trainer), metrics))
     (ppo, m_ppo), (dec, m_dec) = results
-    assert m_dec["actor/is_weight_mean"] == 1.0
+    assert m_dec["actor/is_weight_mean"] == 1.0 and m_dec["actor/is_clipped_fraction"] == 0.0  # on-policy: nothing to cut
+    equal = sum(len({s.reward for s in g.samples}) == 1 for g in groups) / len(groups)
+    assert m_dec["batch/equal_reward_groups"] == pytest.approx(equal)
     assert m_ppo["actor/updates"] == m_dec["actor/updates"] == 4
     for name in ppo:
         torch.testing.assert_close(dec[name], ppo[name], rtol=0, atol=0)

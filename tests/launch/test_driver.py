@@ -1,0 +1,32 @@
+"""The driver's handling of a learner step's metrics, without the processes it starts: a
+learning check reaches the driver's console once and its flag every metrics sink."""
+
+from __future__ import annotations
+
+import json
+
+from async_rl.config import load_config
+from async_rl.launch.driver import _Run
+from async_rl.launch.learning_checks import WINDOW_STEPS
+from async_rl.launch.tracking import Tracker
+
+
+def test_a_learning_check_is_said_on_the_console_once_and_flagged_in_every_step(tmp_path, capsys):
+    cfg = load_config(None, [f"trainer.output_dir={tmp_path}", "logging.console=true", "logging.wandb.enable=false",
+                             "rollout.max_response_length=4"])
+    run = _Run(cfg)
+    run.tracker = Tracker(cfg, tmp_path, 100)
+    try:
+        for version in range(1, 2 * WINDOW_STEPS + 1):  # every response cut at the budget, step after step
+            metrics = {"version": float(version), "perf/tokens_per_s": 1.0, "batch/truncated_fraction": 1.0}
+            run._say_learning_checks(metrics)
+            run.tracker.log(metrics)
+    finally:
+        run.tracker.close()
+    console = capsys.readouterr().out
+    said = [line for line in console.splitlines() if line.startswith("warn/token_budget: ")]
+    assert len(said) == 1 and "rollout.max_response_length=4" in said[0], console[-2000:]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    flags = [r["warn/token_budget"] for r in records]
+    assert flags == [0.0] * (WINDOW_STEPS - 1) + [1.0] * (WINDOW_STEPS + 1)
+    assert all(r["warn/is_weights_clipped"] == 0.0 for r in records)
