@@ -223,6 +223,7 @@ def plot(cells: list[dict[str, Any]], summary: list[dict[str, Any]], path: Path)
         seeds = [c for c in cells if c["loss"] == loss]
         jitter = 0.08 * (k - (len(names) - 1) / 2)  # side by side, not on top of each other
         ax.scatter([c["eta"] + jitter for c in seeds], [100 * c["final_acc"] for c in seeds], s=12, alpha=0.5, color=line.get_color())
+    ax.set_xticks(sorted({c["eta"] for c in cells}))
     ax.axhline(100 * cells[0]["base_acc"], color="grey", linestyle="--", linewidth=1, label="base model")
     save_plot(fig, ax, path, "max_staleness (eta)", "final greedy validation accuracy (%)", "async-rl: accuracy against staleness (tiny CPU task)")
 
