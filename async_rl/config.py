@@ -394,6 +394,8 @@ class LearnerConfig:
     """Attention implementation and fused kernels."""
     critic: CriticConfig = field(default_factory=CriticConfig)
     """The value model (used with ``algorithm.advantage.name: gae``)."""
+    fill_staleness_window: bool = False
+    """For benchmarks (``benchmarks/staleness_ablation.py``), not for training runs: before each step, wait until every group admission allows at the published version has been generated (``groups_started >= (version + max_staleness + 1) x batch_size``, none in flight), so the step trains on groups exactly ``algorithm.max_staleness`` versions old (fewer in the first steps) however fast the learner is. Generation and learning then take turns, as at eta = 0. Needs ``queue.max_depth >= (algorithm.max_staleness + 1) x learner.batch_size``."""
     lora: Optional[LoraConfig] = None
     """Train LoRA adapters on the frozen policy instead of all its weights, and send only the adapters to the servers (a text Qwen2/Llama policy; ``learner.lora.rank=8`` sets the section with its defaults); null: full fine-tuning."""
 
@@ -872,6 +874,12 @@ def _cross_field_problems(cfg: Config) -> list[str]:
     need(
         cfg.queue.max_depth >= lrn.batch_size,
         f"queue.max_depth={cfg.queue.max_depth} must be >= learner.batch_size={lrn.batch_size}, or producers block before a batch can form",
+    )
+    window = (alg.max_staleness + 1) * lrn.batch_size
+    need(
+        not lrn.fill_staleness_window or cfg.queue.max_depth >= window,
+        f"learner.fill_staleness_window=true needs queue.max_depth={cfg.queue.max_depth} >= (algorithm.max_staleness + 1) x "
+        f"learner.batch_size = {window}: producers would block before the window fills and the learner would wait for it forever",
     )
     need(
         lrn.max_tokens_per_microbatch >= cfg.data.max_prompt_length + r.max_response_length,

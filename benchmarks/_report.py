@@ -1,4 +1,4 @@
-"""Shared output of the benchmark scripts: an aligned table on stdout and a JSON file."""
+"""Shared output of the benchmark scripts: an aligned table on stdout, a JSON file and plots."""
 
 from __future__ import annotations
 
@@ -25,3 +25,26 @@ def report_json(result: dict[str, Any], json_path: Path) -> None:
     partial = json_path.with_name(json_path.name + ".partial")
     partial.write_text(json.dumps(result, indent=2) + "\n")
     partial.replace(json_path)
+
+
+def new_plot() -> tuple[Any, Any]:
+    """A 6 x 4 inch figure and its axes, drawn without a display (matplotlib's Agg backend)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(figsize=(6, 4))
+
+
+def save_plot(fig: Any, ax: Any, path: Path, xlabel: str, ylabel: str, title: str) -> None:
+    """Label ``ax``, add a light grid and the legend, and write ``fig`` to ``path`` (PNG, 120 dpi;
+    folders created)."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

@@ -31,7 +31,7 @@ import os
 import time
 from pathlib import Path
 
-from _report import report
+from _report import new_plot, report, save_plot
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 
@@ -208,24 +208,12 @@ async def _generate_alone(cfg, url: str, groups: int, cores: str | None) -> floa
 
 
 def plot(curves: dict[str, list[tuple[float, float]]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = new_plot()
     for name, points in curves.items():
         xs, ys = zip(*points)
         ax.plot(xs, [100 * y for y in ys], marker="o", label=name)
-    ax.set_xlabel("wall time since the first learner step (s)")
-    ax.set_ylabel("greedy validation accuracy (%)")
-    ax.set_title("async-rl: asynchronous vs synchronous (tiny CPU task)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
+    save_plot(fig, ax, path, "wall time since the first learner step (s)", "greedy validation accuracy (%)",
+              "async-rl: asynchronous vs synchronous (tiny CPU task)")
 
 if __name__ == "__main__":
     main()

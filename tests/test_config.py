@@ -96,6 +96,8 @@ def test_cross_field_rules_name_both_keys():
     assert "algorithm.max_staleness=-1 must be >= 0" in msg
     msg = _error(["queue.max_depth=4", "learner.batch_size=8"])
     assert "queue.max_depth=4 must be >= learner.batch_size=8" in msg
+    msg = _error(["learner.fill_staleness_window=true", "algorithm.max_staleness=4", "learner.batch_size=16", "queue.max_depth=64"])
+    assert "learner.fill_staleness_window=true needs queue.max_depth=64 >= (algorithm.max_staleness + 1) x learner.batch_size = 80" in msg
     msg = _error(["rollout.vllm.max_model_len=100"])
     assert "rollout.vllm.max_model_len=100" in msg and "data.max_prompt_length + rollout.max_response_length" in msg
 

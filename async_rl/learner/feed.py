@@ -42,6 +42,11 @@ _DROP_HINTS = {
 """What to do about each drop reason, for the message of :class:`NoTrainableDataError`."""
 
 
+FILL_POLL_S = 0.05
+"""``learner.fill_staleness_window``: seconds between two looks at the admission counters while
+the window fills (each look is one Redis round trip; a wait beat follows every look)."""
+
+
 class NoTrainableDataError(RuntimeError):
     """Every group read for a long while was dropped: the run cannot make progress."""
 
@@ -100,12 +105,15 @@ class QueueReader:
     """Rank 0's side of the feed: reads and screens groups, holds their images and the backlog.
 
     ``takes_images``: the policy is a vision-language model (a text model dead-letters a group
-    with images). ``model_path`` only words that error.
+    with images). ``model_path`` only words that error. ``fill_window``
+    (``learner.fill_staleness_window``, for benchmarks): read nothing until every group admission
+    allows at the published version has been generated.
     """
 
     def __init__(self, queue: ReplayQueue, limits: Limits, max_staleness: int, batch_size: int, read_timeout_s: float,
-                 takes_images: bool, model_path: str, run_name: str) -> None:
+                 takes_images: bool, model_path: str, run_name: str, fill_window: bool = False) -> None:
         self.queue, self.limits, self.max_staleness = queue, limits, max_staleness
+        self.fill_window = fill_window
         self.batch_size, self.read_timeout_s = batch_size, read_timeout_s
         self.takes_images, self.model_path, self.run_name = takes_images, model_path, run_name
         self.backlog: list[Fed] = []
@@ -130,7 +138,10 @@ class QueueReader:
         self.backlog = self._fed(entries)
 
     def read(self, n: int, version: int, hooks: WaitHooks) -> list[Fed]:
-        """Up to ``n`` groups: the backlog first, then new ones (one bounded queue read)."""
+        """Up to ``n`` groups: the backlog first, then new ones (one bounded queue read); none
+        while the staleness window fills (``fill_window``)."""
+        if self.fill_window and not self._window_filled(hooks):
+            return []
         take = self._from_backlog(n, version)
         if len(take) < n and hooks.loading:
             # Train on data that is already there while the servers load; but if the batch
@@ -142,6 +153,18 @@ class QueueReader:
             # Short reads: between them the ranks exchange a wait beat and catch up late servers.
             take += self._get(n - len(take), min(self.read_timeout_s, 2.0), version)
         return take
+
+    def _window_filled(self, hooks: WaitHooks) -> bool:
+        """Whether every group admission allows at the published version ``v`` has been generated:
+        ``groups_started >= (v + max_staleness + 1) * batch_size`` and none in flight. The oldest
+        of them, the next batch, then came from version ``v - max_staleness``. When not, waits
+        :data:`FILL_POLL_S` first, so the caller's wait beats do not spin."""
+        hooks.settle(wait=True)  # the window to fill is the one this learner's version opens
+        stats = self.queue.stats()
+        if stats["groups_started"] >= (stats["version"] + self.max_staleness + 1) * self.batch_size and stats["inflight"] == 0:
+            return True
+        time.sleep(FILL_POLL_S)
+        return False
 
     def _from_backlog(self, n: int, version: int) -> list[Fed]:
         """Up to ``n`` backlog groups trainable at ``version``, oldest first; the queue drops

@@ -99,7 +99,7 @@ class LearnerLoop:
         )
         """Rank 0's queue consumer (None on the other ranks)."""
         reader = (QueueReader(self.queue, limits, cfg.algorithm.max_staleness, lrn.batch_size, cfg.queue.timeout_s,
-                              self.process_images is not None, lrn.model_path, cfg.trainer.run_name)
+                              self.process_images is not None, lrn.model_path, cfg.trainer.run_name, lrn.fill_staleness_window)
                   if self.queue is not None else None)
         self.feed = BatchFeed(self.info.rank, self.info.device, limits, reader)
         self.version = 0

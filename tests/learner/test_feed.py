@@ -32,10 +32,10 @@ class Hooks:
         self.loading = False
 
 
-def _feed(queue: ReplayQueue, one_rank: DistInfo, batch_size: int = 2) -> BatchFeed:
+def _feed(queue: ReplayQueue, one_rank: DistInfo, batch_size: int = 2, fill_window: bool = False) -> BatchFeed:
     limits = Limits(64, 512)
     reader = QueueReader(queue, limits, max_staleness=1, batch_size=batch_size, read_timeout_s=0.2, takes_images=False,
-                         model_path="tiny", run_name=queue.run)
+                         model_path="tiny", run_name=queue.run, fill_window=fill_window)
     return BatchFeed(one_rank.rank, one_rank.device, limits, reader)
 
 
@@ -64,6 +64,36 @@ def test_a_batch_waiting_for_new_groups_publishes_the_loading_version_first(redi
         feed, hooks = _feed(queue, one_rank), Hooks(loading=True)
         assert feed.next(2, 0, hooks, deadline=time.monotonic() + 0.3) is None
         assert "settle True" in hooks.calls  # admission may need the version before new groups come
+
+
+def test_fill_window_holds_the_batch_until_admission_is_spent_and_nothing_is_in_flight(redis_url: str, one_rank: DistInfo) -> None:
+    """learner.fill_staleness_window (eta = 1, B = 2): at version 0 the window is 4 groups. With a
+    full batch queued but the window open (3 started) or a group still in flight, the feed waits;
+    once all 4 are in the queue the batch comes, the oldest first."""
+    run = f"feed-{uuid.uuid4().hex[:8]}"
+    groups = make_groups(4, seed=24, run=run)
+    with ReplayQueue(redis_url, run, max_depth=64) as queue:
+        feed, hooks = _feed(queue, one_rank, fill_window=True), Hooks(loading=True)
+        tickets = queue.admit(2, 1, "producer", limit=4)
+        assert len(tickets) == 4  # (0 + 1 + 1) x 2: admission's whole window at version 0
+        for group, ticket in zip(groups[:3], tickets[:3]):
+            queue.put(group, ticket)
+        assert feed.next(2, 0, hooks, deadline=time.monotonic() + 0.3) is None  # 3 queued, the 4th in flight
+        assert hooks.calls[1] == "settle True"  # the version is published before the window is judged
+        queue.put(groups[3], tickets[3])
+        data = feed.next(2, 0, hooks, deadline=time.monotonic() + 5)
+        assert data is not None and [f.screened.group for f in data.fed] == groups[:2]
+
+
+def test_without_fill_window_a_full_batch_is_read_while_groups_are_in_flight(redis_url: str, one_rank: DistInfo) -> None:
+    run = f"feed-{uuid.uuid4().hex[:8]}"
+    groups = make_groups(2, seed=25, run=run)
+    with ReplayQueue(redis_url, run, max_depth=64) as queue:
+        tickets = queue.admit(2, 1, "producer", limit=4)
+        for group, ticket in zip(groups, tickets):
+            queue.put(group, ticket)
+        data = _feed(queue, one_rank).next(2, 0, Hooks(), deadline=time.monotonic() + 5)
+        assert data is not None and [f.screened.group for f in data.fed] == groups
 
 
 def test_a_run_of_dropped_groups_stops_the_feed_with_the_reasons(redis_url: str, one_rank: DistInfo) -> None:

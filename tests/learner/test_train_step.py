@@ -3,6 +3,8 @@ bad groups are dropped with reasons and never reach the weights."""
 
 from __future__ import annotations
 
+import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -152,3 +154,35 @@ def test_the_critic_learns_the_returns_and_holds_the_policy_during_its_warm_up(t
     with pytest.raises(ValueError, match="a critic is needed exactly when"):
         cfg = learner_config(tiny_model, tmp_path, "unit", "algorithm.advantage.name=gae")
         Trainer(trainer.policy, None, cfg.learner, cfg.algorithm, one_rank, cfg.trainer.total_steps, cfg.trainer.seed)
+
+
+@pytest.mark.integration
+def test_a_stale_run_corrects_with_the_recomputed_proximal_policy(tiny_assets, tmp_path: Path) -> None:
+    """One small cell of benchmarks/staleness_ablation.py (decoupled_ppo, eta = 4, the window
+    filled before each step), end to end: not a learning target, the correction at work.
+
+    The suite shares no running stack (each end-to-end test runs its own ``async-rl train``);
+    this one shares the session's tiny assets. Two mini-batches per step make the learner
+    recompute ``pi_prox`` (one update would take it from the loss pass). Steps train on groups
+    exactly min(version, 4) versions old. On the stale ones the weight ``min(pi_prox / mu, 2)``
+    differs from 1 (it is 1 everywhere if ``pi_prox`` were ``mu``) and stays under the cap, and
+    ``pi_prox`` is far closer to the current policy (``ppo_kl``, one mini-batch apart) than to
+    ``mu`` (``behav_kl``, four versions apart)."""
+    from run_helpers import train_cli, write_config
+
+    steps = 7
+    config = write_config(tiny_assets, tmp_path, steps=steps, algorithm={"max_staleness": 4, "loss": {"name": "decoupled_ppo"}},
+                          learner={"fill_staleness_window": True, "ppo_mini_batches": 2, "optim": {"lr": 5e-4}},
+                          trainer={"val_every": 0, "save_every": steps})
+    proc = train_cli(config, "logging.wandb.enable=false", "logging.plots=false")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in records if "perf/tokens_per_s" in r]
+    assert [(r["staleness/mean"], r["staleness/max"]) for r in rows] == [(min(v, 4), min(v, 4)) for v in range(steps)]
+    assert rows[0]["actor/updates"] == 2
+    stale = [r for r in rows if r["staleness/mean"] >= 2]
+    for r in stale:
+        assert 1.0 < r["actor/is_weight_max"] <= 2.0 and r["actor/is_weight_mean"] != 1.0, r
+        assert r["actor/behav_kl"] > 0 and abs(r["actor/ppo_kl"]) < 0.5 * r["actor/behav_kl"], r
+    # the weights move away from 1 as the samples age: the correction grows with staleness
+    assert statistics.fmean(r["actor/behav_kl"] for r in stale) > 2 * rows[0]["actor/behav_kl"]

@@ -4,6 +4,7 @@ the base model's accuracy band recomputed here without the build's decoding code
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from async_rl.envs.builtin import FEEDBACK, extract_answer, feedback
 from async_rl.tiny import TinyAssetsReport, build_tiny_assets
 from async_rl.tiny.addition import AdditionTask, is_correct, make_splits, read_jsonl
 from async_rl.tiny.build import WARM_START, WarmStart, weights_sha256
-from async_rl.tiny.text import N_TRAIN, N_VAL
+from async_rl.tiny.text import N_TRAIN, N_VAL, write_validation_split
 
 ACCURACY_SLACK = 0.02
 """|recomputed - manifest| greedy accuracy allowed: the build decodes in one padded
@@ -43,7 +44,8 @@ def test_splits_are_deterministic_disjoint_and_correct() -> None:
         assert (len(a), len(b)) == (2, 3)
         assert int(row.answer) == int(a) + int(b)
     with pytest.raises(ValueError, match="has only 81"):
-        make_splits(AdditionTask(1, 1), seed=0, n_train=80, n_val=1)
+        make_splits(AdditionTask(1, 1), seed=0, n_train=81, n_val=1)
+    assert make_splits(task, seed=3, n_train=500, n_val=80)[1][:50] == val  # a larger split extends the smaller one
 
 
 def test_files_and_manifest(tiny_assets: TinyAssetsReport) -> None:
@@ -61,6 +63,19 @@ def test_files_and_manifest(tiny_assets: TinyAssetsReport) -> None:
     assert manifest["base_accuracy"] == tiny_assets.base_accuracy
     assert manifest["model_dir"] == "model" and manifest["val_path"] == "data/val.jsonl"
     assert {"torch", "transformers", "tokenizers"} <= set(manifest["versions"])
+
+
+def test_a_larger_validation_split_extends_val_and_stays_out_of_train(tiny_assets: TinyAssetsReport, tmp_path: Path) -> None:
+    """``async-rl assets val-split``: written beside a copy of the assets (the fixture's are shared)."""
+    shutil.copytree(tiny_assets.data_dir, tmp_path / "data")
+    shutil.copy(tiny_assets.manifest_path, tmp_path / "assets.json")
+    path = write_validation_split(tmp_path, 1500)
+    rows, train = read_jsonl(path), read_jsonl(tiny_assets.train_path)
+    assert path == tmp_path / "data" / "val_1500.jsonl" and len({r.problem for r in rows}) == 1500
+    assert rows[:N_VAL] == read_jsonl(tiny_assets.val_path) and not {r.problem for r in rows} & {r.problem for r in train}
+    (tmp_path / "data" / "train.jsonl").write_text("".join(r.to_json() + "\n" for r in train[1:]))
+    with pytest.raises(ValueError, match="rebuild the assets"):
+        write_validation_split(tmp_path, 300)
 
 
 def test_same_seed_rebuilds_identical_assets(tiny_assets: TinyAssetsReport, tmp_path: Path) -> None:

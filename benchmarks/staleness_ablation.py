@@ -1,0 +1,232 @@
+"""Staleness ablation: final greedy accuracy against max_staleness (eta) for three losses.
+
+The quickstart task (tiny model, configs/quickstart.yaml) trained for the same number of steps
+(``--steps`` x ``learner.batch_size`` groups) in every cell of eta x loss x seed:
+
+* ``naive``: PPO with the behaviour policy as proximal (``algorithm.loss.name=ppo``,
+  ``algorithm.recompute_proximal=false``: the ratio is ``pi_theta / mu``, clipped; no weight);
+* ``decoupled``: ``decoupled_ppo`` (AReaL; clip on ``pi_theta / pi_prox`` times ``min(pi_prox / mu, is_cap)``);
+* ``tis``: PPO on the recomputed ``pi_prox`` with the sequence-level truncated importance weight
+  ``min(prod_t pi_prox / mu, is_cap)`` (``algorithm.loss.is_level=sequence``; the token-level
+  weight on ``ppo`` would be ``decoupled_ppo`` itself).
+
+Every cell sets ``learner.fill_staleness_window=true`` (docs/config.md; for benchmarks only):
+the learner waits until admission's whole window is generated before each step, so it trains
+on groups exactly eta versions old (fewer in the first eta steps) however fast it is, and
+``queue.max_depth`` is raised to hold (eta + 1) x B groups. Generation and learning then take
+turns in every cell, so wall times compare across eta. Validation runs on
+``data/val_1500.jsonl`` (``async-rl assets val-split``; a seed's standard error about 1.3
+points) at version 0 and at the end, greedy.
+
+Cells share one redis-server (started here; a run name per cell). Each cell starts its own
+Ray, learner and vLLM server (``async-rl train`` in a subprocess): every cell must begin
+from the base weights, and only a Ray cluster the run starts itself pins the learner and
+vLLM to their own cores (``launch.cores.cpu_layout``), as in ``async_vs_sync.py``.
+
+    python benchmarks/staleness_ablation.py --json benchmarks/results/staleness_ablation.json \\
+        --plot benchmarks/results/staleness_ablation.png            # the full run (~90 min on 2 cores)
+    python benchmarks/staleness_ablation.py --seeds 1 --etas 0,4 --losses decoupled --steps 20   # a smoke
+
+JSON keys: ``cells`` (per cell: eta, loss, seed, final_acc, base_acc, gain_points,
+staleness_mean, staleness_max, is_weight_mean, is_weight_max, pg_clipfrac, masked_fraction,
+behav_kl, groups, wall_s, train_s, run_dir), ``summary`` (per eta and loss: the mean over
+seeds of final_acc and gain_points with the 95 % interval half-width, ``*_ci95``, and the
+mean staleness), ``target`` (decoupled at eta = max against eta = 0: the gap in points and
+whether it is within 3), plus the settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from _report import new_plot, report, report_json, save_plot
+from _train import ROOT, quickstart_command
+
+LOSSES: dict[str, tuple[str, ...]] = {
+    "naive": ("algorithm.loss.name=ppo", "algorithm.recompute_proximal=false"),
+    "decoupled": ("algorithm.loss.name=decoupled_ppo",),
+    "tis": ("algorithm.loss.name=ppo", "algorithm.loss.is_level=sequence"),
+}
+"""Each loss of the ablation: its overrides of the quickstart config (the module docstring)."""
+BATCH = 16
+"""``learner.batch_size`` of configs/quickstart.yaml: B in the staleness rule."""
+QUICKSTART_DEPTH = 64
+"""``queue.max_depth`` of configs/quickstart.yaml; raised per cell to (eta + 1) x B when larger."""
+VAL_ROWS = 1500
+TARGET_POINTS = 3.0
+"""Target: decoupled at the largest eta within this many points of eta = 0 (mean over seeds)."""
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+"""Student's t, two-sided 95 %, by degrees of freedom (1.96 beyond)."""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--assets", type=Path, default=Path("runs/bench/assets"), help="tiny assets dir (built if absent)")
+    ap.add_argument("--out", type=Path, default=Path("runs/bench/staleness"), help="run directories (emptied first)")
+    ap.add_argument("--seeds", type=int, default=3, help="seeds per (eta, loss): trainer.seed = 1..N")
+    ap.add_argument("--etas", default="0,1,2,4,8", help="comma-separated max_staleness values")
+    ap.add_argument("--losses", default=",".join(LOSSES), help=f"comma-separated, of {', '.join(LOSSES)}")
+    ap.add_argument("--steps", type=int, default=40, help="learner steps per cell (x 16 groups)")
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--plot", type=Path, default=None)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override for every cell (repeatable)")
+    args = ap.parse_args()
+    etas = [int(e) for e in args.etas.split(",")]
+    losses = args.losses.split(",")
+    unknown = [name for name in losses if name not in LOSSES]
+    if unknown:
+        ap.error(f"unknown loss(es) {unknown}; choose from {', '.join(LOSSES)}")
+
+    from async_rl.queue import EmbeddedRedis
+    from async_rl.tiny import build_tiny_assets
+    from async_rl.tiny.text import write_validation_split
+
+    assets = (ROOT / args.assets).resolve()
+    if not (assets / "assets.json").is_file():
+        build_tiny_assets(assets, seed=0)
+    val = assets / "data" / f"val_{VAL_ROWS}.jsonl"
+    if not val.is_file():
+        write_validation_split(assets, VAL_ROWS)
+    out = (ROOT / args.out).resolve()
+    shutil.rmtree(out, ignore_errors=True)
+    plan = [(eta, loss, seed) for eta in etas for loss in losses for seed in range(1, args.seeds + 1)]
+    settings = {"steps": args.steps, "batch_size": BATCH, "groups_per_cell": args.steps * BATCH, "val_rows": VAL_ROWS,
+                "etas": etas, "losses": {name: list(LOSSES[name]) for name in losses}, "seeds": args.seeds, "overrides": args.set,
+                "machine": f"{os.cpu_count()} cores, cpu"}
+    cells: list[dict[str, Any]] = []
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis(Path(tmp) / "redis") as url:
+        for i, (eta, loss, seed) in enumerate(plan, 1):
+            cell = run_cell(assets, val, out, url, eta, loss, seed, args.steps, args.set)
+            cells.append(cell)
+            spent = time.monotonic() - started
+            print(f"cell {i}/{len(plan)} eta={eta} {loss} seed={seed}: greedy {cell['final_acc']:.1%} ({cell['gain_points']:+.1f} points), "
+                  f"staleness mean {cell['staleness_mean']:.2f} max {cell['staleness_max']:.0f}, IS weight mean {cell['is_weight_mean']:.3f} "
+                  f"max {cell['is_weight_max']:.2f}, {cell['wall_s']:.0f} s; ETA {spent / i * (len(plan) - i) / 60:.1f} min", flush=True)
+            if args.json:  # after every cell: a run cut short keeps what it measured
+                report_json({"cells": cells, **settings}, args.json)
+    summary = summarize(cells)
+    result = {"total_wall_s": time.monotonic() - started, "target": target(summary, etas), **settings, "summary": summary, "cells": cells}
+    for row in summary:
+        print(f"eta={row['eta']} {row['loss']:<9} greedy {row['final_acc']:.1%} +- {row['final_acc_ci95']:.1%} "
+              f"(gain {row['gain_points']:+.1f}), staleness {row['staleness_mean']:.2f}")
+    report({k: v for k, v in result.items() if k != "target"} | {f"target_{k}": v for k, v in result["target"].items()}, None)
+    if args.json:
+        report_json(result, args.json)
+    if args.plot:
+        plot(cells, summary, args.plot)
+
+
+def run_cell(assets: Path, val: Path, out: Path, redis_url: str, eta: int, loss: str, seed: int, steps: int,
+             extra: list[str]) -> dict[str, Any]:
+    """Train one cell with ``async-rl train`` on the shared Redis; its figures from metrics.jsonl."""
+    name = f"eta{eta}-{loss}-s{seed}"
+    run_dir = out / name
+    command = quickstart_command(
+        assets, run_dir, f"ablation-{name}-{os.getpid()}", *LOSSES[loss],
+        f"data.val_files={val}", f"queue.redis_url={redis_url}", f"queue.max_depth={max(QUICKSTART_DEPTH, (eta + 1) * BATCH)}",
+        f"algorithm.max_staleness={eta}", "learner.fill_staleness_window=true", f"trainer.seed={seed}",
+        f"trainer.total_steps={steps}", f"trainer.val_every={steps}", f"trainer.save_every={steps}", "trainer.val_n=1", *extra)
+    run_dir.mkdir(parents=True)
+    t0 = time.monotonic()
+    with open(run_dir.with_suffix(".log"), "w") as log:
+        done = subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+    wall_s = time.monotonic() - t0
+    if done.returncode != 0:
+        raise SystemExit(f"cell {name} exited {done.returncode}: see {run_dir.with_suffix('.log')}")
+    return {"eta": eta, "loss": loss, "seed": seed, **read_cell(run_dir), "wall_s": wall_s, "run_dir": str(run_dir)}
+
+
+def read_cell(run_dir: Path) -> dict[str, float]:
+    """A finished cell's figures from its ``metrics.jsonl``: the first and last greedy
+    validation, staleness over the trained groups, and the correction's per-step metrics
+    (weight mean and PPO-clip fraction averaged over steps, weight maximum over all)."""
+    from async_rl.launch.plots import staleness_counts
+
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [r for r in records if "perf/tokens_per_s" in r]
+    vals = [r for r in records if "val/greedy_accuracy" in r]
+    lags = staleness_counts(steps)
+    groups = sum(lags.values())
+
+    def mean(key: str) -> float:
+        return statistics.fmean(r[key] for r in steps)
+
+    return {
+        "final_acc": vals[-1]["val/greedy_accuracy"],
+        "base_acc": vals[0]["val/greedy_accuracy"],
+        "gain_points": round(100 * (vals[-1]["val/greedy_accuracy"] - vals[0]["val/greedy_accuracy"]), 6),
+        "staleness_mean": sum(lag * n for lag, n in lags.items()) / groups,
+        "staleness_max": max(r["staleness/max"] for r in steps),
+        "is_weight_mean": mean("actor/is_weight_mean"),
+        "is_weight_max": max(r["actor/is_weight_max"] for r in steps),
+        "pg_clipfrac": mean("actor/pg_clipfrac"),
+        "masked_fraction": mean("actor/masked_fraction"),
+        "behav_kl": mean("actor/behav_kl"),
+        "groups": groups,
+        "train_s": max(r["time/elapsed_s"] for r in steps) - min(r["time/elapsed_s"] - r["time/step"] for r in steps),
+    }
+
+
+def interval(values: list[float]) -> float:
+    """Half-width of the 95 % interval of the mean of ``values`` (Student's t); nan for one value."""
+    if len(values) < 2:
+        return math.nan
+    return T95.get(len(values) - 1, 1.96) * statistics.stdev(values) / math.sqrt(len(values))
+
+
+def summarize(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (eta, loss): means over seeds with their 95 % intervals."""
+    rows = []
+    for eta, loss in dict.fromkeys((c["eta"], c["loss"]) for c in cells):
+        mine = [c for c in cells if c["eta"] == eta and c["loss"] == loss]
+        acc, gain = [c["final_acc"] for c in mine], [c["gain_points"] for c in mine]
+        rows.append({"eta": eta, "loss": loss, "seeds": len(mine),
+                     "final_acc": statistics.fmean(acc), "final_acc_ci95": interval(acc),
+                     "gain_points": statistics.fmean(gain), "gain_points_ci95": interval(gain),
+                     "staleness_mean": statistics.fmean(c["staleness_mean"] for c in mine),
+                     "is_weight_mean": statistics.fmean(c["is_weight_mean"] for c in mine),
+                     "pg_clipfrac": statistics.fmean(c["pg_clipfrac"] for c in mine),
+                     "wall_s": statistics.fmean(c["wall_s"] for c in mine)})
+    return rows
+
+
+def target(summary: list[dict[str, Any]], etas: list[int]) -> dict[str, Any]:
+    """decoupled at the largest eta against eta = 0: the gap in points (mean over seeds) and
+    whether it is within :data:`TARGET_POINTS`; empty without both cells."""
+    by = {(r["eta"], r["loss"]): r for r in summary}
+    low, high = by.get((0, "decoupled")), by.get((max(etas), "decoupled"))
+    if low is None or high is None or high is low:
+        return {}
+    gap = 100 * (high["final_acc"] - low["final_acc"])
+    return {"eta": max(etas), "gap_points": gap, "ci95_points": [100 * low["final_acc_ci95"], 100 * high["final_acc_ci95"]],
+            "met": gap >= -TARGET_POINTS}
+
+
+def plot(cells: list[dict[str, Any]], summary: list[dict[str, Any]], path: Path) -> None:
+    """Greedy accuracy against eta: a line per loss through the seed means, each seed a point."""
+    fig, ax = new_plot()
+    names = list(dict.fromkeys(r["loss"] for r in summary))
+    for k, loss in enumerate(names):
+        rows = [r for r in summary if r["loss"] == loss]
+        line = ax.plot([r["eta"] for r in rows], [100 * r["final_acc"] for r in rows], marker="o", label=loss)[0]
+        seeds = [c for c in cells if c["loss"] == loss]
+        jitter = 0.08 * (k - (len(names) - 1) / 2)  # side by side, not on top of each other
+        ax.scatter([c["eta"] + jitter for c in seeds], [100 * c["final_acc"] for c in seeds], s=12, alpha=0.5, color=line.get_color())
+    ax.set_xticks(sorted({c["eta"] for c in cells}))
+    ax.axhline(100 * cells[0]["base_acc"], color="grey", linestyle="--", linewidth=1, label="base model")
+    save_plot(fig, ax, path, "max_staleness (eta)", "final greedy validation accuracy (%)", "async-rl: accuracy against staleness (tiny CPU task)")
+
+
+if __name__ == "__main__":
+    main()
