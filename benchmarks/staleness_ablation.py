@@ -28,7 +28,8 @@ vLLM to their own cores (``launch.cores.cpu_layout``), as in ``async_vs_sync.py`
     python benchmarks/staleness_ablation.py --seeds 1 --etas 0,4 --losses decoupled --steps 20   # a smoke
 
 JSON keys: ``cells`` (per cell: eta, loss, seed, final_acc, base_acc, gain_points,
-staleness_mean, staleness_max, is_weight_mean, is_weight_max, pg_clipfrac, masked_fraction,
+staleness_mean, staleness_max, is_weight_mean, is_weight_max, is_clipped_fraction (weights cut at
+is_cap), pg_clipfrac, masked_fraction,
 behav_kl, groups, wall_s, train_s, run_dir), ``summary`` (per eta and loss: the mean over
 seeds of final_acc and gain_points with the 95 % interval half-width, ``*_ci95``, and the
 mean staleness), ``target`` (decoupled at eta = max against eta = 0: the gap in points and
@@ -170,6 +171,7 @@ def read_cell(run_dir: Path) -> dict[str, float]:
         "staleness_max": max(r["staleness/max"] for r in steps),
         "is_weight_mean": mean("actor/is_weight_mean"),
         "is_weight_max": max(r["actor/is_weight_max"] for r in steps),
+        "is_clipped_fraction": mean("actor/is_clipped_fraction"),
         "pg_clipfrac": mean("actor/pg_clipfrac"),
         "masked_fraction": mean("actor/masked_fraction"),
         "behav_kl": mean("actor/behav_kl"),
@@ -196,6 +198,7 @@ def summarize(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
                      "gain_points": statistics.fmean(gain), "gain_points_ci95": interval(gain),
                      "staleness_mean": statistics.fmean(c["staleness_mean"] for c in mine),
                      "is_weight_mean": statistics.fmean(c["is_weight_mean"] for c in mine),
+                     "is_clipped_fraction": statistics.fmean(c["is_clipped_fraction"] for c in mine),
                      "pg_clipfrac": statistics.fmean(c["pg_clipfrac"] for c in mine),
                      "wall_s": statistics.fmean(c["wall_s"] for c in mine)})
     return rows
