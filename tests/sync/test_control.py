@@ -121,17 +121,21 @@ def test_wait_for_servers_times_out():
     sender.close()
 
 
-class _ShmServer:
+class ShmServer:
     """A server on the sender's host that answers every Announce with Ready and every
-    shared-memory Start with a failed Ack (``error``, ``error_kind``); it never joins a
-    broadcast group. Records each Start it received."""
+    hand-off Start with a failed Ack (``error``, ``error_kind``), or none when ``ack`` is
+    False (a reader that stays silent); it never joins a broadcast group. Records each
+    Start it received."""
 
-    def __init__(self, sender: WeightSender, error: str, error_kind: ErrorKind | None):
+    def __init__(self, sender: WeightSender, error: str, error_kind: ErrorKind | None, hello: Hello | None = None,
+                 ack: bool = True):
         self.starts: list[Start] = []
-        self._error, self._kind = error, error_kind
+        self._error, self._kind, self._ack = error, error_kind, ack
         self._peer = RawServer(sender)
-        self._peer.send(Hello("local", 1, None, host_identity()))
-        sender.wait_for_servers(1, timeout_s=5.0)
+        self._hello = hello or Hello("local", 1, None, host_identity())
+        self._peer.send(self._hello)
+        known = len(sender.servers)
+        sender.wait_for_servers(known + (self._hello.server_id not in sender.servers), timeout_s=5.0)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, daemon=True)
         self._thread.start()
@@ -143,11 +147,11 @@ class _ShmServer:
             except TimeoutError:
                 continue
             if isinstance(msg, Announce):
-                self._peer.send(Ready(msg.update_id, "local"))
+                self._peer.send(Ready(msg.update_id, self._hello.server_id))
             elif isinstance(msg, Start):
                 self.starts.append(msg)
-                if msg.handoff is not None:
-                    self._peer.send(Ack(msg.update_id, "local", None, self._error, error_kind=self._kind))
+                if msg.handoff is not None and self._ack:
+                    self._peer.send(Ack(msg.update_id, self._hello.server_id, None, self._error, error_kind=self._kind))
 
     def close(self) -> None:
         self._stop.set()
@@ -164,7 +168,7 @@ def test_a_server_is_moved_to_the_group_by_the_acks_error_kind_not_its_text(kind
     """The Ack's typed ``error_kind`` decides whether a same-host server gets the group from
     then on; an error text that merely names ``IpcUnavailable`` does not."""
     sender = _sender(backend="ipc", timeout_s=1.0, control_timeout_s=1.0)
-    server = _ShmServer(sender, "IpcUnavailable: cannot map shared memory", kind)
+    server = ShmServer(sender, "IpcUnavailable: cannot map shared memory", kind)
     named = [("w", torch.ones(4))]
     try:
         first = sender.send(iter(named), 1, specs=tensor_specs(named))
@@ -185,7 +189,7 @@ def test_shared_memory_that_cannot_be_reserved_sends_the_update_over_the_group(m
 
     monkeypatch.setattr(ipc.os, "posix_fallocate", no_space)
     sender = _sender(backend="ipc", timeout_s=1.0, control_timeout_s=1.0)
-    server = _ShmServer(sender, "unused", None)
+    server = ShmServer(sender, "unused", None)
     named = [("w", torch.ones(4))]
     try:
         sender.send(iter(named), 1, specs=tensor_specs(named))  # over the group it times out: the fake never joins

@@ -6,22 +6,18 @@ device buffer. The CUDA calls themselves (export, open) run on the GPU machine:
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
-from async_rl.sync.auth import RunSecret
 from async_rl.sync.buckets import plan_buckets, tensor_specs
-from async_rl.sync.control import Announce, Hello, Ready, Start, encode
+from async_rl.sync.control import Announce, Hello, Start, encode
 from async_rl.sync.cuda_ipc import CudaHandle, CudaIpcWriter, CudaSource
 from async_rl.sync.ipc import IpcUnavailable, ShmWriter, host_identity
 from async_rl.sync.module_receiver import ModuleReceiver
 from async_rl.sync.sender import WeightSender
 from module_servers import ModuleServer
-from test_control import RawServer
+from test_control import SECRET, ShmServer
 
-SECRET = RunSecret.generate()
 GPU = "GPU-00000000-test"
 """The GPU the sender and its CUDA IPC readers claim to share."""
 
@@ -61,35 +57,6 @@ def _served(served: torch.nn.Module, trained: torch.nn.Module) -> bool:
     return all(torch.equal(a, b) for a, b in zip(served.state_dict().values(), trained.state_dict().values(), strict=True))
 
 
-class _SilentReader:
-    """A server on the sender's GPU that takes part (Ready) and never acknowledges: hung, or
-    still reading the buffer."""
-
-    def __init__(self, sender: WeightSender) -> None:
-        self.peer = RawServer(sender, SECRET)
-        self.peer.send(Hello("silent", 1, 0, host_identity(), GPU))
-        self.starts: list[Start] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            try:
-                msg = self.peer.recv(50)
-            except TimeoutError:
-                continue
-            if isinstance(msg, Announce):
-                self.peer.send(Ready(msg.update_id, "silent"))
-            elif isinstance(msg, Start):
-                self.starts.append(msg)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self.peer.close()
-
-
 def test_a_server_on_the_senders_gpu_reads_one_reused_buffer_until_a_reader_stays_silent():
     sender = _sender(_DeviceBuffer())
     served = _model(0)
@@ -108,8 +75,9 @@ def test_a_server_on_the_senders_gpu_reads_one_reused_buffer_until_a_reader_stay
         assert server.receiver._wsync_shm._shm.name == names[0]  # and opened once by its reader
         assert elsewhere.receiver._wsync_shm._shm.name != names[0]  # another GPU: host shared memory
 
-        silent = _SilentReader(sender)
-        sender.wait_for_servers(3, 10.0)
+        # A server on the sender's GPU that takes part (Ready) and never acknowledges: hung, or
+        # still reading the buffer.
+        silent = ShmServer(sender, "unused", None, Hello("silent", 1, 0, host_identity(), GPU), ack=False)
         result = _send(sender, trained := _model(3), 3)
         assert result.failed == {"silent": "no Ack within the timeout"} and _served(served, trained)
         assert silent.starts[-1].handoff.name == names[0]
