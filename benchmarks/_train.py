@@ -56,9 +56,10 @@ class ConsoleRun:
     """A command in a subprocess (stdout and stderr together), each line echoed with ``label``
     and kept in :attr:`lines` with the ``time.time()`` it arrived."""
 
-    def __init__(self, cmd: list[str], label: str):
+    def __init__(self, cmd: list[str], label: str, env: dict[str, str] | None = None):
+        """``env``: variables set for the command on top of this process's environment."""
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, cwd=ROOT,
-                                     env={**os.environ, "COLUMNS": "400"})
+                                     env={**os.environ, "COLUMNS": "400", **(env or {})})
         self.lines: list[tuple[float, str]] = []
         self._reader = threading.Thread(target=self._read, args=(label,), daemon=True)
         self._reader.start()
