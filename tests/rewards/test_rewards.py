@@ -9,7 +9,14 @@ import time
 import pytest
 
 from async_rl.config import OverlongPenaltyConfig, RewardConfig
-from async_rl.rewards import RewardOutputError, RewardPool, RewardScorer, builtin_names, load_reward_function, score_output
+from async_rl.rewards import (
+    RewardOutputError,
+    RewardPool,
+    RewardScorer,
+    builtin_names,
+    load_reward_function,
+    score_output,
+)
 from async_rl.rewards.builtin import last_boxed
 
 
