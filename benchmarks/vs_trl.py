@@ -13,12 +13,12 @@ core), generating with ``transformers`` (TRL's vLLM path needs a GPU).
 
 TRL runs in a venv of its own, so its pins never meet ours; make it once with
 
-    benchmarks/vs_trl_env.sh /work/trl-venv        # TRL 1.13.0 and this venv's torch, CPU build
+    benchmarks/vs_trl_env.sh          # runs/trl-venv: TRL 1.13.0 and this venv's torch (CPU build)
 
 then
 
-    python benchmarks/vs_trl.py --trl-python /work/trl-venv/bin/python \\
-        --json benchmarks/results/vs_trl.json --plot benchmarks/results/vs_trl.png
+    python benchmarks/vs_trl.py --json benchmarks/results/vs_trl.json --plot benchmarks/results/vs_trl.png \\
+        [--trl-python VENV/bin/python] [--steps 200 --val-every 20] [--set KEY=VALUE ...]
 
 Clocks: each side's curve starts (0 s) at its first training step: async-rl's console line
 "rollout workers started", TRL's ``on_train_begin`` — after start-up (async-rl: Ray, Redis, the
@@ -212,8 +212,8 @@ def run_trl(args, cfg) -> tuple[dict, dict, str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--trl-python", type=Path, default=Path(os.environ.get("TRL_PYTHON", "/work/trl-venv/bin/python")),
-                    help="python of TRL's venv (benchmarks/vs_trl_env.sh makes one; env TRL_PYTHON)")
+    ap.add_argument("--trl-python", type=Path, default=Path(os.environ.get("TRL_PYTHON", ROOT / "runs" / "trl-venv" / "bin" / "python")),
+                    help="python of TRL's venv (default: env TRL_PYTHON, else runs/trl-venv's, where benchmarks/vs_trl_env.sh makes it)")
     ap.add_argument("--trl-threads", type=int, default=os.cpu_count(), help="torch threads of the TRL process (default: every core)")
     ap.add_argument("--assets", type=Path, default=Path("runs/bench/assets"), help="tiny assets dir (built if absent)")
     ap.add_argument("--out", type=Path, default=Path("runs/bench/vs-trl"), help="run directories (emptied first)")
