@@ -1,4 +1,5 @@
-"""Shared output of the benchmark scripts: an aligned table on stdout, a JSON file and plots."""
+"""Shared output of the benchmark scripts: an aligned table on stdout, a JSON file and plots
+(accuracy curves: :func:`plot_curves`)."""
 
 from __future__ import annotations
 
@@ -48,3 +49,17 @@ def save_plot(fig: Any, ax: Any, path: Path, xlabel: str, ylabel: str, title: st
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def plot_curves(curves: dict[str, list[tuple[float, float]]], path: Path, *, title: str, xlabel: str,
+                marks: dict[str, float | None] | None = None) -> None:
+    """Greedy validation accuracy curves as a PNG at ``path``: one line per label of ``curves``
+    (``(seconds, accuracy as a fraction)`` points, drawn in percent), and for a label of ``marks``
+    with a time, a dotted vertical line there in the line's colour (e.g. when a target was reached)."""
+    fig, ax = new_plot()
+    for name, points in curves.items():
+        xs, ys = zip(*points)
+        line, = ax.plot(xs, [100 * y for y in ys], marker="o", label=name)
+        if (marks or {}).get(name) is not None:
+            ax.axvline(marks[name], color=line.get_color(), ls=":", alpha=0.6)
+    save_plot(fig, ax, path, xlabel, "greedy validation accuracy (%)", title)

@@ -31,7 +31,7 @@ import os
 import time
 from pathlib import Path
 
-from _report import new_plot, report, save_plot
+from _report import plot_curves, report
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 
@@ -111,7 +111,8 @@ def main() -> None:
     }
     report(result, args.json)
     if args.plot:
-        plot({name: m["curve"] for name, m in modes.items()}, args.plot)
+        plot_curves({name: m["curve"] for name, m in modes.items()}, args.plot, xlabel="wall time since the first learner step (s)",
+                    title="async-rl: asynchronous vs synchronous (tiny CPU task)")
 
 
 def run_mode(cfg) -> dict:
@@ -206,14 +207,6 @@ async def _generate_alone(cfg, url: str, groups: int, cores: str | None) -> floa
     await pool.shutdown()
     return elapsed
 
-
-def plot(curves: dict[str, list[tuple[float, float]]], path: Path) -> None:
-    fig, ax = new_plot()
-    for name, points in curves.items():
-        xs, ys = zip(*points)
-        ax.plot(xs, [100 * y for y in ys], marker="o", label=name)
-    save_plot(fig, ax, path, "wall time since the first learner step (s)", "greedy validation accuracy (%)",
-              "async-rl: asynchronous vs synchronous (tiny CPU task)")
 
 if __name__ == "__main__":
     main()

@@ -24,7 +24,6 @@ last10, critic_explained_variance_max (with a critic), plus the command and sett
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -33,6 +32,7 @@ import time
 from pathlib import Path
 
 from _report import report
+from _train import first_gain, gain_points, read_metrics, val_curve
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -65,21 +65,16 @@ def main() -> None:
     subprocess.run(command, cwd=ROOT, check=True, env=os.environ.copy())
     train_wall_s = time.perf_counter() - t0
 
-    rows = [json.loads(line) for line in (ROOT / out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    val = [
-        {"version": int(r["version"]), "elapsed_s": round(r["time/elapsed_s"], 1),
-         "greedy": r["val/greedy_accuracy"], "pass_at_n": r["val/pass_at_n"]}
-        for r in rows if "val/greedy_accuracy" in r
-    ]
+    rows = read_metrics(ROOT / out)
+    val = [{k: v for k, v in point.items() if k != "wall_s"} for point in val_curve(rows)]
     if not val:
         raise SystemExit(f"no validation rows in {out / 'metrics.jsonl'}: set trainer.val_every")
     steps = [r for r in rows if "actor/lr" in r]
     last = steps[-10:]
     last10 = {k: sum(r[k] for r in last) / len(last) for k in sorted(last[0]) if k.startswith(("env/", "critic/"))} if last else {}
     explained = [r["critic/explained_variance"] for r in steps if "critic/explained_variance" in r]
-    gain = round(100.0 * (val[-1]["greedy"] - val[0]["greedy"]), 6)  # accuracies are multiples of 1 / rows: no float dust
-    # The first validation at or above the target gain, and when (seconds since the run started).
-    reached = next((v for v in val if round(100.0 * (v["greedy"] - val[0]["greedy"]), 6) >= args.target_points), None)
+    gain = gain_points(val, val[-1])
+    reached = first_gain(val, args.target_points)  # when: seconds since the run started
     result = {
         "greedy_start": val[0]["greedy"],
         "greedy_end": val[-1]["greedy"],

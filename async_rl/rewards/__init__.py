@@ -16,6 +16,7 @@ from async_rl.rewards.scoring import (
     RewardStartupError,
     Score,
     check_reward_function,
+    score_output,
 )
 
 from async_rl.rewards import builtin as _builtin  # noqa: E402,F401 - registers the built-in reward functions
@@ -36,4 +37,5 @@ __all__ = [
     "builtin_names",
     "check_reward_function",
     "load_reward_function",
+    "score_output",
 ]

@@ -54,6 +54,13 @@ class Score:
     failure: Failure | None = None
     """Why scoring failed for this sample (the sample is then not trained), or None."""
 
+    @property
+    def correct(self) -> bool:
+        """Whether validation counts the sample as solved: its ``accuracy`` component, or the
+        reward when there is none, is at least 0.5 (``math``'s reward is 0.9 * accuracy + 0.1 *
+        format: a well-formatted wrong answer is not solved)."""
+        return self.components.get("accuracy", self.reward) >= 0.5
+
 
 @dataclass
 class RewardCounters:
@@ -227,12 +234,15 @@ def _hint(exc: RewardError, cfg: RewardConfig) -> str:
 
 def _outcome(out: Any) -> Outcome:
     try:
-        return _validate(out)
+        return score_output(out)
     except RewardOutputError as exc:
         return exc
 
 
-def _validate(out: Any) -> Score:
+def score_output(out: Any) -> Score:
+    """One output of a reward function (a dict with ``overall`` and named components) as a
+    :class:`Score`; raises :class:`RewardOutputError` when it is unusable (no ``overall``, a
+    value that is not a number, a non-finite ``overall``)."""
     if not isinstance(out, dict) or "overall" not in out:
         raise RewardOutputError(f"reward function output {out!r:.80} is not a dict with key 'overall'")
     try:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from async_rl.data.prompts import PromptRow
-from async_rl.rewards.scoring import RewardScorer, Score
+from async_rl.rewards.scoring import RewardScorer
 from async_rl.rollout.episodes import EpisodeSampler
 from async_rl.rollout.types import GenerateFn, Sampling
 
@@ -47,11 +47,6 @@ class ValidationResult:
     seconds: float
 
 
-def _correct(score: Score) -> bool:
-    # Rewards with an accuracy component (math: 0.9*acc + 0.1*format) are judged on it.
-    return score.components.get("accuracy", score.reward) >= 0.5
-
-
 async def validate(
     generate: GenerateFn,
     prompts: list[ValPrompt],
@@ -76,7 +71,7 @@ async def validate(
         scores = await scorer.score(
             [{"response": c.text, "response_length": len(c.token_ids), "ground_truth": prompt.answer} for c in completions]
         )
-        return _correct(scores[0]), [_correct(s) for s in scores[1:]], [v for c in completions for v in c.versions]
+        return scores[0].correct, [s.correct for s in scores[1:]], [v for c in completions for v in c.versions]
 
     return _summary(await asyncio.gather(*(one(p) for p in prompts)), n, t0)
 

@@ -9,7 +9,14 @@ import time
 import pytest
 
 from async_rl.config import OverlongPenaltyConfig, RewardConfig
-from async_rl.rewards import RewardPool, RewardScorer, builtin_names, load_reward_function
+from async_rl.rewards import (
+    RewardOutputError,
+    RewardPool,
+    RewardScorer,
+    builtin_names,
+    load_reward_function,
+    score_output,
+)
 from async_rl.rewards.builtin import last_boxed
 
 
@@ -25,6 +32,18 @@ def test_exact_match():
     fn = load_reward_function("exact_match")
     out = fn(_inputs((" 432\n", "432"), ("43 2", "432"), ("432", 432)))
     assert [o["overall"] for o in out] == [1.0, 0.0, 1.0]
+
+
+def test_score_output_and_correct():
+    """A reward output becomes a Score; validation judges it on its accuracy component, else on
+    the reward (the math reward of a well-formatted wrong answer, 0.1, is not solved)."""
+    math_wrong, math_right = score_output({"overall": 0.1, "accuracy": 0.0, "format": 1.0}), score_output({"overall": 1.0, "accuracy": 1.0})
+    assert (math_wrong.reward, math_wrong.components) == (0.1, {"accuracy": 0.0, "format": 1.0})
+    assert (math_wrong.correct, math_right.correct) == (False, True)
+    assert [score_output({"overall": r}).correct for r in (0.0, 0.49, 0.5, 1.0)] == [False, False, True, True]
+    for bad in ({"accuracy": 1.0}, {"overall": "x"}, {"overall": float("nan")}, 1.0):
+        with pytest.raises(RewardOutputError):
+            score_output(bad)
 
 
 def test_last_boxed_balanced():
