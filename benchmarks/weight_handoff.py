@@ -4,10 +4,11 @@
     python benchmarks/weight_handoff.py --shape smoke --updates 5 --json OUT.json                # on a CPU (host route only)
 
 This process plays learner rank 0 (a :class:`~async_rl.sync.sender.WeightSender` publishing a
-random Qwen2 of ``--shape`` in the compute dtype: bf16 on a GPU, fp32 on a CPU); a second
+random Qwen2 of ``--shape`` in float32, as the learner sends its master weights); a second
 process (``--receive``, started here) is the server: the real
 :class:`~async_rl.sync.server.WeightUpdateServer` and receiving protocol, loading into a
-transformers model of the same shape through :class:`~async_rl.sync.module_receiver.ModuleReceiver`
+transformers model of the same shape (in the serving dtype: bf16 on a GPU, float32 on a CPU)
+through :class:`~async_rl.sync.module_receiver.ModuleReceiver`
 (vLLM cannot run on the GPU machine; its loader is the one part not measured). Per route
 (``cuda``: CUDA IPC, the default on one GPU; ``host``: host shared memory, the fallback),
 ``--updates`` updates, each changing every weight's first element, and then the served
@@ -50,18 +51,22 @@ from async_rl.sync.server import WeightUpdateServer  # noqa: E402
 ROUTES = ("cuda", "host")
 GROWTH_LIMIT_MB = 64.0
 """Most a process's device memory may grow from the first update to the last (MB): one
-allocator rounding, not a buffer per update (0.5B's update is about 990 MB)."""
+allocator rounding, not a buffer per update (0.5B's float32 update is about 1,980 MB)."""
 COPIES = 10
 """Raw device-to-device copies timed for the baseline."""
 
 
-def build(shape: str, device: torch.device) -> torch.nn.Module:
-    """A random Qwen2 of ``shape`` on ``device`` in the compute dtype (same weights for a seed)."""
+def serving_dtype(device: torch.device) -> torch.dtype:
+    """The servers' dtype: bf16 on a GPU, float32 on a CPU."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def build(shape: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """A random Qwen2 of ``shape`` on ``device`` in ``dtype`` (the same weights every time)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
     config = Qwen2Config(**{"vocab_size": VOCAB, "max_position_embeddings": 32768, "tie_word_embeddings": True, **SHAPES[shape]})
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     return Qwen2ForCausalLM(config).to(device=device, dtype=dtype).eval()
 
 
@@ -83,8 +88,9 @@ def allocator_mb(device: torch.device) -> dict[str, float]:
     return {"allocated_mb": torch.cuda.memory_allocated(device) / 1e6, "reserved_mb": torch.cuda.memory_reserved(device) / 1e6}
 
 
-def checksum(named: list[tuple[str, torch.Tensor]]) -> float:
-    return float(sum(t.double().sum().item() for _, t in named))
+def checksum(named: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -> float:
+    """Sum of every element once cast to ``dtype`` (what a server of that dtype holds)."""
+    return float(sum(t.to(dtype).double().sum().item() for _, t in named))
 
 
 # ------------------------------------------------------------------------- the receiver
@@ -94,7 +100,8 @@ def receive(address: str, shape: str, device: torch.device, report: Path) -> Non
     """The server side: registers, loads every update into the model, writes ``report``
     (its memory after each update and the served weights' checksum) after each one."""
     secret = RunSecret(bytes.fromhex(sys.stdin.readline().strip()))
-    model = build(shape, device)
+    dtype = serving_dtype(device)
+    model = build(shape, device, dtype)
     receiver = ModuleReceiver(model)
     lines: list[dict[str, Any]] = []
 
@@ -106,8 +113,10 @@ def receive(address: str, shape: str, device: torch.device, report: Path) -> Non
     def on_outcome(outcome: Any) -> None:
         lines.append({"update_id": outcome.update_id, "ok": outcome.ok, "error": outcome.error, "load_s": outcome.load_s,
                       "memory_mb": process_memory_mb(os.getpid(), device), **allocator_mb(device),
-                      "checksum": checksum(list(model.named_parameters())), "read_from": read_from()})
-        report.write_text(json.dumps(lines))
+                      "checksum": checksum(list(model.named_parameters()), dtype), "read_from": read_from()})
+        partial = report.with_name(report.name + ".partial")  # the learner polls the report: replace it whole
+        partial.write_text(json.dumps(lines))
+        partial.replace(report)
 
     async def serve() -> None:
         server = WeightUpdateServer(LocalEngine(receiver), SyncEndpoint(address, secret), "handoff", version=0)
@@ -185,7 +194,7 @@ def run_route(route: str, model: torch.nn.Module, shape: str, device: torch.devi
         "sender_memory": {"after_first": sender_memory[0], "after_last": sender_memory[-1]},
         "receiver_memory": {"after_first": {k: served[0][k] for k in served[0] if k.endswith("_mb")},
                             "after_last": {k: served[-1][k] for k in served[-1] if k.endswith("_mb")}},
-        "served_equals_sent": abs(served[-1]["checksum"] - checksum(named)) <= 1e-6 * max(1.0, abs(checksum(named))),
+        "served_equals_sent": served[-1]["checksum"] == checksum(named, serving_dtype(device)),
     }
     out["growth_mb"] = {side: out[f"{side}_memory"]["after_last"]["memory_mb"] - out[f"{side}_memory"]["after_first"]["memory_mb"]
                         for side in ("sender", "receiver")}
@@ -209,10 +218,11 @@ def main() -> None:
         return
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    model = build(args.shape, device)
+    model = build(args.shape, device, torch.float32)
     named = [(n, p.detach()) for n, p in model.named_parameters()]
     doc: dict[str, Any] = {"shape": args.shape, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                           "dtype": str(next(model.parameters()).dtype), "raw_copy_ms": raw_copy_ms(named, device), "routes": {}}
+                           "sent_dtype": "float32", "served_dtype": str(serving_dtype(device)).removeprefix("torch."),
+                           "raw_copy_ms": raw_copy_ms(named, device), "routes": {}}
     work = Path(args.json).parent if args.json else Path.cwd()
     for route in args.routes.split(","):
         if route == "cuda" and device.type != "cuda":

@@ -18,8 +18,10 @@ from async_rl.learner.memory import (
     GB,
     Beside,
     MemoryEstimate,
+    UPDATE_BYTES_PER_PARAM,
     ModelShape,
     budget_gb,
+    cuda_ipc_handoff,
     estimate,
     max_fitting_tokens,
     resolve_gradient_checkpointing,
@@ -211,10 +213,6 @@ def _check_vision(cfg: Config, plan: Plan) -> None:
                            "has no vision_config")
 
 
-UPDATE_BYTES_PER_PARAM = 4
-"""Bytes of each parameter in a weight update: the learner sends its float32 master
-copy, as it sends full weights (``learner.model.iter_full_parameters`` casts nothing)."""
-
 
 def _check_lora(cfg: Config, plan: Plan) -> None:
     """``learner.lora``'s targets against the model's modules (a name that matches none is an
@@ -265,8 +263,8 @@ def _check_memory(cfg: Config, plan: Plan) -> None:
                                  "(point it at a local copy, or at a directory holding the model's config.json, to check memory)")
         return  # an empty or missing model directory is already an error
     device_type = learner_device_type(cfg)
-    beside = Beside.of(cfg.algorithm, lrn.lora)
     share = servers_gpu_share(cfg.rollout, lrn) if device_type == "cuda" else 0.0
+    beside = Beside.of(cfg.algorithm, lrn.lora, handoff=cuda_ipc_handoff(cfg.sync, share))
     if share >= 1:
         plan.errors.append(f"the inference servers on learner rank 0's GPU take all of it: {share:.0%} (rollout.vllm.gpu_memory_utilization="
                            f"{cfg.rollout.vllm.gpu_memory_utilization:g} per server, rollout.gpus_per_server={cfg.rollout.gpus_per_server:g}, "

@@ -28,6 +28,9 @@ element of the compute dtype: 2 for bf16, 4 for float32; ``V`` vocabulary, ``H``
 * critic (only with ``gae``): the value model's float32 shard, AdamW states and gathered root,
   ``12 P / W + c P_root``, taken to have the policy's shape; its gradients and activations
   live while the policy's do not (the critic trains before the policy in a step);
+* weight hand-off buffer (only when inference servers share the rank's GPU and read updates
+  through CUDA IPC): the whole update, float32, ``4 P`` (LoRA: the adapter, ``4 P_lora``), kept
+  between updates;
 * overhead: fixed (:data:`GPU_OVERHEAD_GB`: CUDA context, NCCL and workspaces) plus allocator
   fragmentation, :data:`FRAGMENTATION` (15%) of activations + log-prob chunk.
 
@@ -71,7 +74,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from async_rl.config import AlgorithmConfig, LearnerConfig, LoraConfig, RolloutConfig
+from async_rl.config import AlgorithmConfig, LearnerConfig, LoraConfig, RolloutConfig, SyncConfig
 
 GB = 1e9
 """Bytes per GB."""
@@ -311,6 +314,10 @@ class MemoryEstimate:
     """The frozen reference model (KL penalty), 0 without one."""
     critic_gb: float
     """The critic's resident state (gae), 0 without one."""
+    handoff_gb: float
+    """The CUDA IPC hand-off buffer of servers on the rank's GPU: the whole update
+    (:data:`UPDATE_BYTES_PER_PARAM` per sent parameter: the model, or the LoRA adapter); 0
+    without such servers."""
     tokens: int
     """Tokens of one micro-batch (``learner.max_tokens_per_microbatch``)."""
     adapter_params: int
@@ -326,7 +333,7 @@ class MemoryEstimate:
     def total_gb(self) -> float:
         """Sum of the parts."""
         return (self.params_gb + self.grads_gb + self.optimizer_gb + self.compute_copies_gb + self.activations_gb
-                + self.logprob_chunk_gb + self.overhead_gb + self.reference_gb + self.critic_gb)
+                + self.logprob_chunk_gb + self.overhead_gb + self.reference_gb + self.critic_gb + self.handoff_gb)
 
     @property
     def fits(self) -> bool:
@@ -346,6 +353,8 @@ class MemoryEstimate:
             parts.append(f"reference model {self.reference_gb:.1f}")
         if self.critic_gb:
             parts.append(f"critic {self.critic_gb:.1f}")
+        if self.handoff_gb:
+            parts.append(f"weight hand-off buffer {self.handoff_gb:.1f}")
         parts.append(f"overhead {self.overhead_gb:.1f}")
         line = f"learner memory: {self.total_gb:.1f} GB of {self.budget_gb:.4g} GB per rank ({', '.join(parts)})"
         if self.measured is not None:
@@ -417,6 +426,11 @@ def activation_bytes_per_token(shape: ModelShape, c: int, checkpointing: bool, r
     return kept + outer + backward
 
 
+UPDATE_BYTES_PER_PARAM = 4
+"""Bytes of each parameter in a weight update: the learner sends its float32 master copy (a
+LoRA adapter's too; ``learner.model.iter_full_parameters`` casts nothing)."""
+
+
 @dataclass(frozen=True)
 class Beside:
     """The models a learner rank holds beside the policy it trains."""
@@ -425,12 +439,17 @@ class Beside:
     """The frozen reference (``algorithm.needs_reference``)."""
     critic: bool = False
     """The critic (``algorithm.needs_critic``)."""
+    handoff: bool = False
+    """The weight hand-off buffer: inference servers on the rank's own GPU read every update
+    from one buffer of the whole update kept in its memory (CUDA IPC, ``sync.backend`` ``auto``
+    or ``ipc``; :mod:`async_rl.sync.cuda_ipc`)."""
 
     @classmethod
-    def of(cls, algorithm: AlgorithmConfig, lora: LoraConfig | None = None) -> Beside:
+    def of(cls, algorithm: AlgorithmConfig, lora: LoraConfig | None = None, handoff: bool = False) -> Beside:
         """What ``algorithm`` needs beside the policy; with ``lora`` (``learner.lora``) no
-        reference model: a LoRA run's reference is the policy with its adapters disabled."""
-        return cls(algorithm.needs_reference and lora is None, algorithm.needs_critic)
+        reference model: a LoRA run's reference is the policy with its adapters disabled.
+        ``handoff``: servers share the rank's GPU and get their updates through CUDA IPC."""
+        return cls(algorithm.needs_reference and lora is None, algorithm.needs_critic, handoff)
 
 
 def estimate(model_config: Mapping[str, Any], learner: LearnerConfig, checkpointing: bool, budget_gb: float,
@@ -471,6 +490,7 @@ def estimate(model_config: Mapping[str, Any], learner: LearnerConfig, checkpoint
         overhead_gb=fixed + FRAGMENTATION * (activations + chunk_bytes) / GB,
         reference_gb=(4 * p / world + c * shape.root_params) / GB if beside.reference else 0.0,
         critic_gb=(12 * p / world + c * shape.root_params + critic_grads) / GB if beside.critic else 0.0,
+        handoff_gb=UPDATE_BYTES_PER_PARAM * (p if lora is None else trained) / GB if beside.handoff else 0.0,
         tokens=tokens,
         adapter_params=0 if lora is None else trained,
         checkpointing=checkpointing,
@@ -510,6 +530,13 @@ def servers_gpu_share(rollout: RolloutConfig, learner: LearnerConfig) -> float:
         return 0.0
     beside = min(rollout.num_servers, int((1 - learner.gpus_per_rank) / rollout.gpus_per_server + 1e-9))
     return beside * rollout.vllm.gpu_memory_utilization
+
+
+def cuda_ipc_handoff(sync: SyncConfig, servers_share: float) -> bool:
+    """Whether learner rank 0 keeps a CUDA IPC hand-off buffer on its GPU: inference servers
+    share the GPU (``servers_share`` > 0, :func:`servers_gpu_share`) and ``sync.backend`` hands
+    them updates through memory (``auto``, ``ipc``)."""
+    return servers_share > 0 and sync.backend in ("auto", "ipc")
 
 
 def budget_gb(learner: LearnerConfig, device_type: str, servers_share: float = 0.0) -> float:

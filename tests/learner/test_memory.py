@@ -307,3 +307,19 @@ def test_lora_auto_checkpointing_follows_the_lora_estimate():
     assert memory.resolve_gradient_checkpointing(full, QWEN25_15B, "cuda") is True
     assert memory.resolve_gradient_checkpointing(lora, QWEN25_15B, "cuda") is False
     assert memory.estimate(QWEN25_15B, lora, False, 24.0).fits
+
+
+def test_servers_on_the_ranks_gpu_add_the_cuda_ipc_hand_off_buffer():
+    """The whole float32 update (LoRA: the adapter) stays on learner rank 0's GPU between
+    updates when its servers share the GPU and get updates through CUDA IPC."""
+    lrn = _learner()
+    without = memory.estimate(QWEN25_05B, lrn, False, 80.0)
+    with_buffer = memory.estimate(QWEN25_05B, lrn, False, 80.0, beside=memory.Beside(handoff=True))
+    p = memory.parameter_count(QWEN25_05B)
+    assert without.handoff_gb == 0.0 and with_buffer.total_gb - without.total_gb == pytest.approx(4 * p / 1e9)
+    assert "weight hand-off buffer 2.0" in with_buffer.summary()
+    lora = memory.estimate(QWEN25_05B, _learner(*LORA), False, 80.0, beside=memory.Beside(handoff=True))
+    assert lora.handoff_gb == pytest.approx(4 * lora.adapter_params / 1e9)
+    sync = load_config(None, []).sync
+    assert memory.cuda_ipc_handoff(sync, 0.35) and not memory.cuda_ipc_handoff(sync, 0.0)
+    assert not memory.cuda_ipc_handoff(load_config(None, ["sync.backend=nccl"]).sync, 0.35)
