@@ -146,8 +146,9 @@ class ReceivingWorker:
 
     def _wsync_apply(self, announce: Announce, bufs: list[torch.Tensor]) -> None:
         """Put the staged update (one flat ``uint8`` tensor per bucket of ``announce``) into
-        the model; raising leaves the model's weights undefined (the server restarts)."""
-        raise NotImplementedError
+        the model; raising leaves the model's weights undefined (the server restarts). Every
+        receiver defines it (vLLM's worker extension, :class:`ModuleReceiver`)."""
+        raise NotImplementedError(f"{type(self).__name__} receives updates but defines no _wsync_apply to load them")
 
     # -- internals -----------------------------------------------------------------
 
