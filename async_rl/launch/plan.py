@@ -129,10 +129,21 @@ def make_plan(cfg: Config) -> Plan:
                              "from whichever node they run on)")
     if cfg.ray.address is None:
         if plan.cpus_needed > plan.cpus_here:
-            plan.warnings.append(f"needs {plan.cpus_needed:g} CPUs for its actors, this machine has {plan.cpus_here}: Ray will wait for resources")
+            (plan.errors if plan.gpus_needed <= plan.gpus_here else plan.warnings).append(_cpu_shortage(cfg, plan))
         if plan.gpus_needed > plan.gpus_here:
             plan.warnings.append(f"needs {plan.gpus_needed:g} GPUs, this machine has {plan.gpus_here}: run it on a GPU node or set ray.address")
     return plan
+
+
+def _cpu_shortage(cfg: Config, plan: Plan) -> str:
+    """Why the actors do not fit this machine's CPUs. A local Ray never gets more, so a run
+    would wait for its last actor until the stall timeout: an error where the run is meant to
+    start here, a warning for a plan of a GPU config on a machine without its GPUs."""
+    r, lrn = cfg.rollout, cfg.learner
+    return (f"needs {plan.cpus_needed:g} CPUs for its actors (rollout.num_servers={r.num_servers} x rollout.cpus_per_server={r.cpus_per_server:g} "
+            f"+ learner.world_size={lrn.world_size} x learner.cpus_per_rank={lrn.cpus_per_rank:g}), and the local Ray has {plan.cpus_here} "
+            f"(ray.num_cpus={cfg.ray.num_cpus if cfg.ray.num_cpus is not None else 'null: every core'}): it would wait for the rest forever. "
+            "Lower those keys, or raise ray.num_cpus to share cores (nothing is pinned then)")
 
 
 def _openai_api(cfg: Config, index: int) -> str:

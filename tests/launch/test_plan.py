@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -84,6 +85,22 @@ def test_plan_names_the_metric_sinks_and_refuses_a_taken_prometheus_port(data: P
     assert [e for e in plan.errors if e.startswith(f"logging.prometheus_port={port}: cannot serve on 127.0.0.1")], plan.errors
     free = make_plan(load_config(ROOT / "configs" / "quickstart.yaml", [f"data.train_files={data}", "logging.prometheus_port=0"]))
     assert not [e for e in free.errors if "prometheus" in e] and "Prometheus on 127.0.0.1:a free port" in free.monitoring
+
+
+def test_actors_beyond_the_local_cpus_are_an_error_naming_the_keys(data: Path):
+    """A local Ray never gets more CPUs: a run whose actors need more would hang until the
+    stall timeout, so the plan refuses it, naming the keys; ray.num_cpus that shares cores
+    plans. A GPU config planned without its GPUs only warns (it is meant for another machine)."""
+    cores = os.cpu_count() or 1
+    base = [f"data.train_files={data}", "rollout.cpus_per_server=1", f"learner.cpus_per_rank={cores}", "ray.num_cpus=null"]
+    (error,) = [e for e in make_plan(load_config(None, base)).errors if e.startswith(f"needs {cores + 1} CPUs for its actors")]
+    assert (f"(rollout.num_servers=1 x rollout.cpus_per_server=1 + learner.world_size=1 x learner.cpus_per_rank={cores}), "
+            f"and the local Ray has {cores} (ray.num_cpus=null: every core)") in error and "raise ray.num_cpus" in error
+    shared = make_plan(load_config(None, [*base, f"ray.num_cpus={cores + 1}"]))
+    assert not [e for e in shared.errors if "CPUs for its actors" in e], shared.errors
+    gpu = make_plan(load_config(None, [*base, "learner.gpus_per_rank=1"]))
+    if gpu.gpus_here == 0:
+        assert not [e for e in gpu.errors if "CPUs for its actors" in e] and [w for w in gpu.warnings if "CPUs for its actors" in w]
 
 
 def test_plan_lists_openai_api_ports(data: Path):

@@ -11,6 +11,7 @@ import signal
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 import httpx
 import pytest
@@ -259,6 +260,16 @@ def test_a_cancelled_worker_returns_its_prompts_and_leaks_no_slot(cfg, pool, que
     queue.abandon(ticket, return_prompt=True)
 
 
+async def _until(check: Callable[[], bool], what: str, timeout_s: float, state: Callable[[], str]) -> None:
+    """Wait until ``check()`` holds; past ``timeout_s`` fail, saying ``what`` did not happen
+    and ``state()`` (a hang must fail with what it waited on, not at the suite's timeout)."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not within {timeout_s:g} s; {state()}")
+        await asyncio.sleep(0.1)
+
+
 def test_a_dead_engine_is_replaced_at_once_and_its_work_returned(cfg, pool):
     """SIGKILL of the vLLM engine core process while its server actor lives (a CUDA fault or
     the OOM killer on a GPU), at default settings: a request in flight on it fails at once
@@ -276,13 +287,22 @@ def test_a_dead_engine_is_replaced_at_once_and_its_work_returned(cfg, pool):
         pool_.report = lambda line: (report(line), reports.append((time.monotonic(), line)))
         queue.publish_version(100)  # admission stays open: groups are in flight at the kill
 
+        def state() -> str:
+            return (f"queue {queue.stats()}, restarts {pool_.restarts}, engine deaths {pool_.engine_deaths}, "
+                    f"Ray's free resources {ray.available_resources()}, reports {[line for _, line in reports]}")
+
+        async def within(work, what: str, timeout_s: float):
+            try:
+                return await asyncio.wait_for(work, timeout_s)
+            except asyncio.TimeoutError:
+                raise AssertionError(f"{what} not within {timeout_s:g} s; {state()}") from None
+
         async def go():
             try:
-                await pool_.start_workers()
-                while queue.stats()["depth"] < 2:
-                    await asyncio.sleep(0.05)
+                await within(pool_.start_workers(), "the rollout workers started", 120)
+                await _until(lambda: queue.stats()["depth"] >= 2, "2 groups queued", 120, state)
                 dead = pool_.handle(0)
-                before = await dead.health.remote()
+                before = await within(dead.health.remote(), "health", 30)
                 long = dead.generate.remote([1, 2, 3], 1, Sampling(temperature=1.0, max_tokens=230, ignore_eos=True)).future()
 
                 def outcome() -> tuple[BaseException | None, float]:  # timed in a thread: this loop may be busy starting the replacement
@@ -294,13 +314,15 @@ def test_a_dead_engine_is_replaced_at_once_and_its_work_returned(cfg, pool):
                 killed = time.monotonic()
                 error, failed_at = await asyncio.to_thread(outcome)
                 request_failed_s = failed_at - killed
-                while pool_.handle(0) is dead:  # the replacement starts right after the report
-                    await asyncio.sleep(0.1)
-                after = await pool_.handle(0).health.remote()
-                served = await pool_.generate(0, [1, 2, 3], 2, Sampling(temperature=1.0, max_tokens=4))
-                put = queue.stats()["depth"]
-                while queue.stats()["depth"] < put + 2:  # the replacement's rollout workers go on
-                    await asyncio.sleep(0.1)
+                # Before the replacement's workers exist (its engine takes seconds to build). The
+                # queue may fill (max_depth 64, up to 32 groups finish together), so "2 more" is capped.
+                at_kill = queue.stats()["depth"]
+                # The replacement starts right after the report (an engine builds in about 15 s alone).
+                await _until(lambda: pool_.handle(0) is not dead, "the server replaced", 300, state)
+                after = await within(pool_.handle(0).health.remote(), "the replacement's health", 30)
+                served = await within(pool_.generate(0, [1, 2, 3], 2, Sampling(temperature=1.0, max_tokens=4)), "the replacement served", 60)
+                await _until(lambda: queue.stats()["depth"] >= min(at_kill + 2, cfg.queue.max_depth),  # its rollout workers go on
+                             "2 more groups queued by the replacement's workers", 120, state)
                 return before, after, killed, request_failed_s, error, served
             finally:
                 await pool_.stop_workers(grace_s=5.0)
