@@ -32,7 +32,8 @@ to the last validation). ``time_to_target_s``: the first validation ``--target-p
 the side's own base.
 
 JSON keys: ``async_rl`` and ``trl`` (each: base, final, gain_points, time_to_target_s,
-startup_s, train_wall_s, samples, samples_per_s, val), ``speedup_to_target`` (TRL's
+startup_s, train_wall_s, samples, samples_per_s, val; async-rl also step_median_s, its step's
+phases, and learning_warnings, the steps each learning check warned on), ``speedup_to_target`` (TRL's
 time_to_target_s over async-rl's), ``target_met`` (async-rl reached the target first),
 ``settings`` (shared), ``grpo_config`` (TRL's), ``differences`` (what could not be made equal),
 ``commands``, ``machine``.
@@ -44,6 +45,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -184,7 +186,24 @@ def run_async_rl(args, cmd: list[str], cfg) -> tuple[dict, str]:
     if t0 is None:
         raise SystemExit(f"no {STARTED!r} line in async-rl's console")
     samples = cfg.trainer.total_steps * cfg.learner.batch_size * cfg.rollout.n
-    return side_result(val_curve(read_metrics(run_dir)), t0, launched, samples, args.target_points), " ".join(["async-rl", *cmd[3:]])
+    rows = read_metrics(run_dir)
+    return {**side_result(val_curve(rows), t0, launched, samples, args.target_points), **step_profile(rows)}, " ".join(["async-rl", *cmd[3:]])
+
+
+STEP_PHASES = ("time/step", "time/fwd_bwd", "time/optim", "time/sync", "time/wait")
+"""The learner's step and its phases, seconds (where a step's time goes)."""
+
+
+def step_profile(rows: list[dict]) -> dict:
+    """``step_median_s``: the median of each of :data:`STEP_PHASES` over the training steps;
+    ``learning_warnings``: per learning check (``warn/<name>``), the steps it was raised on
+    (all 0 on a run where learning can work)."""
+    steps = [r for r in rows if "time/step" in r]
+    warnings = sorted({k for r in steps for k in r if k.startswith("warn/")})
+    return {
+        "step_median_s": {k: round(statistics.median(r[k] for r in steps if k in r), 4) for k in STEP_PHASES if any(k in r for r in steps)},
+        "learning_warnings": {k.removeprefix("warn/"): sum(1 for r in steps if r.get(k, 0.0) > 0) for k in warnings},
+    }
 
 
 def run_trl(args, cfg) -> tuple[dict, dict, str]:
