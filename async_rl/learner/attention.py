@@ -46,10 +46,12 @@ def packed_sdpa(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, at
     if groups > 1:  # grouped-query attention: each key/value head serves ``groups`` query heads
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     bounds = list(packed_bounds) if packed_bounds is not None else [0, query.shape[2]]
+    lengths = [b - a for a, b in zip(bounds, bounds[1:])]
+    # split, not a slice per sample: a slice's backward writes its gradient into a zeroed
+    # tensor of the whole row, which made the backward quadratic in the samples per row.
     parts = [
-        F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], is_causal=True, scale=scaling,
-                                       dropout_p=dropout if module.training else 0.0)
-        for a, b in zip(bounds, bounds[1:])
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, dropout_p=dropout if module.training else 0.0)
+        for q, k, v in zip(query.split(lengths, dim=2), key.split(lengths, dim=2), value.split(lengths, dim=2), strict=True)
     ]
     out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
     return out.transpose(1, 2).contiguous(), None
