@@ -167,7 +167,7 @@ def test_a_stale_run_corrects_with_the_recomputed_proximal_policy(tiny_assets, t
     exactly min(version, 4) versions old. On the stale ones the weight ``min(pi_prox / mu, 2)``
     differs from 1 (it is 1 everywhere if ``pi_prox`` were ``mu``) and stays under the cap, and
     ``pi_prox`` is far closer to the current policy (``ppo_kl``, one mini-batch apart) than to
-    ``mu`` (``behav_kl``, four versions apart)."""
+    ``mu`` (``behav_kl``, up to four versions apart), on the mean over the stale steps."""
     from run_helpers import train_cli, write_config
 
     steps = 7
@@ -182,7 +182,10 @@ def test_a_stale_run_corrects_with_the_recomputed_proximal_policy(tiny_assets, t
     assert rows[0]["actor/updates"] == 2
     stale = [r for r in rows if r["staleness/mean"] >= 2]
     for r in stale:
-        assert 1.0 < r["actor/is_weight_max"] <= 2.0 and r["actor/is_weight_mean"] != 1.0, r
-        assert r["actor/behav_kl"] > 0 and abs(r["actor/ppo_kl"]) < 0.5 * r["actor/behav_kl"], r
+        assert r["actor/is_weight_max"] <= 2.0 and r["actor/is_weight_mean"] != 1.0 and r["actor/behav_kl"] > 0, r
+    # Over the stale steps, not per step: a step's ppo_kl is a signed mean over ~80 tokens (k1),
+    # and at staleness 3 every weight was below 1 in some runs (the policy left mu's tokens).
+    assert max(r["actor/is_weight_max"] for r in stale) > 1.0, stale
+    assert statistics.fmean(abs(r["actor/ppo_kl"]) for r in stale) < 0.5 * statistics.fmean(r["actor/behav_kl"] for r in stale), stale
     # the weights move away from 1 as the samples age: the correction grows with staleness
     assert statistics.fmean(r["actor/behav_kl"] for r in stale) > 2 * rows[0]["actor/behav_kl"]
