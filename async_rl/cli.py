@@ -220,11 +220,15 @@ def scale_cmd(
     timeout_s: Annotated[float, typer.Option("--timeout-s", help="Longest wait for the driver's answer, seconds.")] = 1800.0,
 ) -> None:
     """Change the number of inference servers of a running run: new servers catch up to the current
-    weights and produce; leaving ones drain (nothing lost or produced twice). The run's driver does it."""
-    from async_rl.launch.scale import ScaleError, request_scale
+    weights and produce; leaving ones drain (nothing lost or produced twice). The run's driver does it.
+    Exit 0: done; 1: refused or failed; 3: the run ended before answering."""
+    from async_rl.launch.scale import RunEndedError, ScaleError, request_scale
 
     try:
         reply = request_scale(run_dir, servers, grace_s, redis_url, timeout_s, progress=lambda line: err.print(line, highlight=False))
+    except RunEndedError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(3) from None
     except ScaleError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None

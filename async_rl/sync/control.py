@@ -175,7 +175,12 @@ class Leave(msgspec.Struct, tag=True, frozen=True):
     reason: ErrorText = ""
 
 
-Message = Hello | Announce | Ready | Start | Abort | Ack | Leave
+class Probe(msgspec.Struct, tag=True, frozen=True):
+    """The sender checks that a server's connection is still open (a send to a closed one
+    fails at the sender); the server ignores it."""
+
+
+Message = Hello | Announce | Ready | Start | Abort | Ack | Leave | Probe
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
@@ -331,6 +336,7 @@ class ServerChannel:
                 return msg
         raise ControlTimeout(f"no control message within {timeout_s} s")
 
-    def close(self) -> None:
-        self._sock.close(linger=0)
+    def close(self, linger_s: float = 0.0) -> None:
+        """Close the socket; messages still queued get ``linger_s`` seconds to be written."""
+        self._sock.close(linger=_ms(linger_s))
         self._ctx.term()

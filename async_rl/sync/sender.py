@@ -8,7 +8,9 @@ same and every update succeeds (NCCL communicator creation costs seconds at scal
 rebuilt under a new epoch otherwise: a server that joined, left or failed, or any failed
 collective (a group whose collective failed is in an undefined state). A dead server
 thus costs one short Ready timeout at most (usually none: ZeroMQ reports the closed
-connection), never a stuck broadcast.
+connection), never a stuck broadcast. A server that leaves during an update (its ``Leave``,
+or its connection closing: probed every :data:`PROBE_EVERY_S` while acknowledgements are
+awaited) is not waited for and no longer counts for the update's outcome.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from async_rl.sync.control import (
     Hello,
     Leave,
     Message,
+    Probe,
     Ready,
     SenderChannel,
     Start,
@@ -50,6 +53,12 @@ from async_rl.sync.cuda_ipc import CudaIpcWriter, CudaSource
 from async_rl.sync.ipc import IpcUnavailable, ShmSource, ShmWriter, host_identity, sweep_segments
 
 log = logging.getLogger(__name__)
+
+PROBE_EVERY_S = 1.0
+"""While acknowledgements are awaited, how often the silent servers' connections are checked,
+seconds: one that closed (its process gone) is not waited for until the update's deadline."""
+PROBE_SEND_TIMEOUT_S = 0.1
+"""Bound of one probe's send, seconds."""
 
 Route = Literal["cuda", "host", "group"]
 """How a server gets an update: the sender's CUDA IPC buffer (a server on its GPU), its host
@@ -522,11 +531,16 @@ class WeightSender:
     def _collect_acks(self, pending: PendingSend) -> None:
         """Read control messages until ``pending`` is acknowledged or its deadline passes;
         servers still silent then are reported failed and told to abort."""
-        while pending.waiting:
+        probe_at = time.monotonic() + PROBE_EVERY_S
+        while pending.waiting and (now := time.monotonic()) < pending.ack_deadline:
+            if now >= probe_at:
+                self._forget_vanished(pending)
+                probe_at = now + PROBE_EVERY_S
+                continue
             try:
-                peer, msg = self._channel.recv_until(pending.ack_deadline)
+                peer, msg = self._channel.recv_until(min(pending.ack_deadline, probe_at))
             except ControlTimeout:
-                break
+                continue
             self._handle(peer, msg)
         silent = dict(pending.waiting)
         if silent:
@@ -539,6 +553,24 @@ class WeightSender:
         if silent:
             self._abort(pending.update_id, {sid: self._servers[sid] for sid in silent.values() if sid in self._servers},
                         "sender: no Ack in time")
+
+    def _forget_vanished(self, pending: PendingSend) -> None:
+        """Stop waiting for the servers whose connection closed (a probe to them fails): their
+        process stopped or died, and a Leave of theirs did not arrive. They are reported failed
+        and unregistered (a replacement registers anew and is caught up)."""
+        for peer, sid in list(pending.waiting.items()):
+            try:
+                self._channel.send(peer, Probe(), PROBE_SEND_TIMEOUT_S)
+            except ControlTimeout:
+                continue  # its queue is full: it lives, the deadline decides
+            except ControlError as e:
+                del pending.waiting[peer]
+                pending.reports[sid] = ServerReport(sid, False, f"its connection closed during the update ({e})")
+                pending.settled_at = time.monotonic()
+                if (known := self._servers.get(sid)) is not None and known.peer == peer:
+                    del self._servers[sid]
+                log.warning("weight sync: %s closed its connection during update %d without acknowledging it; "
+                            "not waited for, nor counted for the version's announcement", sid, pending.update_id)
 
     def _route(self, sid: str, server: _Server | None) -> Route:
         """How ``server`` gets updates now: CUDA IPC when all its workers are on this

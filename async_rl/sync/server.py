@@ -116,6 +116,11 @@ class UpdateOutcome:
         return self.error is None
 
 
+LEAVE_LINGER_S = 1.0
+"""How long a leaving server's socket may take to write its Leave, seconds (on busy cores 50 ms
+was not always enough; a sender that never gets it still stops waiting once the connection closed)."""
+
+
 class WeightUpdateServer:
     """Receives weight updates for one engine; call :meth:`start` once, then
     :meth:`serve` (background task) or :meth:`serve_one`."""
@@ -209,13 +214,14 @@ class WeightUpdateServer:
     async def leave(self, reason: str) -> None:
         """Tell the sender this server stops (best effort: a sender that is gone has nothing
         to forget), then close the socket. Call once :meth:`serve` is no longer running."""
+        linger_s = 0.0
         try:
             await self._send(Leave(self.server_id, clip_error(reason)))
-            await asyncio.sleep(0.05)  # the socket closes without lingering: give ZeroMQ a moment to write it
+            linger_s = LEAVE_LINGER_S
         except ControlTimeout:
             log.warning("weight sync: %s could not tell the sender it leaves", self.server_id)
         finally:
-            self.close()
+            self._channel.close(linger_s)
 
     @property
     def dropped(self) -> dict[str, int]:

@@ -12,7 +12,10 @@ import pytest
 import redis
 import yaml
 
-from async_rl.launch.scale import ScaleError, request_scale
+from typer.testing import CliRunner
+
+from async_rl.cli import app
+from async_rl.launch.scale import REDIS_GONE_S, RunEndedError, ScaleError, request_scale
 from async_rl.queue import EmbeddedRedis
 from async_rl.queue.keys import RunKeys
 from async_rl.queue.requests import Requests, ScaleReply
@@ -66,3 +69,30 @@ def test_no_driver_no_request(run_dir) -> None:
     assert Requests(client, RUN).take() is None
     with pytest.raises(ScaleError, match="pass --redis-url"):  # the config's URL holds a redacted password
         request_scale(path, 2)
+
+
+def test_a_run_that_ends_before_answering_says_so_with_exit_3(run_dir) -> None:
+    """The driver releases its lease at the end of the run: the command says the run ended
+    (exit 3), not that a Redis or a driver failed."""
+    path, url, client = run_dir
+    _driver(client, lambda requests, r: client.delete(RunKeys(RUN).lease))
+    start = time.monotonic()
+    done = CliRunner().invoke(app, ["scale", str(path), "--servers", "2", "--redis-url", url])
+    assert done.exit_code == 3, done.output
+    assert "the run ended before answering request" in done.output and "released its lease" in done.output
+    assert time.monotonic() - start < 10
+
+
+def test_a_run_whose_embedded_redis_stops_before_answering_ended(tmp_path: Path) -> None:
+    """With the run's own Redis (redis/ in the run directory), a Redis that stays gone longer
+    than a restart takes means the run ended (its driver stops the Redis last)."""
+    (tmp_path / "resolved_config.yaml").write_text(yaml.safe_dump({"trainer": {"run_name": RUN}, "queue": {"redis_url": None}}))
+    redis_server = EmbeddedRedis(tmp_path / "redis")
+    client = redis.Redis.from_url(redis_server.start())
+    client.set(RunKeys(RUN).lease, b"driver-1")
+    _driver(client, lambda requests, r: redis_server.stop())
+    start = time.monotonic()
+    with pytest.raises(RunEndedError, match="its Redis stopped"):
+        request_scale(tmp_path, 2, timeout_s=600)
+    assert REDIS_GONE_S <= time.monotonic() - start < REDIS_GONE_S + 10
+    client.close()

@@ -383,3 +383,30 @@ def test_a_server_that_leaves_is_forgotten_and_never_waited_for(leaves_after: st
     finally:
         server.close()
         sender.close()
+
+
+def test_a_server_whose_connection_closes_during_an_update_is_not_waited_for():
+    """A server that took an update and stopped without its Leave arriving (killed, or its Leave
+    lost with the socket): the sender sees the closed connection within a probe period and ends
+    the wait, not at the update's deadline (300 s by default: the stall of a scale-down racing an
+    update); the server is no longer registered, so it counts for no version's announcement."""
+    sender = _sender(backend="ipc", control_timeout_s=10.0)  # the default timeout_s
+    stays, goes = ShmServer(sender, None, None, Hello("server-0", 1, 0, host_identity())), RawServer(sender)  # type: ignore[arg-type]
+    goes.send(Hello("server-1", 1, 0, host_identity()))
+    sender.wait_for_servers(2, timeout_s=5.0)
+    named = [("w", torch.ones(4))]
+    ready = threading.Thread(target=lambda: goes.send(Ready(goes.recv().update_id, "server-1")), daemon=True)
+    ready.start()
+    try:
+        pending = sender.begin(iter(named), 1, specs=tensor_specs(named))
+        ready.join(5)
+        assert isinstance(goes.recv(), Start) and not pending.acknowledged
+        goes.close()  # gone without a word
+        t0 = time.monotonic()
+        result = sender.complete(pending)
+        assert time.monotonic() - t0 < 5.0
+        assert result.servers["server-0"].ok and "connection closed" in result.failed["server-1"]
+        assert list(sender.servers) == ["server-0"]
+    finally:
+        stays.close()
+        sender.close()
