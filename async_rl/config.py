@@ -211,6 +211,8 @@ class RolloutConfig:
     """CPU cores reserved for each server's Ray actor."""
     gpus_per_server: float = bounded(0.0, ge=0)
     """GPUs reserved for each server's Ray actor (0 on CPU machines)."""
+    engine_hang_timeout_s: float = _seconds(60.0)
+    """A server whose vLLM engine answers no probe (a round trip through its engine core and workers, sent every 5 s) for this long is declared hung: its engine processes are killed and the server replaced as one whose engine died (its groups in flight go back to the queue). Longer than the slowest engine step or weight load of the model."""
     openai_api: bool = True
     """Each server also serves vLLM's OpenAI-compatible HTTP API from its engine (same weights); URLs go to ``servers.json`` in the run directory."""
     openai_host: str = "127.0.0.1"
@@ -531,7 +533,9 @@ class TrainerConfig:
     stall_timeout_s: float = _seconds(900.0)
     """Exit 1, saying what each side waits for, when neither a group is generated nor a learner step taken for this long (seconds)."""
     max_restarts: int = bounded(3, ge=0)
-    """Times a learner group with a dead rank is restarted from the last checkpoint before the run exits 1 (0: never)."""
+    """Times a learner group with a dead or hung rank is restarted from the last checkpoint before the run exits 1 (0: never)."""
+    learner_hang_timeout_s: float = _seconds(60.0)
+    """A learner call (one step, its weight send and checkpoint, or a 2 s wait for a batch) that has not returned on every rank after this long, or after 3x the slowest call so far if that is longer, declares the ranks that did not answer hung: the learner group is killed and restarted from its last checkpoint, as for a dead rank (seconds; the first call, which loads and warms the model, gets 10x)."""
 
 
 @dataclass

@@ -13,7 +13,12 @@ Cases (:data:`FAULTS`, a case name -> :class:`Fault`; add one with its injector)
   (``VLLM::EngineCore``, pid from ``servers.json``) while its server actor lives;
 - ``redis_kill``: SIGKILL of the embedded redis-server (restarted on its AOF);
 - ``learner_rank_kill``: SIGKILL of learner rank 0 (pid from ``servers.json``; the learner
-  restarts from the step-10 checkpoint).
+  restarts from the step-10 checkpoint);
+- ``engine_hang``, ``learner_rank_hang``: SIGSTOP of the same processes (hung: alive, answering
+  nothing), found by ``rollout.engine_hang_timeout_s`` and ``trainer.learner_hang_timeout_s``
+  (60 s each, the defaults).
+
+With ``--json`` naming an existing file, the cases not run now keep their earlier results there.
 
 Per case: ``reached_last_step``, ``exit_code``, ``last_step``, ``longest_gap_s`` (between
 consecutive learner steps, from ``metrics.jsonl``'s ``time/wall_s``), ``fault_gap_s`` (the
@@ -61,15 +66,37 @@ class Fault:
     """Text of the driver's console line that must name the fault (its first one is timed)."""
 
 
+def _engine_core(run_dir: Path) -> tuple[str, int]:
+    """``(server id, pid)`` of server-0's vLLM engine core process, from ``servers.json``."""
+    server = json.loads((run_dir / "servers.json").read_text())["servers"][0]
+    return server["server_id"], _checked(server["engine_pids"][0], "EngineCore")
+
+
+def _learner_rank0(run_dir: Path) -> int:
+    """Pid of learner rank 0's process, from ``servers.json``."""
+    return _checked(json.loads((run_dir / "servers.json").read_text())["learners"][0]["pid"], "LearnerActor")
+
+
+def _checked(pid: int, name: str) -> int:
+    """``pid``, if its command line names ``name`` (never signal a recycled pid)."""
+    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    if name not in cmdline:
+        raise RuntimeError(f"pid {pid} of servers.json is not a {name}: {cmdline!r}")
+    return pid
+
+
 def kill_engine(run_dir: Path) -> str:
     """SIGKILL of server-0's vLLM engine core process (its server actor lives on)."""
-    server = json.loads((run_dir / "servers.json").read_text())["servers"][0]
-    pid = server["engine_pids"][0]
-    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-    if "EngineCore" not in cmdline:  # never kill a recycled pid
-        raise RuntimeError(f"pid {pid} of servers.json is not a vLLM engine core: {cmdline!r}")
+    server, pid = _engine_core(run_dir)
     os.kill(pid, signal.SIGKILL)
-    return f"SIGKILL of {server['server_id']}'s engine core process (pid {pid})"
+    return f"SIGKILL of {server}'s engine core process (pid {pid})"
+
+
+def stop_engine(run_dir: Path) -> str:
+    """SIGSTOP of server-0's vLLM engine core process: hung (alive, its sockets open, answering nothing)."""
+    server, pid = _engine_core(run_dir)
+    os.kill(pid, signal.SIGSTOP)
+    return f"SIGSTOP of {server}'s engine core process (pid {pid})"
 
 
 def kill_redis(run_dir: Path) -> str:
@@ -81,18 +108,24 @@ def kill_redis(run_dir: Path) -> str:
 
 def kill_learner_rank(run_dir: Path) -> str:
     """SIGKILL of learner rank 0's process (the driver restarts the learner from its checkpoint)."""
-    pid = json.loads((run_dir / "servers.json").read_text())["learners"][0]["pid"]
-    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-    if "LearnerActor" not in cmdline:  # never kill a recycled pid
-        raise RuntimeError(f"pid {pid} of servers.json is not a learner rank: {cmdline!r}")
+    pid = _learner_rank0(run_dir)
     os.kill(pid, signal.SIGKILL)
     return f"SIGKILL of learner rank 0 (pid {pid})"
 
 
+def stop_learner_rank(run_dir: Path) -> str:
+    """SIGSTOP of learner rank 0's process: hung (the driver restarts the learner from its checkpoint)."""
+    pid = _learner_rank0(run_dir)
+    os.kill(pid, signal.SIGSTOP)
+    return f"SIGSTOP of learner rank 0 (pid {pid})"
+
+
 FAULTS: dict[str, Fault] = {
     "engine_kill": Fault(kill_engine, "lost its engine"),
+    "engine_hang": Fault(stop_engine, "declared hung"),
     "redis_kill": Fault(kill_redis, "restarted on its append-only file"),
     "learner_rank_kill": Fault(kill_learner_rank, "restarting the learner from its last checkpoint"),
+    "learner_rank_hang": Fault(stop_learner_rank, "declared hung"),
 }
 
 
@@ -112,6 +145,8 @@ def main() -> None:
 
         build_tiny_assets(args.assets, seed=0, task="addition")
     results = {case: run_case(case, FAULTS[case], args) for case in args.cases.split(",")}
+    if args.json is not None and args.json.is_file():  # the other cases' last results stay
+        results = {**json.loads(args.json.read_text()).get("cases", {}), **results}
     flat = {f"{case}.{key}": value for case, r in results.items() for key, value in r.items() if not isinstance(value, (list, dict))}
     report({**flat, "cases": results, "config": f"configs/quickstart.yaml trainer.total_steps={STEPS} trainer.save_every=10",
             "fault_at_step": FAULT_AT, "machine": f"{os.cpu_count()} cores, cpu"}, args.json)
@@ -149,7 +184,8 @@ def steps_after(run_dir: Path, injected_at: float) -> dict:
     return {"reached_last_step": bool(steps) and steps[-1][0] >= STEPS, "last_step": steps[-1][0] if steps else 0,
             "longest_gap_s": max((gap for _, gap in gaps), default=None), "fault_gap_s": spanning[0] if spanning else None,
             "server_restarts": last.get("rollout/server_restarts"), "engine_deaths": last.get("rollout/engine_deaths"),
-            "redis_restarts": last.get("queue/redis_restarts"), "learner_restarts": last.get("learner/restarts")}
+            "redis_restarts": last.get("queue/redis_restarts"), "learner_restarts": last.get("learner/restarts"),
+            **{key.removeprefix("recoveries/"): value for key, value in last.items() if key.startswith("recoveries/")}}
 
 
 def ledger(run_dir: Path) -> dict:

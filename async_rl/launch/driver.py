@@ -24,7 +24,7 @@ import os
 import signal
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -45,9 +45,11 @@ from async_rl.launch.prometheus import server_states
 from async_rl.launch.ray_cluster import init_ray
 from async_rl.launch.reaper import reap_on_exit
 from async_rl.launch.run_state import RunStateError, claim_run, driver_owner, make_private, set_aside
+from async_rl.launch.stall import VERSION_WATCHDOG_S, Snapshot, blame, provable_version
 from async_rl.launch.tracking import Tracker
 from async_rl.learner.actor import start_learners
 from async_rl.queue import EmbeddedRedis, QueueUnavailableError, RedisExit, ReplayQueue
+from async_rl.queue.admission import admission_limit
 from async_rl.queue.ownership import LEASE_RENEW_S, LeaseLostError, RunInUseError, RunOwnership
 from async_rl.queue.requests import Requests, ScaleReply
 from async_rl.rewards.pool import RewardPool
@@ -75,6 +77,10 @@ FAILURE_POLL_S = 1.0
 """How often the driver reads the servers' failure reports from the queue, seconds."""
 REQUEST_POLL_S = 1.0
 """How often the driver looks for a request to the run (``async-rl scale``), seconds."""
+LEARNER_SLOW_FACTOR = 3.0
+"""A learner call may take this many times the slowest call so far before its silent ranks count as hung."""
+LEARNER_FIRST_CALL_FACTOR = 10.0
+"""The first learner call of a learner group may take this many times ``trainer.learner_hang_timeout_s``."""
 HEARTBEAT_S = 30.0
 """While no learner step has come for this long, the console shows what the rollout side is
 doing (and the counters go to every metrics sink) once per this many seconds."""
@@ -134,6 +140,14 @@ class _Run:
         """Conditions under which the run cannot learn, said on the console (:mod:`~async_rl.launch.learning_checks`)."""
         self._last_step = time.monotonic()
         """When the learner's last step was logged (or the rollout workers started)."""
+        self._slowest_call_s: float | None = None
+        """The slowest learner call of the current learner group so far (None: none finished), seconds."""
+        self._restarting = False
+        """A learner group is being restarted (its ledger reconciled)."""
+        self._disk_full_since: float | None = None
+        """When the embedded Redis stopped for want of disk space (its restart waits for it), or None."""
+        self.recoveries: Counter[str] = Counter()
+        """What the driver recovered from without a restart (``recoveries/*``)."""
         self._generated = RateMeter(RATE_WINDOW_S)
         self.redis_restarts = 0
         """Times the embedded Redis was restarted after it exited on its own."""
@@ -253,7 +267,7 @@ class _Run:
 
         env = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, round(cfg.rollout.vllm.kv_cache_space_gb)))} if not on_gpu() else {}
         spec = ServerSpec(engine_kwargs(cfg), cfg.rollout.cpus_per_server, cfg.rollout.gpus_per_server, env, sync=self._sync_endpoint(),
-                          openai_api=openai_api_settings(cfg))
+                          openai_api=openai_api_settings(cfg), hang_timeout_s=cfg.rollout.engine_hang_timeout_s)
         self.pool = ServerPool(spec, cfg.rollout.num_servers, on_start=self._on_server_start,
                                env_per_server=[{"VLLM_CPU_OMP_THREADS_BIND": cores} for cores in layout.servers] if layout else None,
                                workers=WorkerHostSpec.from_config(cfg, redis_url), rows=ray.put(self.rows), on_lost=self.queue.release_owner,
@@ -271,10 +285,19 @@ class _Run:
         self._write_servers()
 
     def _on_redis_exit(self, event: RedisExit, cores: set[int] | None) -> None:
-        """The embedded Redis exited on its own: restarted on its AOF (clients retry), or the run ends."""
+        """The embedded Redis exited on its own: restarted on its AOF (clients retry), waiting
+        for disk space first when its disk is full, or the run ends."""
         if event.error is not None:
             self._fail(f"{event.describe()} (its data and redis.log are in {self.run_dir / 'redis'})")
             return
+        if event.disk_full is not None:
+            self._disk_full_since = time.monotonic()
+            self.recoveries["disk_full"] += 1
+            self._say(event.describe())
+            return
+        if self._disk_full_since is not None:
+            self._say(f"disk space is back after {time.monotonic() - self._disk_full_since:.0f} s")
+            self._disk_full_since = None
         self.redis_restarts = event.restarts
         if cores and event.new_pid is not None:
             with contextlib.suppress(OSError):  # it may have died again; the watcher restarts it
@@ -366,11 +389,15 @@ class _Run:
         self._say(f"{why}; restarting the learner from its last checkpoint (restart {self.learner_restarts} of "
                   f"trainer.max_restarts={limit})")
         self._kill_learners(graceful=False)
+        self._slowest_call_s = None  # the new group loads and warms its model again
+        self._restarting = True  # the watchdog publishes no version while the ledger is rebuilt
         try:  # the same load path as a resume: the newest checkpoint of this run, on learner.world_size ranks
             await self._start_learners(replace(self.cfg, trainer=replace(self.cfg.trainer, resume="auto")), live=True)
         except (ray.exceptions.RayError, TimeoutError) as exc:
             self._fail(f"{why}; the learner's restart failed: {_cause(exc)}")
             return False
+        finally:
+            self._restarting = False
         if self.pool.spec.sync != (sync := self._sync_endpoint()):  # rank 0 landed on another node: servers must re-register
             self._say(f"the weight sender moved to {self._sender_address}: replacing the servers")
             self.pool.spec.sync = sync
@@ -493,12 +520,19 @@ class _Run:
         total = self.cfg.trainer.total_steps
         while self.version < total and not self.stop.is_set():
             try:
-                results = await _all_ranks([a.run.remote(1, LEARNER_WAIT_S) for a in self.learners])
+                call_start = time.monotonic()
+                results = await _all_ranks([a.run.remote(1, LEARNER_WAIT_S) for a in self.learners], self._learner_bound_s())
+                self._slowest_call_s = max(self._slowest_call_s or 0.0, time.monotonic() - call_start)
             except _RankDied as exc:
+                self.recoveries["learner_hangs"] += isinstance(exc, _RankHung)
                 if await self._restart_learners(str(exc)):
                     continue
                 return
             except ray.exceptions.RayTaskError as exc:
+                if self._disk_full_since is not None and await self._space_returned():  # it lost the queue while Redis waited
+                    if await self._restart_learners(f"the learner stopped while the disk was full ({_cause(exc)})"):
+                        continue
+                    return
                 self._fail(f"the learner stopped: {_cause(exc)}")
                 break
             self.version = results[0]["version"]
@@ -516,6 +550,16 @@ class _Run:
             log.error("final checkpoint failed: %s", _cause(exc))
             if self.failure is None:
                 self._fail(f"the final checkpoint failed: {_cause(exc)}")
+
+    def _learner_bound_s(self) -> float:
+        """How long one learner call may take before its silent ranks count as hung, seconds:
+        ``trainer.learner_hang_timeout_s``, or 3x the slowest call so far if longer (a step with
+        its weight send and checkpoint); 10x the floor before a call has finished (the first
+        loads and warms the model)."""
+        floor = self.cfg.trainer.learner_hang_timeout_s
+        if self._slowest_call_s is None:
+            return LEARNER_FIRST_CALL_FACTOR * floor
+        return max(floor, LEARNER_SLOW_FACTOR * self._slowest_call_s)
 
     def _say_control_drops(self, metrics: dict[str, float]) -> None:
         """Name on the console the control messages the weight sender dropped since the last
@@ -553,6 +597,8 @@ class _Run:
             try:
                 rollout = await self._redis(self.queue.rollout_stats)
             except QueueUnavailableError as exc:  # Redis stayed down for queue.timeout_s: nothing can go on
+                if self._disk_full_since is not None:
+                    continue  # its restart waits for disk space, within its own bound (it ends the run past it)
                 self._fail(f"the queue's Redis did not answer for queue.timeout_s={cfg.queue.timeout_s:g} s: {exc}")
                 return
             version = self.version
@@ -569,6 +615,34 @@ class _Run:
                 return
             for line in await self.pool.heal(self.version, cfg.sync.max_lag_s, healths):
                 log.warning("%s", line)
+            if time.monotonic() - self._last_step >= VERSION_WATCHDOG_S and not self._restarting:
+                await self._republish_version(healths)
+
+    async def _space_returned(self) -> bool:
+        """Wait while the embedded Redis waits for disk space; True once it is back (False: the run stops)."""
+        while self._disk_full_since is not None and not self.stop.is_set():
+            await asyncio.sleep(1.0)
+        return not self.stop.is_set()
+
+    async def _republish_version(self, healths: list[Any]) -> None:
+        """The watchdog: with no learner step for :data:`VERSION_WATCHDOG_S` while the published
+        version lags the learner's, publish the version every live server acknowledged (the
+        learner's own announcement of it did not come); said once per version, counted."""
+        snap = await self._snapshot(healths)
+        version = provable_version(snap)
+        if version is None or not await self._redis(self.queue.raise_version, version):
+            return
+        self.recoveries["version_republished"] += 1
+        self._say(f"no learner step for {time.monotonic() - self._last_step:.0f} s and admission at version {snap.published} while "
+                  f"the learner is at {snap.learner_version}: every server holds version {version} (their acknowledgements), "
+                  f"published it for admission (recoveries/version_republished)")
+
+    async def _snapshot(self, healths: list[Any] | None = None) -> Snapshot:
+        """The run's state for :mod:`~async_rl.launch.stall` (``healths``: a :meth:`ServerPool.health` just taken)."""
+        cfg, stats = self.cfg, await self._redis(self.queue.stats)
+        healths = await self.pool.health() if healths is None else healths
+        return Snapshot(self.version, stats["version"], stats["groups_started"], cfg.algorithm.max_staleness, cfg.learner.batch_size,
+                        stats["depth"], stats["inflight"], [h if isinstance(h, str) else (h.server_id, h.version) for h in healths])
 
     async def _redis(self, call: Callable[..., T], *args: Any) -> T:
         """``call(*args)``, a queue call, in a thread: it may retry for ``queue.timeout_s``."""
@@ -666,19 +740,21 @@ class _Run:
             log.warning("%s", line)
 
     async def _diagnose(self) -> str:
-        """What each side of a stalled run waits for, in one paragraph."""
+        """What each side of a stalled run waits for, in one paragraph, and the component to blame."""
         cfg, stats = self.cfg, await self._redis(self.queue.stats)
-        limit = (stats["version"] + cfg.algorithm.max_staleness + 1) * cfg.learner.batch_size
+        healths = await self.pool.health()
+        limit = admission_limit(stats["version"], cfg.algorithm.max_staleness, cfg.learner.batch_size)
         admission = (f"admission closed: groups_started={stats['groups_started']} >= (published version {stats['version']} + "
                      f"max_staleness {cfg.algorithm.max_staleness} + 1) x batch {cfg.learner.batch_size} = {limit}"
                      if stats["groups_started"] >= limit else f"admission open ({stats['groups_started']}/{limit} started)")
         servers = "; ".join(
             h if isinstance(h, str) else f"{h.server_id} holds version {h.version}, {h.running_requests} requests running"
-            for h in await self.pool.health()
+            for h in healths
         )
         return (f"learner at version {self.version} waits for {cfg.learner.batch_size} groups (queue depth {stats['depth']}, "
                 f"pending {stats['pending']}); rollout: {admission}, {stats['inflight']} groups in flight, "
-                f"{stats['returned_prompts']} returned prompts waiting; servers: {servers}")
+                f"{stats['returned_prompts']} returned prompts waiting; servers: {servers}. "
+                f"Waiting on {blame(await self._snapshot(healths))}")
 
     def _rollout_metrics(self, rollout: dict[str, float], stats: dict[str, Any], tokens_per_s: float) -> dict[str, float]:
         """Console and tracker metrics of the rollout side: the workers' counters (``rollout``,
@@ -695,6 +771,10 @@ class _Run:
             "rollout/server_restarts": float(self.pool.restarts),
             "queue/redis_restarts": float(self.redis_restarts),
             "rollout/engine_deaths": float(self.pool.engine_deaths),
+            "recoveries/version_republished": float(self.recoveries["version_republished"]),
+            "recoveries/engine_hangs": float(self.pool.engine_hangs),
+            "recoveries/learner_hangs": float(self.recoveries["learner_hangs"]),
+            "recoveries/disk_full": float(self.recoveries["disk_full"]),
             "rollout/failure_reports_undecodable": float(self.failures.undecodable),
         }
         out.update({f"rollout/{name}": rollout.get(name, 0.0) for name in COUNTERS})
@@ -742,7 +822,11 @@ class _Run:
 
 
 class _RankDied(RuntimeError):
-    """A learner rank's process died (the message names the rank and Ray's cause)."""
+    """A learner rank's process died or hung (the message names the rank and the cause)."""
+
+
+class _RankHung(_RankDied):
+    """Learner ranks answered no call within the hang bound (the message names them)."""
 
 
 RANK_DEATH_GRACE_S = 10.0
@@ -750,14 +834,21 @@ RANK_DEATH_GRACE_S = 10.0
 blocked in a collective with a dead peer fails within seconds), seconds."""
 
 
-async def _all_ranks(calls: list[Any]) -> list[Any]:
+async def _all_ranks(calls: list[Any], timeout_s: float | None = None) -> list[Any]:
     """The results of one call per learner rank. Raises :class:`_RankDied` when a rank's
     process died (the others then fail in a collective, or hang in one: they are killed and
-    restarted anyway), else the first rank's error."""
+    restarted anyway) or when some rank has not answered within ``timeout_s`` seconds (hung:
+    a stopped process, a stuck kernel or collective), else the first rank's error."""
     futures = [asyncio.ensure_future(c) for c in calls]
-    done, _ = await asyncio.wait(futures, return_when=asyncio.FIRST_EXCEPTION)
+    done, _ = await asyncio.wait(futures, timeout=timeout_s, return_when=asyncio.FIRST_EXCEPTION)
     if all(f in done and f.exception() is None for f in futures):
         return [f.result() for f in futures]
+    if not any(f.done() and f.exception() is not None for f in futures):  # timed out: no rank failed, some never answered
+        silent = [rank for rank, f in enumerate(futures) if not f.done()]
+        for f in futures:
+            f.cancel()
+        raise _RankHung(f"learner rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} answered no call for "
+                        f"{timeout_s:.0f} s (trainer.learner_hang_timeout_s, or 3x the slowest call so far): declared hung")
     await asyncio.wait(futures, timeout=RANK_DEATH_GRACE_S)
     errors = [(rank, f.exception()) for rank, f in enumerate(futures) if f.done() and f.exception() is not None]
     for f in futures:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from async_rl.config import Config, redact_url
-from async_rl.launch import run_state
+from async_rl.launch import disk, run_state
 from async_rl.launch.prometheus import port_error
 from async_rl.learner import attention, kernels, vision
 from async_rl.learner.memory import (
@@ -117,6 +117,7 @@ def make_plan(cfg: Config) -> Plan:
     _check_vision(cfg, plan)
     _check_lora(cfg, plan)
     _check_memory(cfg, plan)
+    _check_disk(cfg, plan)
     if problem := run_state.refusal(cfg):
         plan.errors.append(problem)
     if r.openai_api and (problem := dev_mode_problem(os.environ)):
@@ -291,6 +292,20 @@ def _check_memory(cfg: Config, plan: Plan) -> None:
     plan.memory, plan.checkpointing_auto = est, lrn.fsdp.gradient_checkpointing == "auto"
     if not est.fits:
         plan.errors.append(_does_not_fit(cfg, model_config, est, device_type, beside))
+
+
+def _check_disk(cfg: Config, plan: Plan) -> None:
+    """An error when ``trainer.output_dir``'s disk cannot hold what the run writes there (:mod:`~async_rl.launch.disk`)."""
+    try:
+        model_config = read_model_config(cfg.learner.model_path)
+        if model_config is None:
+            return  # no model directory: already an error (or a hub id, whose size is unknown here)
+        needed = disk.need(cfg, model_config)
+    except ValueError:  # an unreadable config.json or unknown LoRA targets: said by the memory check
+        return
+    if problem := disk.shortage(cfg.trainer.output_dir, needed.total, needed.describe()):
+        plan.errors.append(f"{problem}: free space there, or set trainer.output_dir to a larger disk "
+                           f"(fewer bytes: learner.lora, a smaller queue.max_depth)")
 
 
 def _does_not_fit(cfg: Config, model_config: dict[str, Any], est: MemoryEstimate, device_type: str,

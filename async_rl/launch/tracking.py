@@ -77,6 +77,8 @@ class Tracker:
             with metrics_path.open() as lines:
                 self._wandb_step = sum(1 for _ in lines)
         self._jsonl = open(metrics_path, "a") if cfg.logging.jsonl else None  # noqa: SIM115
+        self._jsonl_failing = False
+        """The last write to metrics.jsonl failed (said once until one succeeds)."""
         self._wandb = self._init_wandb(resumed) if cfg.logging.wandb.enable else None
         self._live = Live(self._table(), console=self.console, refresh_per_second=2, transient=False) if cfg.logging.console and sys.stdout.isatty() else None
         if self._live is not None:
@@ -123,8 +125,7 @@ class Tracker:
         if (eta := self.eta.remaining_s(int(self.latest.get("version", 0)))) is not None:
             self.latest["eta_s"] = eta
         if self._jsonl is not None:
-            self._jsonl.write(json.dumps(metrics) + "\n")
-            self._jsonl.flush()
+            self._write_jsonl(json.dumps(metrics) + "\n")
         if self._wandb is not None:
             self._wandb.log(metrics, step=self._wandb_step)
             self._wandb_step += 1
@@ -132,6 +133,22 @@ class Tracker:
             self._live.update(self._table())
         elif self.cfg.logging.console and not heartbeat and int(metrics.get("version", 0)) % self.cfg.logging.log_every == 0:
             self.console.print(self._line(metrics), highlight=False, soft_wrap=True)
+
+    def _write_jsonl(self, line: str) -> None:
+        """Append ``line`` to metrics.jsonl. A write that fails (a full disk) is said once and
+        counted (``disk/metrics_write_errors``); the file object keeps what it could not write
+        and writes it with the next line that goes through."""
+        try:
+            self._jsonl.write(line)  # type: ignore[union-attr]
+            self._jsonl.flush()  # type: ignore[union-attr]
+        except OSError as exc:
+            self.latest["disk/metrics_write_errors"] = self.latest.get("disk/metrics_write_errors", 0.0) + 1
+            if not self._jsonl_failing:
+                self._jsonl_failing = True
+                self.console.print(f"metrics.jsonl cannot be written ({exc}): its lines are held and written once the disk "
+                                   "takes them again", highlight=False, soft_wrap=True)
+        else:
+            self._jsonl_failing = False
 
     def snapshot(self) -> Snapshot:
         """What a Prometheus scrape reports (called from the HTTP server's thread: copies)."""

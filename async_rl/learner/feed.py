@@ -25,6 +25,7 @@ from async_rl.data.images import ImageError, decode_blob
 from async_rl.learner import collectives
 from async_rl.learner.screening import Limits, ScreenedGroup, screen
 from async_rl.queue import Drop, ReplayQueue, Staleness
+from async_rl.queue.admission import admission_limit
 from async_rl.records import RolloutGroup, Sample, decode
 
 
@@ -161,7 +162,7 @@ class QueueReader:
         :data:`FILL_POLL_S` first, so the caller's wait beats do not spin."""
         hooks.settle(wait=True)  # the window to fill is the one this learner's version opens
         stats = self.queue.stats()
-        if stats["groups_started"] >= (stats["version"] + self.max_staleness + 1) * self.batch_size and stats["inflight"] == 0:
+        if stats["groups_started"] >= admission_limit(stats["version"], self.max_staleness, self.batch_size) and stats["inflight"] == 0:
             return True
         time.sleep(FILL_POLL_S)
         return False

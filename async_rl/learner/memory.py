@@ -429,6 +429,18 @@ def activation_bytes_per_token(shape: ModelShape, c: int, checkpointing: bool, r
 UPDATE_BYTES_PER_PARAM = 4
 """Bytes of each parameter in a weight update: the learner sends its float32 master copy (a
 LoRA adapter's too; ``learner.model.iter_full_parameters`` casts nothing)."""
+CHECKPOINT_BYTES_PER_PARAM = 12
+"""A checkpoint's bytes per trained parameter: its float32 master weight and AdamW's two float32 moments."""
+
+
+def checkpoint_bytes(model_config: Mapping[str, Any], learner: LearnerConfig, critic: bool) -> int:
+    """Bytes of one checkpoint (:mod:`~async_rl.learner.checkpoint`): the policy's trained
+    parameters (the whole model, or with ``learner.lora`` its adapters only) and, with
+    ``critic``, the value model's (a full model), each with its AdamW state."""
+    shape = ModelShape.from_config(model_config)
+    lora = learner.lora
+    trained = shape.params if lora is None else shape.lora_params(lora.target_modules, lora.rank)
+    return CHECKPOINT_BYTES_PER_PARAM * (trained + (shape.params if critic else 0))
 
 
 @dataclass(frozen=True)

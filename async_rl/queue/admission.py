@@ -154,6 +154,23 @@ class Reconciled:
     """Length of the returned-prompts list after reconciling."""
 
 
+def admission_limit(version: int, max_staleness: int, batch_size: int) -> int:
+    """The groups that may have started while ``version`` is published: ``(v + eta + 1) * B``
+    (AReaL's rule; :data:`_ADMIT_LUA` decides with the same bound, atomically)."""
+    return (version + max_staleness + 1) * batch_size
+
+
+# KEYS: counters. ARGV: version. Raises the published version, never lowers it (idempotent: safe to retry).
+_RAISE_VERSION_LUA = """
+local current = tonumber(redis.call('HGET', KEYS[1], 'version') or '0')
+if tonumber(ARGV[1]) > current then
+  redis.call('HSET', KEYS[1], 'version', ARGV[1])
+  return 1
+end
+return 0
+"""
+
+
 class AdmissionLedger:
     """Shared counters and prompt claims of one run, read and updated atomically in Redis."""
 
@@ -165,6 +182,7 @@ class AdmissionLedger:
         self._admit, self._abandon, self._release_owner, self._reconcile = (
             OnceScript(client, body, keys.reply, reply_ttl_s) for body in (_ADMIT_LUA, _ABANDON_LUA, _RELEASE_OWNER_LUA, _RECONCILE_LUA)
         )
+        self._raise_version = client.register_script(_RAISE_VERSION_LUA)
 
     @property
     def _claim_keys(self) -> list[str]:
@@ -175,6 +193,11 @@ class AdmissionLedger:
         if version < 0:
             raise ValueError(f"policy version must be >= 0, got {version}")
         self._client.hset(self._keys.counters, "version", version)
+
+    def raise_version(self, version: int) -> bool:
+        """Publish ``version`` only if it is newer than the published one (the driver's
+        watchdog, racing the learner's own announcements); True if it was."""
+        return bool(self._raise_version(keys=[self._keys.counters], args=[version]))
 
     def admit(self, batch_size: int, max_staleness: int, owner: str, call_id: str, limit: int = 1) -> list[Ticket]:
         """Up to ``limit`` :class:`Ticket` s, as many as AReaL's rule lets start (none: empty).

@@ -67,14 +67,39 @@ class RedisExit:
     """Seconds from noticing the exit to the restarted server answering (or failing)."""
     error: str | None = None
     """Why the restart failed (the log's tail), or None."""
+    cause: str = ""
+    """What redis.log said before the exit (its warnings), e.g. "Error writing to the AOF file: No space left on device"."""
+    disk_full: str | None = None
+    """Set while the restart waits for disk space (the first of two reports): the disk and its free space."""
 
     def describe(self) -> str:
         """One line for the console."""
         how = f"killed by {signal.Signals(-self.returncode).name}" if self.returncode < 0 else f"exit status {self.returncode}"
+        said = f": {self.cause}" if self.cause else ""
+        if self.disk_full is not None:
+            return (f"the embedded Redis (pid {self.pid}) stopped ({how}{said}); {self.disk_full}: free space there, the run waits "
+                    f"up to {SPACE_WAIT_S / 60:.0f} min for it, then restarts Redis on its append-only file (nothing is lost)")
         if self.error is not None:
-            return f"the embedded Redis (pid {self.pid}) stopped ({how}) and could not be restarted: {self.error}"
-        return (f"the embedded Redis (pid {self.pid}) stopped ({how}); restarted on its append-only file in {self.restart_s:.1f} s "
+            return f"the embedded Redis (pid {self.pid}) stopped ({how}{said}) and could not be restarted: {self.error}"
+        return (f"the embedded Redis (pid {self.pid}) stopped ({how}{said}); restarted on its append-only file in {self.restart_s:.1f} s "
                 f"(pid {self.new_pid}, restart {self.restarts}); clients reconnect and retry")
+
+
+SPACE_WAIT_S = 600.0
+"""After the server exited for want of disk space, how long its restart waits for space, seconds."""
+MIN_FREE_BYTES = 64 * 2**20
+"""Free bytes on the data directory's disk below which a restart waits (a start writes a new AOF part)."""
+SPACE_POLL_S = 1.0
+_NO_SPACE = "No space left on device"
+
+
+def disk_space(path: Path) -> tuple[str, int]:
+    """``(mount point, free bytes)`` of ``path``'s file system."""
+    free = shutil.disk_usage(path).free
+    mount = path.absolute()
+    while not os.path.ismount(mount):
+        mount = mount.parent
+    return str(mount), free
 
 
 class _PortTaken(RuntimeError):
@@ -148,6 +173,10 @@ class EmbeddedRedis:
         self._watcher: threading.Thread | None = None
         self.restarts = 0
         """Times :meth:`watch` restarted the server."""
+        self.waiting_for_space = False
+        """A restart waits for disk space (:data:`SPACE_WAIT_S`): clients cannot reach the server meanwhile."""
+        self._log_start = 0
+        """Where the running server's lines of redis.log begin."""
 
     @property
     def url(self) -> str:
@@ -230,16 +259,47 @@ class EmbeddedRedis:
             with self._lock:
                 if self._stopping or self._proc is not proc:
                     return
+            cause = self._cause(self._log_start)
+            mount, free = disk_space(self.data_dir)
+            if _NO_SPACE in cause or free < MIN_FREE_BYTES:
+                full = f"the disk of {self.data_dir} (mounted at {mount}) is full: {free / 2**20:.0f} MB free"
+                on_exit(RedisExit(proc.pid, returncode, self.restarts, None, 0.0, cause=cause, disk_full=full))
+                if not self._wait_for_space():
+                    if not self._stopping:
+                        mount, free = disk_space(self.data_dir)
+                        on_exit(RedisExit(proc.pid, returncode, self.restarts, None, SPACE_WAIT_S, cause=cause,
+                                          error=f"the disk of {self.data_dir} (mounted at {mount}) stayed full for {SPACE_WAIT_S:.0f} s "
+                                                f"({free / 2**20:.0f} MB free, {MIN_FREE_BYTES / 2**20:.0f} MB needed)"))
+                    return
+            with self._lock:
+                if self._stopping or self._proc is not proc:
+                    return
                 started = time.monotonic()
                 try:
                     self._launch(self._binary())  # the same port: the clients' URL
                 except Exception as exc:  # noqa: BLE001 - reported to the owner, who ends the run
                     self._terminate()  # a server that never answered must not linger
-                    on_exit(RedisExit(proc.pid, returncode, self.restarts, None, time.monotonic() - started, f"{type(exc).__name__}: {exc}"))
+                    on_exit(RedisExit(proc.pid, returncode, self.restarts, None, time.monotonic() - started, f"{type(exc).__name__}: {exc}",
+                                      cause=cause))
                     return
                 self.restarts += 1
-                event = RedisExit(proc.pid, returncode, self.restarts, self._proc.pid if self._proc else None, time.monotonic() - started)
+                event = RedisExit(proc.pid, returncode, self.restarts, self._proc.pid if self._proc else None, time.monotonic() - started,
+                                  cause=cause)
             on_exit(event)
+
+    def _wait_for_space(self) -> bool:
+        """Wait up to :data:`SPACE_WAIT_S` until the data directory's disk has
+        :data:`MIN_FREE_BYTES` free; False when it did not (or :meth:`stop` was called)."""
+        self.waiting_for_space = True
+        try:
+            deadline = time.monotonic() + SPACE_WAIT_S
+            while not self._stopping and time.monotonic() < deadline:
+                if disk_space(self.data_dir)[1] >= MIN_FREE_BYTES:
+                    return True
+                time.sleep(SPACE_POLL_S)
+            return False
+        finally:
+            self.waiting_for_space = False
 
     def _launch(self, binary: str) -> None:
         """Start redis-server on :attr:`port` and wait until it answers."""
@@ -249,7 +309,7 @@ class EmbeddedRedis:
         conf.chmod(0o600)  # also one an older version left readable
         conf.write_text(self._config())
         log = self.data_dir / "redis.log"
-        log_start = log.stat().st_size if log.exists() else 0
+        log_start = self._log_start = log.stat().st_size if log.exists() else 0
         self._proc = subprocess.Popen(
             [binary, str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             # Its own process group: a Ctrl-C or SIGTERM sent to the owner's group must not stop
@@ -288,7 +348,7 @@ class EmbeddedRedis:
                     log = self._log_tail(log_start)
                     if "Address already in use" in log:
                         raise _PortTaken(f"port {self.port} is held by another process: {log}")
-                    raise RuntimeError(f"redis-server exited with code {proc.returncode}: {log}")
+                    raise RuntimeError(f"redis-server exited with code {proc.returncode}: {self._cause(log_start) or log}")
                 try:
                     if client.ping():
                         pid = int(client.info("server")["process_id"])
@@ -307,6 +367,18 @@ class EmbeddedRedis:
                 time.sleep(0.02)
         finally:
             client.close()
+
+    def _cause(self, start: int, lines: int = 2) -> str:
+        """The last ``lines`` warnings (``#`` lines) redis.log got after byte ``start``: why it
+        exited, not its start-up banner ("" when it said nothing)."""
+        log = self.data_dir / "redis.log"
+        if not log.exists():
+            return ""
+        with log.open("rb") as f:
+            f.seek(start)
+            text = f.read().decode(errors="replace")
+        warnings = [line.split(" # ", 1)[1] for line in text.splitlines() if " # " in line]
+        return " | ".join(warnings[-lines:])
 
     def _log_tail(self, start: int, lines: int = 5) -> str:
         """The last ``lines`` lines of redis.log written after byte ``start``."""

@@ -358,6 +358,10 @@ class ReplayQueue:
         """Announce the policy version whose weights have reached every server."""
         self._call("publish_version", lambda: self._ledger.publish_version(version))
 
+    def raise_version(self, version: int) -> bool:
+        """Publish ``version`` if it is newer than the published one (:meth:`AdmissionLedger.raise_version`)."""
+        return self._call("raise_version", lambda: self._ledger.raise_version(version))
+
     def admit(self, batch_size: int, max_staleness: int, owner: str, limit: int = 1) -> list[Ticket]:
         """AReaL admission and prompt claims (:meth:`AdmissionLedger.admit`): up to ``limit``
         tickets, each to end with :meth:`put` or :meth:`abandon`; none while the rule holds

@@ -42,8 +42,8 @@ class FakeServer(InferenceServer):
     ``engine_kwargs``: ``tokens_per_s`` (float, default :data:`FAKE_TOKENS_PER_S`) and ``seed``.
     """
 
-    def __init__(self, server_id: str, engine_kwargs: dict[str, Any], version: int = 0, openai_api: Any = None):
-        super().__init__(server_id, engine_kwargs, version, None)
+    def __init__(self, server_id: str, engine_kwargs: dict[str, Any], version: int = 0, openai_api: Any = None, hang_timeout_s: float = 60.0):
+        super().__init__(server_id, engine_kwargs, version, None, hang_timeout_s)
         self.tokens_per_s = float(engine_kwargs.get("tokens_per_s", FAKE_TOKENS_PER_S))
         if self.tokens_per_s <= 0:
             raise ValueError(f"tokens_per_s must be > 0, got {self.tokens_per_s}")

@@ -35,7 +35,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from async_rl.rollout.host import WorkerHost, WorkerHostSpec
 from async_rl.rollout.openai_api import OpenAIApiSettings
-from async_rl.rollout.server import InferenceServer, ServerHealth
+from async_rl.rollout.server import HUNG, InferenceServer, ServerHealth
 from async_rl.rollout.types import Completion, GenerateFn, Sampling
 from async_rl.sync.auth import SyncEndpoint
 
@@ -57,6 +57,8 @@ class ServerSpec:
     """Environment of the actor (and so of the vLLM processes it starts)."""
     start_timeout_s: float = 600.0
     """Longest a server may take to build its engine, seconds."""
+    hang_timeout_s: float = 60.0
+    """A server whose engine answers no probe for this long kills it and is replaced (``rollout.engine_hang_timeout_s``), seconds."""
     sync: SyncEndpoint | None = None
     """The weight sender the servers register with for weight updates (its address and the
     run's secret, handed over as an actor argument); None for none."""
@@ -120,7 +122,9 @@ class ServerPool:
         self.restarts = 0
         """Servers replaced (dead, broken or lagging)."""
         self.engine_deaths = 0
-        """Servers whose vLLM engine process died while the server lived (each one replaced)."""
+        """Servers whose vLLM engine process died or hung while the server lived (each one replaced)."""
+        self.engine_hangs = 0
+        """Of :attr:`engine_deaths`, the engines declared hung (``rollout.engine_hang_timeout_s``)."""
         self._slots: dict[int, _Slot] = {}
         self._next = 0
         self._health_of: list[int] = []
@@ -175,7 +179,7 @@ class ServerPool:
             name=None,
         )
         openai_api = self.spec.openai_api.for_server(i) if self.spec.openai_api is not None else None
-        handle = actor_cls.remote(f"server-{i}", self.spec.engine_kwargs, self.version(), openai_api)
+        handle = actor_cls.remote(f"server-{i}", self.spec.engine_kwargs, self.version(), openai_api, self.spec.hang_timeout_s)
         try:  # this call owns the actor until the slot holds it: a start that fails or hangs kills it
             try:
                 health = await asyncio.wait_for(handle.start.remote(self.spec.sync), self.spec.start_timeout_s)
@@ -218,6 +222,7 @@ class ServerPool:
             return
         slot.watcher = None  # this task does the restart: it must not cancel itself
         self.engine_deaths += 1
+        self.engine_hangs += HUNG in reason
         try:
             await self.restart(i, handle, f"lost its engine: {reason}; its groups in flight go back to the queue")
         except Exception as exc:  # noqa: BLE001 - heal() finds the server broken and tries again
@@ -352,7 +357,9 @@ class ServerPool:
                 return f"server-{i} is starting"
             try:
                 return await asyncio.wait_for(h.health.remote(), timeout_s)
-            except (RayActorError, RayTaskError, asyncio.TimeoutError) as exc:
+            except asyncio.TimeoutError:  # its actor's event loop answers nothing: hung (heal() replaces it)
+                return f"server-{i} did not answer its health check within {timeout_s:g} s (its process hangs)"
+            except (RayActorError, RayTaskError) as exc:
                 return f"server-{i}: {type(exc).__name__}: {exc}"
 
         items = list(self._items())

@@ -38,9 +38,16 @@ RECEIVER_EXTENSION = "async_rl.sync.receiver.WeightReceiverExtension"
 """vLLM worker extension that receives weight broadcasts (see async_rl/sync/receiver.py)."""
 ENGINE_POLL_S = 1.0
 """How often a server checks that its vLLM engine lives, seconds: the longest a dead engine goes unnoticed."""
+ENGINE_PROBE_S = 5.0
+"""How often a server sends its vLLM engine a probe (a ``collective_rpc`` round trip through
+the engine core and every worker, queued behind the step running), seconds: a hung engine (a
+stuck kernel or collective, a stopped process) answers none (``rollout.engine_hang_timeout_s``)."""
 RETURN_WORK_TIMEOUT_S = 10.0
 """After its engine died, how long a server's rollout workers may take to end their tickets
 (their prompts go back to the queue) before the pool replaces the server anyway, seconds."""
+
+HUNG = "declared hung"
+"""In the reason :meth:`InferenceServer.engine_died` gives for an engine that hung (not died)."""
 
 T = TypeVar("T")
 
@@ -70,6 +77,25 @@ def engine_death(engine: Any) -> str | None:
     if getattr(engine, "errored", False):
         return "vLLM reports its engine dead (EngineDeadError)"
     return None
+
+
+def kill_engine(engine: Any) -> list[int]:
+    """SIGKILL ``engine``'s engine core processes and all their descendants (a stopped or hung
+    process cannot end itself); returns the pids killed. The tree is read before any kill: a
+    child of a killed process is reparented and could no longer be found."""
+    import psutil
+
+    tree: list[psutil.Process] = []
+    for proc in engine_processes(engine):
+        with contextlib.suppress(psutil.Error):
+            root = psutil.Process(proc.pid)
+            tree += [root, *root.children(recursive=True)]
+    killed = []
+    for member in tree:
+        with contextlib.suppress(psutil.Error):
+            member.kill()
+            killed.append(member.pid)
+    return killed
 
 
 def _signal_name(number: int) -> str:
@@ -135,10 +161,14 @@ class InferenceServer:
             request names it (:func:`~async_rl.sync.lora.policy_lora_request`).
         version: policy version of the weights at ``engine_kwargs["model"]``.
         openai_api: where to serve vLLM's OpenAI-compatible HTTP API from the same engine; None serves none.
+        hang_timeout_s: an engine that answers no probe for this long is declared hung and
+            killed (``rollout.engine_hang_timeout_s``; :meth:`engine_died` reports it), seconds.
     """
 
-    def __init__(self, server_id: str, engine_kwargs: dict[str, Any], version: int = 0, openai_api: OpenAIApiSettings | None = None):
+    def __init__(self, server_id: str, engine_kwargs: dict[str, Any], version: int = 0, openai_api: OpenAIApiSettings | None = None,
+                 hang_timeout_s: float = 60.0):
         self.server_id = server_id
+        self.hang_timeout_s = hang_timeout_s
         self.engine_kwargs = dict(engine_kwargs)
         self.lora_rank: int | None = self.engine_kwargs["max_lora_rank"] if self.engine_kwargs.get("enable_lora") else None
         """The largest LoRA rank served (a LoRA policy), or None (full weights)."""
@@ -236,12 +266,30 @@ class InferenceServer:
         return {} if host is None else await host.stop(grace_s)
 
     async def _watch_engine(self) -> str:
-        """Every :data:`ENGINE_POLL_S` seconds, check the engine lives. When it died: fail the
+        """Every :data:`ENGINE_POLL_S` seconds, check the engine lives, and every
+        :data:`ENGINE_PROBE_S` seconds probe it; one that answered no probe for
+        ``hang_timeout_s`` is hung: its processes are killed. When it died or hung: fail the
         requests waiting on it, stop the rollout workers at once (each group in flight ends
         its ticket: its admission slot is released and its prompt returned to the queue),
         and return why (:meth:`engine_died`)."""
-        while (reason := engine_death(self._engine)) is None:
-            await asyncio.sleep(ENGINE_POLL_S)
+        probe: asyncio.Future[Any] | None = None
+        answered = sent = time.monotonic()
+        try:
+            while (reason := engine_death(self._engine)) is None:
+                now = time.monotonic()
+                if probe is not None and probe.done():
+                    if not probe.cancelled():
+                        probe.exception()  # retrieved: an answer that is an error is a sign of life too
+                    answered, probe = now, None
+                if probe is None and now - sent >= ENGINE_PROBE_S:
+                    probe, sent = asyncio.ensure_future(self._engine.collective_rpc("wsync_worker_index")), now
+                if probe is not None and now - answered > self.hang_timeout_s:
+                    reason = self._kill_hung(now - answered)
+                    break
+                await asyncio.sleep(ENGINE_POLL_S)
+        finally:
+            if probe is not None and not probe.done():
+                probe.cancel()
         log.error("%s: %s; failing its requests and returning its rollout workers' groups in flight", self.server_id, reason)
         if self._death is not None and not self._death.done():
             self._death.set_result(reason)
@@ -250,6 +298,13 @@ class InferenceServer:
         except Exception as exc:  # noqa: BLE001 - the pool still replaces us; it ends the tickets left open
             log.warning("%s: rollout workers did not stop cleanly (%s: %s)", self.server_id, type(exc).__name__, exc)
         return reason
+
+    def _kill_hung(self, silent_s: float) -> str:
+        """Kill the hung engine's process tree; returns the reason the pool reports."""
+        names = ", ".join(f"{p.name} (pid {p.pid})" for p in engine_processes(self._engine)) or "in the server's process"
+        killed = kill_engine(self._engine)
+        return (f"its vLLM engine {names} answered no probe for {silent_s:.0f} s while {self._running} requests ran "
+                f"(rollout.engine_hang_timeout_s={self.hang_timeout_s:g}): {HUNG}, {len(killed)} processes killed")
 
     async def engine_died(self) -> str:
         """Wait until the engine dies (forever while it lives); returns why (e.g. "its vLLM engine

@@ -6,7 +6,8 @@
   neither skipping nor repeating a prompt (the ledger is reconciled at each start), and the
   resume sweeps what a killed checkpoint save left, naming it on the console; its embedded
   Redis and then its learner rank, SIGKILLed during the last run, are restarted (Redis on
-  its AOF, the learner from its checkpoint) and the run goes on; then `trainer.resume=off`
+  its AOF, the learner from its checkpoint) and the run goes on; so is the new learner rank
+  once SIGSTOPped (hung: named on the console within 60 s at default settings); then `trainer.resume=off`
   over it is refused, and `trainer.resume=fresh` moves it aside and trains none of the
   groups it left queued;
 - a reward function that fails on every probe stops the run before anything starts;
@@ -30,7 +31,8 @@ from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
-from run_helpers import ROOT, assert_ledger, lineage, queue_state, redis_pid, start_train, step_versions, train_cli, wait_for_version, wait_gone, write_config
+from run_helpers import (ROOT, assert_ledger, lineage, process_alive, queue_state, redis_pid, start_train, step_versions, train_cli, wait_for_version,
+                         wait_gone, write_config)
 
 pytestmark = pytest.mark.integration
 
@@ -77,15 +79,26 @@ def test_sigkill_and_resume_reach_the_last_step_every_time(tiny_assets, tmp_path
     wait_for_version(proc, run_dir, 10, since=logged)
     rank0 = json.loads((run_dir / "servers.json").read_text())["learners"][0]["pid"]
     os.kill(rank0, signal.SIGKILL)  # a learner rank dies: the learner restarts from the step-9 checkpoint
+    proc.wait_printed("learner restarted at version 9", timeout_s=600)
+    wait_for_version(proc, run_dir, 11, since=logged)  # two calls of the new group done: its hang bound is max(60 s, 3x the slowest)
+    rank0 = json.loads((run_dir / "servers.json").read_text())["learners"][0]["pid"]
+    os.kill(rank0, signal.SIGSTOP)  # a learner rank hangs (alive, answering nothing): restarted as a dead one is, at default settings
+    stopped, printed = time.monotonic(), len(proc.output())
+    proc.wait_printed("declared hung", since=printed, timeout_s=300)
+    noticed_s = time.monotonic() - stopped
     output = proc.wait_output(600)
     assert proc.returncode == 0, output[-3000:]
+    assert noticed_s <= 61.0, noticed_s  # within trainer.learner_hang_timeout_s=60 of the hang (the call began before it)
+    assert re.search(r"learner rank 0 answered no call for \d+ s \(trainer.learner_hang_timeout_s, or 3x the slowest call so far\): "
+                     r"declared hung; restarting the learner from its last checkpoint \(restart 2 of trainer.max_restarts=3\)", output), output[-3000:]
+    assert not process_alive(rank0)
     assert f"checkpoints: removed {debris}: a checkpoint save that did not complete" in output, output[-3000:]
     assert not debris.exists()
     assert f"the embedded Redis (pid {killed}) stopped (killed by SIGKILL); restarted on its append-only file" in output, output[-3000:]
     assert "learner rank 0 died" in output and "restarting the learner from its last checkpoint (restart 1 of trainer.max_restarts=3)" in output
     assert "learner restarted at version 9" in output, output[-3000:]
     last = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "perf/tokens_per_s" in r][-1]
-    assert last["queue/redis_restarts"] == 1.0 and last["learner/restarts"] == 1.0
+    assert last["queue/redis_restarts"] == 1.0 and last["learner/restarts"] == 2.0
 
     final = sorted((run_dir / "checkpoints").iterdir())[-1]
     saved = json.loads((final / "state.json").read_text())

@@ -12,6 +12,7 @@ from queue_workers import make_group
 from reply_cutter import ReplyCutter
 
 from async_rl.queue import Drop, EmbeddedRedis, QueueUnavailableError, ReplayQueue, Staleness, Ticket, TicketEndedError
+from async_rl.queue.admission import admission_limit
 from async_rl.records import Failure, FailureReport, RolloutGroup, decode, encode
 
 
@@ -116,6 +117,21 @@ def test_admission_rule_single_producer(queue: ReplayQueue) -> None:
     assert stats["groups_started"] == 16 and stats["inflight"] == 16 and stats["prompt_cursor"] == 16
     with pytest.raises(ValueError):
         queue.publish_version(-1)
+
+
+def test_the_admission_limit_is_the_scripts_bound(queue: ReplayQueue) -> None:
+    """``admission_limit`` (what the driver and the feed compute) is the bound the Lua script admits to."""
+    for version, eta, batch in ((0, 0, 3), (2, 1, 4), (5, 3, 2)):
+        queue.publish_version(version)
+        _admit_all(queue, batch_size=batch, max_staleness=eta, tries=50)
+        assert queue.stats()["groups_started"] == admission_limit(version, eta, batch)
+
+
+def test_raise_version_never_lowers_the_published_version(queue: ReplayQueue) -> None:
+    """The driver's watchdog races the learner's announcements: it may only raise the version."""
+    queue.publish_version(5)
+    assert not queue.raise_version(4) and not queue.raise_version(5) and queue.stats()["version"] == 5
+    assert queue.raise_version(7) and queue.stats()["version"] == 7
 
 
 def test_one_call_admits_as_many_as_the_rule_allows_returned_prompts_first(queue: ReplayQueue) -> None:
