@@ -93,8 +93,9 @@ def step_versions(run_dir: Path) -> list[int]:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         return []
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [int(r["version"]) for r in records if "perf/tokens_per_s" in r]
+    from async_rl.launch.plots import read_records  # a line being written (or held by a full disk) is skipped
+
+    return [int(r["version"]) for r in read_records(path) if "perf/tokens_per_s" in r]
 
 
 def wait_for_version(proc: TrainProcess, run_dir: Path, version: int, since: int = 0, timeout_s: float = 600) -> None:

@@ -44,8 +44,8 @@ class DiskNeed:
 
     def describe(self) -> str:
         """What :attr:`total` is made of."""
-        aof = f", the queue's append-only file {_size(self.aof)}" if self.aof else ""
-        return f"2 checkpoints of {_size(self.checkpoint)}{aof}, logs {_size(self.logs)}"
+        aof = f", the queue's append-only file {size(self.aof)}" if self.aof else ""
+        return f"2 checkpoints of {size(self.checkpoint)}{aof}, logs {size(self.logs)}"
 
 
 def need(cfg: Config, model_config: Mapping[str, Any]) -> DiskNeed:
@@ -72,9 +72,10 @@ def shortage(path: str | os.PathLike[str], needed: int, what: str) -> str | None
     mount, free = free_bytes(path)
     if free >= needed:
         return None
-    return (f"the disk of {path} (mounted at {mount}) has {_size(free)} free and the run needs about {_size(needed)} there "
+    return (f"the disk of {path} (mounted at {mount}) has {size(free)} free and the run needs about {size(needed)} there "
             f"({what})")
 
 
-def _size(n: int) -> str:
+def size(n: int) -> str:
+    """``n`` bytes for a person: MB, or GB from 1 GB."""
     return f"{n / 2**30:.1f} GB" if n >= 2**30 else f"{n / MB:.0f} MB"

@@ -37,6 +37,7 @@ from async_rl.data.images import load_image
 from async_rl.data.prompts import ImageFields, PromptFormatter, read_prompt_rows, write_rejected
 from async_rl.envs import EnvPool, EnvStartupError
 from async_rl.envs.conversation import ChatEncoder
+from async_rl.launch import disk
 from async_rl.launch.cores import cpu_layout, pinned_to, set_process_cores, support_cores
 from async_rl.launch.failures import FailureLog
 from async_rl.launch.learning_checks import LearningChecks, rules_for
@@ -49,6 +50,7 @@ from async_rl.launch.stall import VERSION_WATCHDOG_S, Snapshot, blame, provable_
 from async_rl.launch.tracking import Tracker
 from async_rl.learner.actor import start_learners
 from async_rl.queue import EmbeddedRedis, QueueUnavailableError, RedisExit, ReplayQueue
+from async_rl.queue.embedded import NO_SPACE, SPACE_WAIT_S
 from async_rl.queue.admission import admission_limit
 from async_rl.queue.ownership import LEASE_RENEW_S, LeaseLostError, RunInUseError, RunOwnership
 from async_rl.queue.requests import Requests, ScaleReply
@@ -119,13 +121,15 @@ def train(cfg: Config) -> RunResult:
     plan = make_plan(cfg)
     if plan.errors:
         raise StartupError("; ".join(plan.errors))
-    return asyncio.run(_Run(cfg).main())
+    return asyncio.run(_Run(cfg, plan.disk).main())
 
 
 class _Run:
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, disk_need: disk.DiskNeed | None = None):
         self.cfg = cfg
         self.run_dir = Path(cfg.trainer.output_dir)
+        self.disk_need = disk_need
+        """What the run writes into its directory (None: unknown, the model's config.json is not here)."""
         self.stop = asyncio.Event()
         self.interrupted = False
         self.version = 0
@@ -144,6 +148,8 @@ class _Run:
         """The slowest learner call of the current learner group so far (None: none finished), seconds."""
         self._restarting = False
         """A learner group is being restarted (its ledger reconciled)."""
+        self._disk_low = False
+        """The run's disk has less room than it needs (said once until it clears)."""
         self._disk_full_since: float | None = None
         """When the embedded Redis stopped for want of disk space (its restart waits for it), or None."""
         self.recoveries: Counter[str] = Counter()
@@ -529,7 +535,8 @@ class _Run:
                     continue
                 return
             except ray.exceptions.RayTaskError as exc:
-                if self._disk_full_since is not None and await self._space_returned():  # it lost the queue while Redis waited
+                if (NO_SPACE in _cause(exc) and await self._wait_for_space(f"the learner stopped: {_cause(exc)}")) or (
+                        self._disk_full_since is not None and await self._space_returned()):  # it lost the queue while Redis waited
                     if await self._restart_learners(f"the learner stopped while the disk was full ({_cause(exc)})"):
                         continue
                     return
@@ -617,6 +624,40 @@ class _Run:
                 log.warning("%s", line)
             if time.monotonic() - self._last_step >= VERSION_WATCHDOG_S and not self._restarting:
                 await self._republish_version(healths)
+            self._watch_disk()
+
+    def _watch_disk(self) -> None:
+        """Say once (again only after it cleared) when the run's disk has less room than a
+        checkpoint and the queue's AOF need: the run would pause at the next full write."""
+        if self.disk_need is None:
+            return
+        needed = self.disk_need.checkpoint + self.disk_need.aof
+        problem = disk.shortage(self.run_dir, needed, f"a checkpoint of {disk.size(self.disk_need.checkpoint)} and the queue's "
+                                                      f"append-only file")
+        if problem is not None and not self._disk_low:
+            self._say(f"{problem}: free space there, or the run pauses when the disk is full")
+        self._disk_low = problem is not None
+
+    async def _wait_for_space(self, what: str) -> bool:
+        """A write failed for want of space (``what``): say which disk and how much a checkpoint
+        needs, then wait up to :data:`~async_rl.queue.embedded.SPACE_WAIT_S` for that much to be
+        free; True once it is (False: the run stops, resumable from its last checkpoint)."""
+        needed = disk.MB * 64 + (self.disk_need.checkpoint if self.disk_need is not None else 0)
+        mount, free = disk.free_bytes(self.run_dir)
+        self.recoveries["disk_full"] += 1
+        self._say(f"{what}: the disk of {self.run_dir} (mounted at {mount}) has {disk.size(free)} free and a checkpoint needs "
+                  f"about {disk.size(needed)}; the checkpoints kept are intact. Free space there: the run waits up to "
+                  f"{SPACE_WAIT_S / 60:.0f} min, then restarts the learner from its last checkpoint")
+        start = time.monotonic()
+        while time.monotonic() - start < SPACE_WAIT_S and not self.stop.is_set():
+            if disk.free_bytes(self.run_dir)[1] >= needed:
+                self._say(f"disk space is back after {time.monotonic() - start:.0f} s")
+                return True
+            await asyncio.sleep(1.0)
+        if not self.stop.is_set():
+            self._fail(f"{what}; the disk of {self.run_dir} stayed full for {SPACE_WAIT_S:.0f} s: free space, then resume the run "
+                       "(its last checkpoint is intact)")
+        return False
 
     async def _space_returned(self) -> bool:
         """Wait while the embedded Redis waits for disk space; True once it is back (False: the run stops)."""
@@ -669,7 +710,8 @@ class _Run:
                     reply = await self._scale(request.servers, request.grace_s)
                     await self._redis(lambda: requests.answer(request.request_id, reply))
             except QueueUnavailableError as exc:  # the watcher decides about Redis; the request waits there
-                log.warning("scale requests not read: %s", exc)
+                if self._disk_full_since is None:  # a Redis waiting for disk space was said once already
+                    log.warning("scale requests not read: %s", exc)
             if requests.undecodable:
                 log.warning("dropped %d entries of the run's request list that were not requests", requests.undecodable)
                 requests.undecodable = 0

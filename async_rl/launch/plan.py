@@ -64,6 +64,8 @@ class Plan:
     """Per-rank memory estimate of the learner; None when the model's config.json is not here."""
     checkpointing_auto: bool = False
     """Whether ``memory.checkpointing`` was chosen by ``learner.fsdp.gradient_checkpointing: auto``."""
+    disk: disk.DiskNeed | None = None
+    """What the run writes into ``trainer.output_dir`` at most at once; None when the model's config.json is not here."""
     lora: str = ""
     """``learner.lora``: the adapter's size and the bytes of one weight update; empty otherwise."""
     monitoring: str = ""
@@ -303,6 +305,7 @@ def _check_disk(cfg: Config, plan: Plan) -> None:
         needed = disk.need(cfg, model_config)
     except ValueError:  # an unreadable config.json or unknown LoRA targets: said by the memory check
         return
+    plan.disk = needed
     if problem := disk.shortage(cfg.trainer.output_dir, needed.total, needed.describe()):
         plan.errors.append(f"{problem}: free space there, or set trainer.output_dir to a larger disk "
                            f"(fewer bytes: learner.lora, a smaller queue.max_depth)")
@@ -389,6 +392,8 @@ def render(plan: Plan) -> str:
         f"resources: {plan.cpus_needed:g} CPUs, {plan.gpus_needed:g} GPUs for actors (this machine: {plan.cpus_here} CPUs, {plan.gpus_here} GPUs)",
         *([plan.memory.summary(auto=plan.checkpointing_auto)] if plan.memory is not None else []),
         *([plan.lora] if plan.lora else []),
+        *([f"disk: about {disk.size(plan.disk.total)} in the output directory ({plan.disk.describe()}); "
+           f"{disk.size(disk.free_bytes(plan.output_dir)[1])} free there"] if plan.disk is not None else []),
         "processes:",
         *(f"  {p.role:<22} cpus={p.cpus:g} gpus={p.gpus:g}  {p.detail}" for p in plan.processes),
         f"monitoring: {plan.monitoring}",

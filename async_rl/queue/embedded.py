@@ -90,7 +90,8 @@ SPACE_WAIT_S = 600.0
 MIN_FREE_BYTES = 64 * 2**20
 """Free bytes on the data directory's disk below which a restart waits (a start writes a new AOF part)."""
 SPACE_POLL_S = 1.0
-_NO_SPACE = "No space left on device"
+NO_SPACE = "No space left on device"
+"""strerror(ENOSPC), as it appears in an error's text."""
 
 
 def disk_space(path: Path) -> tuple[str, int]:
@@ -261,7 +262,7 @@ class EmbeddedRedis:
                     return
             cause = self._cause(self._log_start)
             mount, free = disk_space(self.data_dir)
-            if _NO_SPACE in cause or free < MIN_FREE_BYTES:
+            if NO_SPACE in cause or free < MIN_FREE_BYTES:
                 full = f"the disk of {self.data_dir} (mounted at {mount}) is full: {free / 2**20:.0f} MB free"
                 on_exit(RedisExit(proc.pid, returncode, self.restarts, None, 0.0, cause=cause, disk_full=full))
                 if not self._wait_for_space():

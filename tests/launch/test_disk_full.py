@@ -13,6 +13,7 @@ It mounts a tmpfs (root, as CI runs): the test fails, naming why, where mounting
 
 from __future__ import annotations
 
+import errno
 import subprocess
 import time
 from pathlib import Path
@@ -20,7 +21,7 @@ from pathlib import Path
 import pytest
 from run_helpers import assert_ledger, lineage, start_train, step_versions, wait_for_version, wait_gone, write_config
 
-from async_rl.queue.embedded import MIN_FREE_BYTES, disk_space
+from async_rl.queue.embedded import MIN_FREE_BYTES
 
 pytestmark = pytest.mark.integration
 
@@ -42,6 +43,17 @@ def small_disk(tmp_path: Path):
         subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
+def _fill(filler: Path) -> None:
+    """Write ``filler`` until its disk has no byte left (the run writes meanwhile: no size is known in advance)."""
+    with open(filler, "wb", buffering=0) as f:
+        for chunk in (b"\0" * (1 << 20), b"\0" * 4096, b"\0"):
+            try:
+                while True:
+                    f.write(chunk)
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC, exc
+
+
 def test_a_full_disk_is_named_waited_out_and_the_run_finishes(tiny_assets, tmp_path, small_disk):
     steps = 24
     run_dir = small_disk / "run"  # the console's log (train.log, beside the config) is on another disk, as a terminal is
@@ -51,7 +63,7 @@ def test_a_full_disk_is_named_waited_out_and_the_run_finishes(tiny_assets, tmp_p
     try:
         wait_for_version(proc, run_dir, 8)
         filler = small_disk / "filler"
-        subprocess.run(["fallocate", "-l", str(disk_space(small_disk)[1]), str(filler)], check=True)
+        _fill(filler)
         filled, printed = time.monotonic(), len(proc.output())
         proc.wait_printed("is full", since=printed, timeout_s=120)
         named_s = time.monotonic() - filled
@@ -67,7 +79,7 @@ def test_a_full_disk_is_named_waited_out_and_the_run_finishes(tiny_assets, tmp_p
     assert named_s <= 10.0, named_s
     said = output[printed:]
     assert f"the disk of {run_dir / 'redis'} (mounted at {small_disk}) is full" in said, said[-3000:]
-    assert "No space left on device" in said and "the run waits up to 10 min" in said, said[-3000:]
+    assert "the run waits up to 10 min" in said, said[-3000:]
     assert "disk space is back after" in said and "restarted on its append-only file" in said, said[-3000:]
     print(f"disk full named after {named_s:.1f} s at step {at_full}; MIN_FREE_BYTES={MIN_FREE_BYTES}")
     assert sorted(lineage(run_dir)) == list(range(1, steps + 1))

@@ -329,3 +329,38 @@ def test_dry_run_checks_vision_language_settings(tiny_vlm_assets, tiny_assets, t
     (llava / "config.json").write_text('{"model_type": "llava", "vision_config": {"hidden_size": 1024}, "text_config": {}}')
     other = _dry_run(vlm, f"learner.model_path={llava}", f"data.train_files={data}")
     assert other.returncode == 2 and "model_type 'llava' is not supported by the learner yet; supported: idefics3, smolvlm, qwen2_5_vl, qwen2_vl" in other.stdout
+
+
+def test_a_run_whose_checkpoints_cannot_fit_its_disk_is_refused_naming_the_disk(tmp_path: Path, data: Path):
+    """Issue 42: disk space is checked before start: two checkpoints (weights and AdamW state,
+    12 bytes a parameter), the embedded Redis's AOF and the logs. A model of about 5e12
+    parameters needs 120 TB for its checkpoints: no disk here holds that."""
+    import json
+
+    from async_rl.launch import disk
+
+    model = tmp_path / "huge"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({**MODEL_CONFIGS["Qwen/Qwen2.5-1.5B-Instruct"], "num_hidden_layers": 100_000}))
+    cfg = load_config(None, [f"learner.model_path={model}", f"data.train_files={data}", f"trainer.output_dir={tmp_path / 'run'}"])
+    plan = make_plan(cfg)
+    assert plan.disk is not None and plan.disk.checkpoint > 5e13
+    (error,) = [e for e in plan.errors if e.startswith("the disk of")]
+    mount, free = disk.free_bytes(tmp_path)
+    assert f"the disk of {tmp_path / 'run'} (mounted at {mount}) has {disk.size(free)} free" in error, error
+    assert f"2 checkpoints of {disk.size(plan.disk.checkpoint)}" in error and "trainer.output_dir" in error, error
+    lora = make_plan(load_config(None, [f"learner.model_path={model}", f"data.train_files={data}", "learner.lora.rank=8",
+                                    "rollout.openai_api=false"]))
+    assert lora.disk is not None and lora.disk.checkpoint < plan.disk.checkpoint / 100  # the adapter only
+
+
+def test_the_plan_shows_what_the_run_writes_to_its_disk(tiny_assets, tmp_path: Path):
+    from async_rl.launch import disk
+
+    cfg = load_config(ROOT / "configs" / "quickstart.yaml", [f"learner.model_path={tiny_assets.model_dir}",
+                                                              f"data.train_files={tiny_assets.train_path}", f"data.val_files={tiny_assets.val_path}",
+                                                              f"trainer.output_dir={tmp_path / 'run'}"])
+    plan = make_plan(cfg)
+    assert plan.errors == [] and plan.disk is not None
+    assert plan.disk.aof == 2 * disk.AOF_FLOOR_BYTES and plan.disk.total == 2 * plan.disk.checkpoint + plan.disk.aof + disk.LOGS_BYTES
+    assert any(line.startswith(f"disk: about {disk.size(plan.disk.total)} in the output directory (2 checkpoints of") for line in render(plan).splitlines())
