@@ -534,8 +534,8 @@ class TrainerConfig:
     """Exit 1, saying what each side waits for, when neither a group is generated nor a learner step taken for this long (seconds)."""
     max_restarts: int = bounded(3, ge=0)
     """Times a learner group with a dead or hung rank is restarted from the last checkpoint before the run exits 1 (0: never)."""
-    learner_hang_timeout_s: float = _seconds(60.0)
-    """A learner call (one step, its weight send and checkpoint, or a 2 s wait for a batch) that has not returned on every rank after this long, or after 3x the slowest call so far if that is longer, declares the ranks that did not answer hung: the learner group is killed and restarted from its last checkpoint, as for a dead rank (seconds; the first call, which loads and warms the model, gets 10x)."""
+    learner_hang_timeout_s: float = _seconds(50.0)
+    """A learner call (one step, its weight send and checkpoint, or a 2 s wait for a batch) that has not returned on every rank after this long, or after 3x the slowest call so far if that is longer, declares the ranks that did not answer hung: the learner group is killed and restarted from its last checkpoint, as for a dead rank (seconds; the first call, which loads and warms the model, gets 10x). The bound runs from the call's start, before the hang: a hung rank is named within this long of it."""
 
 
 @dataclass

@@ -352,19 +352,25 @@ class ServerPool:
     async def health(self, timeout_s: float = 30.0) -> list[ServerHealth | str]:
         """Health of every server, or the error text for a dead, broken or unstarted one."""
 
-        async def one(i: int, h: Any) -> ServerHealth | str:
+        async def one(i: int, slot: _Slot) -> ServerHealth | str:
+            h = slot.handle
             if h is None:
                 return f"server-{i} is starting"
+            if slot.lock.locked():  # restart() or remove() holds it: its old actor is gone or going
+                return f"server-{i} is being replaced or removed"
             try:
                 return await asyncio.wait_for(h.health.remote(), timeout_s)
             except asyncio.TimeoutError:  # its actor's event loop answers nothing: hung (heal() replaces it)
                 return f"server-{i} did not answer its health check within {timeout_s:g} s (its process hangs)"
-            except (RayActorError, RayTaskError) as exc:
-                return f"server-{i}: {type(exc).__name__}: {exc}"
+            except RayTaskError as exc:  # its health check raised: the original error, not Ray's traceback
+                cause = exc.cause if isinstance(exc.cause, BaseException) else exc
+                return f"server-{i}: {type(cause).__name__}: {str(cause).removeprefix(f'server-{i}: ')}"
+            except RayActorError as exc:
+                return f"server-{i}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
         items = list(self._items())
         self._health_of = [i for i, _ in items]
-        return list(await asyncio.gather(*(one(i, slot.handle) for i, slot in items)))
+        return list(await asyncio.gather(*(one(i, slot) for i, slot in items)))
 
     async def heal(self, version: int, max_lag_s: float, healths: list[ServerHealth | str] | None = None) -> list[str]:
         """Replace every server that is dead, broken (its health check raises, e.g. after a
@@ -381,6 +387,8 @@ class ServerPool:
             handle = slot.handle
             if handle is None or slot.lock.locked() or self._slots.get(i) is not slot:  # being replaced or removed
                 continue
+            if isinstance(health, str) and health.startswith(f"server-{i}: EngineDied") and slot.watcher is not None and not slot.watcher.done():
+                continue  # its engine died or hung: its watcher replaces it once its workers gave their groups back, and counts it
             if isinstance(health, str):
                 reason = f"is unhealthy ({health})"
             elif health.version >= version:
