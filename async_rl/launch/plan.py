@@ -307,7 +307,8 @@ def _check_disk(cfg: Config, plan: Plan) -> None:
         return
     plan.disk = needed
     if problem := disk.shortage(cfg.trainer.output_dir, needed.total, needed.describe()):
-        plan.errors.append(f"{problem}: free space there, or set trainer.output_dir to a larger disk "
+        # A GPU config planned on a machine without its GPUs is meant for another machine's disk: a warning there.
+        (plan.errors if plan.gpus_needed <= plan.gpus_here else plan.warnings).append(f"{problem}: free space there, or set trainer.output_dir to a larger disk "
                            f"(fewer bytes: learner.lora, a smaller queue.max_depth)")
 
 

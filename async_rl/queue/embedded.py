@@ -369,27 +369,24 @@ class EmbeddedRedis:
         finally:
             client.close()
 
+    def _log_since(self, start: int) -> list[str]:
+        """The lines redis.log got after byte ``start``."""
+        log = self.data_dir / "redis.log"
+        if not log.exists():
+            return []
+        with log.open("rb") as f:
+            f.seek(start)
+            return f.read().decode(errors="replace").splitlines()
+
     def _cause(self, start: int, lines: int = 2) -> str:
         """The last ``lines`` warnings (``#`` lines) redis.log got after byte ``start``: why it
         exited, not its start-up banner ("" when it said nothing)."""
-        log = self.data_dir / "redis.log"
-        if not log.exists():
-            return ""
-        with log.open("rb") as f:
-            f.seek(start)
-            text = f.read().decode(errors="replace")
-        warnings = [line.split(" # ", 1)[1] for line in text.splitlines() if " # " in line]
+        warnings = [line.split(" # ", 1)[1] for line in self._log_since(start) if " # " in line]
         return " | ".join(warnings[-lines:])
 
     def _log_tail(self, start: int, lines: int = 5) -> str:
         """The last ``lines`` lines of redis.log written after byte ``start``."""
-        log = self.data_dir / "redis.log"
-        if not log.exists():
-            return "(no log)"
-        with log.open("rb") as f:
-            f.seek(start)
-            text = f.read().decode(errors="replace")
-        return " | ".join(text.splitlines()[-lines:]) or "(no log)"
+        return " | ".join(self._log_since(start)[-lines:]) or "(no log)"
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM (Redis flushes the AOF and exits), SIGKILL after ``timeout_s``."""
