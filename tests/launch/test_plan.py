@@ -11,7 +11,7 @@ import pytest
 
 from async_rl.config import load_config
 from async_rl.launch.plan import is_hub_id, make_plan, render
-from async_rl.learner.memory import servers_gpu_share
+from async_rl.learner.memory import checkpoint_bytes, parameter_count, servers_gpu_share
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU_CONFIGS = sorted((ROOT / "configs" / "gpu").glob("*.yaml"))
@@ -349,9 +349,12 @@ def test_a_run_whose_checkpoints_cannot_fit_its_disk_is_refused_naming_the_disk(
     mount, free = disk.free_bytes(tmp_path)
     assert f"the disk of {tmp_path / 'run'} (mounted at {mount}) has {disk.size(free)} free" in error, error
     assert f"2 checkpoints of {disk.size(plan.disk.checkpoint)}" in error and "trainer.output_dir" in error, error
-    lora = make_plan(load_config(None, [f"learner.model_path={model}", f"data.train_files={data}", "learner.lora.rank=8",
-                                    "rollout.openai_api=false"]))
-    assert lora.disk is not None and lora.disk.checkpoint < plan.disk.checkpoint / 100  # the adapter only
+    small = MODEL_CONFIGS["Qwen/Qwen2.5-1.5B-Instruct"]
+    lora = load_config(None, ["learner.lora.rank=8", "rollout.openai_api=false"])
+    full = checkpoint_bytes(small, load_config(None, []).learner, critic=False)
+    assert full == 12 * parameter_count(small)
+    assert checkpoint_bytes(small, lora.learner, critic=False) < full / 100  # a LoRA checkpoint holds the adapter only
+    assert checkpoint_bytes(small, lora.learner, critic=True) > full  # and the critic, a whole model
 
 
 def test_the_plan_shows_what_the_run_writes_to_its_disk(tiny_assets, tmp_path: Path):
