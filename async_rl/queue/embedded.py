@@ -379,9 +379,12 @@ class EmbeddedRedis:
             return f.read().decode(errors="replace").splitlines()
 
     def _cause(self, start: int, lines: int = 2) -> str:
-        """The last ``lines`` warnings (``#`` lines) redis.log got after byte ``start``: why it
-        exited, not its start-up banner ("" when it said nothing)."""
-        warnings = [line.split(" # ", 1)[1] for line in self._log_since(start) if " # " in line]
+        """The last ``lines`` warnings (``#`` lines) redis.log got after byte ``start``, after the
+        server said it was ready if it did: why it exited, not its start-up notices ("" when it
+        said nothing, as when it was killed)."""
+        logged = self._log_since(start)
+        ready = max((i for i, line in enumerate(logged) if "Ready to accept connections" in line), default=-1)
+        warnings = [line.split(" # ", 1)[1] for line in logged[ready + 1:] if " # " in line]
         return " | ".join(warnings[-lines:])
 
     def _log_tail(self, start: int, lines: int = 5) -> str:
