@@ -50,7 +50,7 @@ from async_rl.launch.stall import VERSION_WATCHDOG_S, Snapshot, blame, provable_
 from async_rl.launch.tracking import Tracker
 from async_rl.learner.actor import start_learners
 from async_rl.queue import EmbeddedRedis, QueueUnavailableError, RedisExit, ReplayQueue
-from async_rl.queue.embedded import NO_SPACE, SPACE_WAIT_S
+from async_rl.queue.embedded import MIN_FREE_BYTES, NO_SPACE, SPACE_WAIT_S
 from async_rl.queue.admission import admission_limit
 from async_rl.queue.ownership import LEASE_RENEW_S, LeaseLostError, RunInUseError, RunOwnership
 from async_rl.queue.requests import Requests, ScaleReply
@@ -642,7 +642,7 @@ class _Run:
         """A write failed for want of space (``what``): say which disk and how much a checkpoint
         needs, then wait up to :data:`~async_rl.queue.embedded.SPACE_WAIT_S` for that much to be
         free; True once it is (False: the run stops, resumable from its last checkpoint)."""
-        needed = disk.MB * 64 + (self.disk_need.checkpoint if self.disk_need is not None else 0)
+        needed = MIN_FREE_BYTES + (self.disk_need.checkpoint if self.disk_need is not None else 0)
         mount, free = disk.free_bytes(self.run_dir)
         self.recoveries["disk_full"] += 1
         self._say(f"{what}: the disk of {self.run_dir} (mounted at {mount}) has {disk.size(free)} free and a checkpoint needs "
@@ -678,10 +678,11 @@ class _Run:
                   f"the learner is at {snap.learner_version}: every server holds version {version} (their acknowledgements), "
                   f"published it for admission (recoveries/version_republished)")
 
-    async def _snapshot(self, healths: list[Any] | None = None) -> Snapshot:
-        """The run's state for :mod:`~async_rl.launch.stall` (``healths``: a :meth:`ServerPool.health` just taken)."""
-        cfg, stats = self.cfg, await self._redis(self.queue.stats)
-        healths = await self.pool.health() if healths is None else healths
+    async def _snapshot(self, healths: list[Any], stats: dict[str, Any] | None = None) -> Snapshot:
+        """The run's state for :mod:`~async_rl.launch.stall` (``healths``: a :meth:`ServerPool.health`
+        just taken; ``stats``: the queue's, read now if not given)."""
+        cfg = self.cfg
+        stats = await self._redis(self.queue.stats) if stats is None else stats
         return Snapshot(self.version, stats["version"], stats["groups_started"], cfg.algorithm.max_staleness, cfg.learner.batch_size,
                         stats["depth"], stats["inflight"], [h if isinstance(h, str) else (h.server_id, h.version) for h in healths])
 
@@ -796,7 +797,7 @@ class _Run:
         return (f"learner at version {self.version} waits for {cfg.learner.batch_size} groups (queue depth {stats['depth']}, "
                 f"pending {stats['pending']}); rollout: {admission}, {stats['inflight']} groups in flight, "
                 f"{stats['returned_prompts']} returned prompts waiting; servers: {servers}. "
-                f"Waiting on {blame(await self._snapshot(healths))}")
+                f"Waiting on {blame(await self._snapshot(healths, stats))}")
 
     def _rollout_metrics(self, rollout: dict[str, float], stats: dict[str, Any], tokens_per_s: float) -> dict[str, float]:
         """Console and tracker metrics of the rollout side: the workers' counters (``rollout``,
