@@ -1,8 +1,8 @@
 """A run whose disk fills up (issue 42): `async-rl train` with its output directory on a small
 tmpfs of its own, which a filler file then fills while it trains, at default settings.
 
-The embedded Redis cannot write its append-only file and exits; the console names the full
-disk within 10 s; the run waits (longer than queue.timeout_s, so the learner and the driver
+The embedded Redis cannot write its append-only file and exits, or the learner cannot write
+(whichever writes first); the console names the full disk within 10 s; the run waits (longer than queue.timeout_s, so the learner and the driver
 lose the queue meanwhile) instead of failing, and once the filler is removed it restarts Redis
 on its AOF, restarts what lost the queue from its checkpoint, and reaches its last step with
 every group trained once and no prompt lost. Before, Redis was restarted once into the same
@@ -78,9 +78,14 @@ def test_a_full_disk_is_named_waited_out_and_the_run_finishes(tiny_assets, tmp_p
     assert proc.returncode == 0, output[-4000:]
     assert named_s <= 10.0, named_s
     said = output[printed:]
-    assert f"the disk of {run_dir / 'redis'} (mounted at {small_disk}) is full" in said, said[-3000:]
+    # Whichever writer meets the full disk first names it: the embedded Redis (its AOF) or the
+    # learner (a checkpoint, its metrics); both wait, then go on.
+    redis_named = f"the disk of {run_dir / 'redis'} (mounted at {small_disk}) is full" in said
+    learner_named = f"the disk of {run_dir} (mounted at {small_disk}) has " in said and "the learner stopped:" in said
+    assert redis_named or learner_named, said[-3000:]
     assert "the run waits up to 10 min" in said, said[-3000:]
-    assert "disk space is back after" in said and "restarted on its append-only file" in said, said[-3000:]
+    assert "disk space is back after" in said, said[-3000:]
+    assert not redis_named or "restarted on its append-only file" in said, said[-3000:]
     print(f"disk full named after {named_s:.1f} s at step {at_full}; MIN_FREE_BYTES={MIN_FREE_BYTES}")
     assert sorted(lineage(run_dir)) == list(range(1, steps + 1))
     assert_ledger(run_dir, config)

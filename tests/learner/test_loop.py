@@ -159,9 +159,11 @@ def test_resume_on_another_number_of_ranks_equals_an_uninterrupted_run(straight_
     assert [s["version"] for s in lines] == [1, 2, 3, 4]  # each leg went on from the previous one's version
     for key in ("actor/lr", "critic/lr"):  # the optimizers' schedules carried over, not restarted
         assert [s["metrics"][key] for s in lines] == pytest.approx([s["metrics"][key] for s in steps_straight], rel=1e-12), key
-    # The state each step started from: weights, Adam moments, the KL coefficient.
+    # The state each step started from: weights, Adam moments, the KL coefficient. A 1-rank step
+    # sums in another order than a 2-rank one: float32 rounding, relative to the value (a value
+    # loss of 523 differed by 2.4e-5 in CI, 5e-8 of it).
     for key in ("actor/pg_loss", "critic/vf_loss", "reward/kl_coef"):
-        assert [s["metrics"][key] for s in lines] == pytest.approx([s["metrics"][key] for s in steps_straight], abs=1e-5), key
+        assert [s["metrics"][key] for s in lines] == pytest.approx([s["metrics"][key] for s in steps_straight], rel=1e-6, abs=1e-5), key
     lineage = _positions(lines, ids)
     assert [lineage[v] for v in (1, 2, 3, 4)] == [list(range(4 * v, 4 * v + 4)) for v in range(4)]  # each group once, in queue order
     with ReplayQueue(redis_url, run) as q:
