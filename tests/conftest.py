@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import uuid
 from collections.abc import Iterator
 
 import pytest
@@ -10,23 +11,25 @@ import torch
 import torch.distributed as dist
 
 from async_rl.learner.model import DistInfo
+from async_rl.queue import EmbeddedRedis
 from async_rl.tiny import TinyAssetsReport, build_tiny_assets
+from async_rl.tiny.cache import cached_tiny_assets
 
 
 @pytest.fixture(scope="session")
-def tiny_assets(tmp_path_factory: pytest.TempPathFactory) -> TinyAssetsReport:
-    """The tiny assets (tokenizer, warm-started Qwen2, addition train/val JSONL) built once
-    per test session with seed 0 (about a minute on 2 cores). Treat the files as read-only:
-    other test modules share them."""
-    return build_tiny_assets(tmp_path_factory.mktemp("tiny_assets"), seed=0)
+def tiny_assets() -> TinyAssetsReport:
+    """The tiny assets (tokenizer, warm-started Qwen2, addition train/val JSONL) with seed 0,
+    from the cache of :mod:`async_rl.tiny.cache` (a build of about a minute on 2 cores when
+    the builder's sources changed). Read-only: other tests and later sessions share them."""
+    return cached_tiny_assets("addition", 0, lambda out: build_tiny_assets(out, seed=0))
 
 
 @pytest.fixture(scope="session")
-def tiny_vlm_assets(tmp_path_factory: pytest.TempPathFactory) -> TinyAssetsReport:
+def tiny_vlm_assets() -> TinyAssetsReport:
     """The tiny vision-language assets (Idefics3 model and processor, coloured-square
-    train/val JSONL with PNG data URIs) built once per test session with seed 0 (about 15 s
-    on one core). Read-only, like ``tiny_assets``."""
-    return build_tiny_assets(tmp_path_factory.mktemp("tiny_vlm_assets"), seed=0, task="vlm")
+    train/val JSONL with PNG data URIs) with seed 0, cached like ``tiny_assets`` (a build of
+    about 15 s on one core). Read-only."""
+    return cached_tiny_assets("vlm", 0, lambda out: build_tiny_assets(out, seed=0, task="vlm"))
 
 
 @pytest.fixture(scope="session")
@@ -36,3 +39,17 @@ def one_rank() -> Iterator[DistInfo]:
     dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=60))
     yield DistInfo(0, 1, torch.device("cpu"))
     dist.destroy_process_group()
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """URL (with password) of the one redis-server the session shares: tests keep apart by run
+    name (:func:`run`). A test that kills, pauses or fills its server starts its own."""
+    with EmbeddedRedis(tmp_path_factory.mktemp("redis")) as url:
+        yield url
+
+
+@pytest.fixture
+def run() -> str:
+    """A run name of its own, so every test sees fresh keys."""
+    return f"test-{uuid.uuid4().hex[:12]}"

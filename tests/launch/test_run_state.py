@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,16 +20,9 @@ from async_rl.launch.run_state import (
     refusal,
     set_aside,
 )
-from async_rl.queue import EmbeddedRedis, ReplayQueue
+from async_rl.queue import ReplayQueue
 from async_rl.queue.ownership import RunInUseError, RunOwnership, RunRecord
 from async_rl.records import RolloutGroup, Sample
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A shared (external) Redis: several runs' keys side by side."""
-    with EmbeddedRedis(tmp_path_factory.mktemp("redis")) as url:
-        yield url
 
 
 def _cfg(run_dir: Path, name: str, resume: str = "auto", *more: str) -> Config:

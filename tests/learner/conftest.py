@@ -1,15 +1,14 @@
-"""Fixtures of the learner tests: a tiny random Qwen2 with a tokenizer and a real redis-server
-(the one-rank gloo process group, ``one_rank``, is in tests/conftest.py)."""
+"""Fixtures of the learner tests: a tiny random Qwen2 with a tokenizer (the session's
+redis-server, ``redis_url``, and the one-rank gloo process group, ``one_rank``, are in
+tests/conftest.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from async_rl.queue import EmbeddedRedis
 
 VOCAB = 512
 
@@ -31,9 +30,3 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>").save_pretrained(out)
     return out
 
-
-@pytest.fixture(scope="session")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """URL (with password) of a redis-server shared by the session; tests use their own run names."""
-    with EmbeddedRedis(tmp_path_factory.mktemp("redis")) as url:
-        yield url
