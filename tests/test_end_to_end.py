@@ -1,27 +1,23 @@
 """`async-rl train` end to end on the tiny setup: real Redis, Ray, vLLM, FSDP2 learner, W&B offline.
 
-Runs the CLI in a subprocess (as a user would) and checks that the pipeline really ran,
-then that SIGTERM shuts everything down with a final checkpoint and no process left behind,
-also while Redis does not answer.
+Runs the CLI in a subprocess (as a user would) and checks that the pipeline really ran. A
+SIGTERM while Redis does not answer (a final checkpoint, nothing left running) is checked on
+the shared run of tests/launch/test_live_run.py.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
-import redis
 from control_attack import attack, tap_frame
 from listening import Listener, table, tree_listeners
-from prometheus_client.parser import text_string_to_metric_families
 from run_helpers import (
     ROOT,
     queue_state,
@@ -207,16 +203,6 @@ def test_the_vlm_quickstart_trains_on_images_with_vppo(tiny_vlm_assets, tmp_path
     assert state["stats"]["pending"] == 0 and 0 < state["images"] <= started  # one key per image content
 
 
-def _scrape_while_running(servers: dict) -> None:
-    """The driver's Prometheus endpoint and each server's vLLM one answer real scrapes."""
-    body = urllib.request.urlopen(servers["prometheus_url"], timeout=30).read().decode()
-    samples = {s.name: s.value for f in text_string_to_metric_families(body) for s in f.samples if not s.labels}
-    assert samples["async_rl_policy_version"] >= 1 and samples["async_rl_staleness_versions_count"] >= 4, body
-    assert "async_rl_queue_dead_lettered_groups_total" in samples and "async_rl_generated_tokens_total" in samples
-    vllm = urllib.request.urlopen(servers["servers"][0]["metrics_url"], timeout=30).read().decode()
-    assert any(f.name.startswith("vllm:") for f in text_string_to_metric_families(vllm))
-
-
 def _export_serves_in_vllm(checkpoint: Path, out: Path) -> None:
     """`async-rl export` of the trained checkpoint loads in vLLM with the log-probs transformers gives it."""
     import torch
@@ -238,62 +224,3 @@ def _export_serves_in_vllm(checkpoint: Path, out: Path) -> None:
     expected = logp.gather(1, ids[0, len(prompt) :, None])[:, 0]
     served = torch.tensor([step[t].logprob for step, t in zip(got.logprobs, got.token_ids)])
     torch.testing.assert_close(served, expected, rtol=0, atol=1e-3)
-
-
-def _pause_embedded_redis(run_dir: Path, seconds: float) -> None:
-    """``CLIENT PAUSE`` (every command of every client) on the run's embedded Redis."""
-    conf = dict(line.split(" ", 1) for line in (run_dir / "redis" / "redis.conf").read_text().splitlines() if " " in line)
-    client = redis.Redis(port=int(conf["port"]), password=conf["requirepass"].strip('"'))
-    client.execute_command("CLIENT", "PAUSE", int(seconds * 1000), "ALL")
-    client.close()
-
-
-def test_sigterm_checkpoints_and_leaves_nothing_running(tiny_assets, tmp_path):
-    """SIGTERM while Redis is paused for 30 s: acknowledged on the console within 2 s (no Redis
-    call blocks the driver's event loop), and the stop completes once Redis answers again.
-    A reward function that hangs on some samples: the signal is acted on all the same."""
-    reward = tmp_path / "reward.py"
-    reward.write_text("import time\n\ndef compute_score(items):\n"
-                      "    return [{'overall': time.sleep(3600) if i['response'].strip().endswith('3') else 0.0} for i in items]\n")
-    config = write_config(tiny_assets, tmp_path, steps=1000, rollout={"reward": {"function": f"{reward}:compute_score"}},
-                          logging={"prometheus_port": 0})
-    run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "async_rl.cli", "train", str(config)], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    metrics = run_dir / "metrics.jsonl"
-    deadline = time.monotonic() + 600
-    while not (metrics.is_file() and '"perf/tokens_per_s"' in metrics.read_text()):
-        assert proc.poll() is None, proc.stdout.read()[-3000:]
-        assert time.monotonic() < deadline, "no learner step within 10 minutes"
-        time.sleep(1.0)
-    _scrape_while_running(json.loads((run_dir / "servers.json").read_text()))
-    lines: list[tuple[float, str]] = []  # (when read, line) of the driver's console
-    reader = threading.Thread(target=lambda: lines.extend((time.monotonic(), line) for line in proc.stdout), daemon=True)
-    reader.start()
-    pause_s = 30.0
-    _pause_embedded_redis(run_dir, pause_s)
-    paused = time.monotonic()
-    time.sleep(12.0)  # the driver's periodic reads (health every 10 s, failure reports every 1 s) now wait on Redis
-    signalled = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=300)
-    reader.join(30)
-    output = "".join(line for _, line in lines)
-    assert proc.returncode == 130, output[-3000:]
-    acknowledged = next((t for t, line in lines if "SIGTERM: stopping generation" in line), None)
-    print(f"SIGTERM acknowledged after {acknowledged and acknowledged - signalled:.2f} s; stopped {time.monotonic() - paused:.0f} s "
-          f"after the {pause_s:.0f} s Redis pause began")
-    assert acknowledged is not None and acknowledged - signalled < 2.0, output[-3000:]
-    assert time.monotonic() - paused > pause_s, "the run stopped before Redis answered: its final commit cannot have landed"
-    assert "interrupted at version" in output and "Traceback" not in output, output[-3000:]
-    assert sorted(p.name for p in run_dir.glob("*.png")) == sorted(PLOTS)  # the plots are drawn on SIGTERM too
-    checkpoints = sorted((run_dir / "checkpoints").iterdir())
-    assert checkpoints, "no final checkpoint"
-    assert wait_gone(run_dir) == []
-    state = queue_state(run_dir, config)
-    # Every group in flight ended its ticket. Groups the learner read for its next batch stay
-    # pending on its consumer (a resumed learner re-reads them first): each prompt is held once.
-    assert state["stats"]["inflight"] == 0, (state, output[-5000:])
-    held = state["queued"] + state["returned"]
-    assert len(held) == len(set(held)), state
-

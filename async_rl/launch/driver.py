@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import signal
 import threading
@@ -151,6 +152,7 @@ class _Run:
         self._disk_low = False
         """The run's disk has less room than it needs (said once until it clears)."""
         self._disk_full_since: float | None = None
+        self._redis_back_at = -math.inf  # monotonic s: when the embedded Redis last came back after exiting
         """When the embedded Redis stopped for want of disk space (its restart waits for it), or None."""
         self.recoveries: Counter[str] = Counter()
         """What the driver recovered from without a restart (``recoveries/*``)."""
@@ -304,6 +306,7 @@ class _Run:
         if self._disk_full_since is not None:
             self._say(f"disk space is back after {time.monotonic() - self._disk_full_since:.0f} s")
             self._disk_full_since = None
+        self._redis_back_at = time.monotonic()
         self.redis_restarts = event.restarts
         if cores and event.new_pid is not None:
             with contextlib.suppress(OSError):  # it may have died again; the watcher restarts it
@@ -410,7 +413,8 @@ class _Run:
             for i in self.pool.indices:
                 await self.pool.restart(i, self.pool.handle(i))
         self._write_servers()
-        self._say(f"learner restarted at version {self.version} (it was at {before}); steps {self.version + 1}-{before} are redone")
+        redone = f"steps {self.version + 1}-{before} are redone" if before > self.version else "no step is redone"
+        self._say(f"learner restarted at version {self.version} (it was at {before}); {redone}")
         return True
 
     def _kill_learners(self, graceful: bool = True) -> None:
@@ -527,7 +531,8 @@ class _Run:
         while self.version < total and not self.stop.is_set():
             try:
                 call_start = time.monotonic()
-                results = await _all_ranks([a.run.remote(1, LEARNER_WAIT_S) for a in self.learners], self._learner_bound_s())
+                results = await _all_ranks([a.run.remote(1, LEARNER_WAIT_S) for a in self.learners], self._learner_bound_s(),
+                                           self._queue_back_at)
                 self._slowest_call_s = max(self._slowest_call_s or 0.0, time.monotonic() - call_start)
             except _RankDied as exc:
                 self.recoveries["learner_hangs"] += isinstance(exc, _RankHung)
@@ -535,9 +540,10 @@ class _Run:
                     continue
                 return
             except ray.exceptions.RayTaskError as exc:
+                lost_queue = self._disk_full_since is not None or time.monotonic() - self._redis_back_at < self.cfg.queue.timeout_s
                 if (NO_SPACE in _cause(exc) and await self._wait_for_space(f"the learner stopped: {_cause(exc)}")) or (
-                        self._disk_full_since is not None and await self._space_returned()):  # it lost the queue while Redis waited
-                    if await self._restart_learners(f"the learner stopped while the disk was full ({_cause(exc)})"):
+                        lost_queue and await self._space_returned()):  # it lost the queue while Redis was down
+                    if await self._restart_learners(f"the learner lost the queue while its Redis was down ({_cause(exc)})"):
                         continue
                     return
                 self._fail(f"the learner stopped: {_cause(exc)}")
@@ -557,6 +563,11 @@ class _Run:
             log.error("final checkpoint failed: %s", _cause(exc))
             if self.failure is None:
                 self._fail(f"the final checkpoint failed: {_cause(exc)}")
+
+    def _queue_back_at(self) -> float:
+        """When the run's queue last answered again after an outage, monotonic seconds: now while
+        the embedded Redis waits for disk space (a learner waiting on it is not hung)."""
+        return time.monotonic() if self._disk_full_since is not None else self._redis_back_at
 
     def _learner_bound_s(self) -> float:
         """How long one learner call may take before its silent ranks count as hung, seconds:
@@ -877,13 +888,24 @@ RANK_DEATH_GRACE_S = 10.0
 blocked in a collective with a dead peer fails within seconds), seconds."""
 
 
-async def _all_ranks(calls: list[Any], timeout_s: float | None = None) -> list[Any]:
+async def _all_ranks(calls: list[Any], timeout_s: float | None = None, queue_back_at: Callable[[], float] | None = None) -> list[Any]:
     """The results of one call per learner rank. Raises :class:`_RankDied` when a rank's
     process died (the others then fail in a collective, or hang in one: they are killed and
     restarted anyway) or when some rank has not answered within ``timeout_s`` seconds (hung:
-    a stopped process, a stuck kernel or collective), else the first rank's error."""
+    a stopped process, a stuck kernel or collective), else the first rank's error.
+    ``queue_back_at()``: when the run's queue last answered again after an outage (monotonic
+    seconds; now while it is down): a rank waiting on the queue is not hung, so the hang
+    clock runs from the later of the call's start and that moment."""
     futures = [asyncio.ensure_future(c) for c in calls]
-    done, _ = await asyncio.wait(futures, timeout=timeout_s, return_when=asyncio.FIRST_EXCEPTION)
+    start = time.monotonic()
+    while True:
+        since = max(start, queue_back_at()) if queue_back_at is not None else start
+        left = None if timeout_s is None else max(0.0, since + timeout_s - time.monotonic())
+        done, _ = await asyncio.wait(futures, timeout=left, return_when=asyncio.FIRST_EXCEPTION)
+        if len(done) == len(futures) or any(f.exception() is not None for f in done):
+            break
+        if queue_back_at is None or max(start, queue_back_at()) == since:  # the queue answered throughout: hung
+            break
     if all(f in done and f.exception() is None for f in futures):
         return [f.result() for f in futures]
     if not any(f.done() and f.exception() is not None for f in futures):  # timed out: no rank failed, some never answered
@@ -891,7 +913,7 @@ async def _all_ranks(calls: list[Any], timeout_s: float | None = None) -> list[A
         for f in futures:
             f.cancel()
         raise _RankHung(f"learner rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} answered no call for "
-                        f"{timeout_s:.0f} s (trainer.learner_hang_timeout_s, or 3x the slowest call so far): declared hung")
+                        f"{time.monotonic() - since:.0f} s (trainer.learner_hang_timeout_s, or 3x the slowest call so far): declared hung")
     await asyncio.wait(futures, timeout=RANK_DEATH_GRACE_S)
     errors = [(rank, f.exception()) for rank, f in enumerate(futures) if f.done() and f.exception() is not None]
     for f in futures:

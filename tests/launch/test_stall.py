@@ -4,6 +4,7 @@ learner ranks with a hang bound: pure logic."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -58,3 +59,23 @@ def test_ranks_that_answer_no_call_within_the_bound_are_declared_hung() -> None:
         asyncio.run(_all_ranks([answer(0.01), answer(60)], timeout_s=0.2))
     with pytest.raises(_RankHung, match=r"learner ranks 0, 1 answered no call"):
         asyncio.run(_all_ranks([answer(60), answer(60)], timeout_s=0.2))
+
+
+def test_a_rank_waiting_on_a_queue_that_is_down_is_not_hung() -> None:
+    """The hang clock runs from when the queue answered again: a rank that waits while Redis is
+    down (a full disk, a restart) answers in time; one silent for the bound after it is hung."""
+    async def answer(after_s: float) -> str:
+        await asyncio.sleep(after_s)
+        return "ok"
+
+    async def outage(down_s: float, answer_after_s: float, timeout_s: float) -> list[str]:
+        back = time.monotonic() + down_s  # the queue is down until then, so it "answers again" at every moment before
+
+        def queue_back_at() -> float:
+            return min(time.monotonic(), back)
+
+        return await _all_ranks([answer(0.01), answer(answer_after_s)], timeout_s=timeout_s, queue_back_at=queue_back_at)
+
+    assert asyncio.run(outage(down_s=0.6, answer_after_s=0.7, timeout_s=0.3)) == ["ok", "ok"]  # 0.1 s after the queue's return
+    with pytest.raises(_RankHung, match=r"learner rank 1 answered no call for 0 s"):
+        asyncio.run(outage(down_s=0.3, answer_after_s=60, timeout_s=0.3))
