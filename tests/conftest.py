@@ -7,6 +7,7 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
+import resource_markers
 import torch
 import torch.distributed as dist
 
@@ -53,3 +54,31 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def run() -> str:
     """A run name of its own, so every test sees fresh keys."""
     return f"test-{uuid.uuid4().hex[:12]}"
+
+
+_RESOURCES = resource_markers.recorder()
+"""What each test starts, recorded when ``ASYNC_RL_TEST_RESOURCES`` names a file (tests/resource_markers.py)."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if _RESOURCES is not None:
+        _RESOURCES.install()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    if _RESOURCES is not None:
+        _RESOURCES.begin(item.nodeid, list(getattr(item, "fixturenames", ())))
+    yield
+    if _RESOURCES is not None:
+        _RESOURCES.end()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if _RESOURCES is not None and report.when == "call":
+        _RESOURCES.timed(report.nodeid, report.duration)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if _RESOURCES is not None:
+        _RESOURCES.write()

@@ -1,0 +1,173 @@
+"""What each test really starts: redis-server, Ray, a vLLM engine, a process group, the tiny
+assets (issue 43, the resource markers). tests/conftest.py calls it.
+
+Seen three ways, all in the test's own window (setup, call and teardown):
+- calls in the test process: ``subprocess.Popen`` of ``redis-server``, ``ray.init``,
+  ``torch.distributed.init_process_group``, a weight group's ``WeightGroup.join``, a process
+  spawned to run a learner rank (a ``learner_helpers`` body: each joins a process group);
+- processes: every 0.5 s, the new descendants of the test process by command line
+  (``redis-server``, ``raylet``, a vLLM ``EngineCore``, a ``ray::LearnerActor`` rank), which
+  is how a CLI run's or a Ray actor's parts are seen;
+- fixtures: a test using ``redis_url`` (a Redis started once for the session), the tiny
+  assets or ``one_rank`` needs what they started even when an earlier test started it.
+
+``ASYNC_RL_TEST_RESOURCES=PATH`` writes, at the session's end, ``{test id: [resources]}`` as
+JSON to PATH (the map the markers are set from); unset, nothing is watched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import threading
+from pathlib import Path
+
+RESOURCES = ("redis", "ray", "vllm", "dist", "assets")
+"""The resource markers (registered in pyproject.toml), besides ``slow``."""
+
+SLOW_S = 10.0
+"""A test whose call takes longer than this is ``slow`` (seconds, on 2 cores)."""
+
+FIXTURES = {"redis_url": "redis", "tiny_assets": "assets", "tiny_vlm_assets": "assets", "one_rank": "dist"}
+"""Session fixtures and the resource a test that uses one depends on."""
+
+PROCESSES = (("redis-server", "redis"), ("raylet", "ray"), ("EngineCore", "vllm"), ("ray::LearnerActor", "dist"))
+"""(text in a command line, resource) of the processes the sampler recognises."""
+
+SAMPLE_S = 0.5
+"""How often the process table is read while a test runs, seconds."""
+
+ENV = "ASYNC_RL_TEST_RESOURCES"
+
+
+def _table() -> dict[int, tuple[int, str, str]]:
+    """pid -> (parent pid, start time in clock ticks, command line) of every live process."""
+    found = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{name}/stat").read_bytes()
+            cmd = Path(f"/proc/{name}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        fields = stat[stat.rindex(b")") + 2 :].split()
+        found[int(name)] = (int(fields[1]), fields[19].decode(), cmd)
+    return found
+
+
+class Recorder:
+    """The resources each test used, by test id."""
+
+    def __init__(self, out: Path):
+        self.out = out
+        self.used: dict[str, set[str]] = {}
+        self.current: str | None = None
+        self._before: set[tuple[int, str]] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="resource-sampler", daemon=True)
+
+    def note(self, resource: str) -> None:
+        with self._lock:
+            if self.current is not None:
+                self.used.setdefault(self.current, set()).add(resource)
+
+    def begin(self, test_id: str, fixtures: list[str]) -> None:
+        before = {(pid, start) for pid, (_, start, _) in _table().items()}
+        with self._lock:
+            self.current, self._before = test_id, before
+            self.used.setdefault(test_id, set()).update(FIXTURES[f] for f in fixtures if f in FIXTURES)
+
+    def timed(self, test_id: str, call_s: float) -> None:
+        if call_s > SLOW_S:
+            with self._lock:
+                self.used.setdefault(test_id, set()).add("slow")
+
+    def end(self) -> None:
+        self._scan()
+        with self._lock:
+            self.current = None
+
+    def _scan(self) -> None:
+        table = _table()
+        me, mine, todo = os.getpid(), set(), [os.getpid()]
+        while todo:
+            parent = todo.pop()
+            for pid, (ppid, _, _) in table.items():
+                if ppid == parent and pid not in mine and pid != me:
+                    mine.add(pid)
+                    todo.append(pid)
+        for pid in mine:
+            _, start, cmd = table[pid]
+            if (pid, start) not in self._before:
+                for text, resource in PROCESSES:
+                    if text in cmd:
+                        self.note(resource)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(SAMPLE_S):
+            if self.current is not None:
+                self._scan()
+
+    def install(self) -> None:
+        """Wrap the calls that start a resource in this process; start the sampler."""
+        import multiprocessing.context
+
+        import ray
+        import torch.distributed as dist
+
+        from async_rl.sync.group import WeightGroup
+
+        popen_init = subprocess.Popen.__init__
+
+        def popen(proc, args, *a, **kw):
+            argv = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)
+            if argv and Path(os.fsdecode(argv[0]).split()[0]).name == "redis-server":
+                self.note("redis")
+            return popen_init(proc, args, *a, **kw)
+
+        subprocess.Popen.__init__ = popen
+        ray_init = ray.init
+
+        def init(*a, **kw):
+            self.note("ray")
+            return ray_init(*a, **kw)
+
+        ray.init = init
+        init_pg = dist.init_process_group
+
+        def init_process_group(*a, **kw):
+            self.note("dist")
+            return init_pg(*a, **kw)
+
+        dist.init_process_group = init_process_group
+        join = WeightGroup.join.__func__
+
+        def join_group(cls, *a, **kw):
+            self.note("dist")
+            return join(cls, *a, **kw)
+
+        WeightGroup.join = classmethod(join_group)
+        spawn_start = multiprocessing.context.SpawnProcess.start
+
+        def start(proc):
+            if getattr(getattr(proc, "_target", None), "__module__", "") == "learner_helpers":
+                self.note("dist")
+            return spawn_start(proc)
+
+        multiprocessing.context.SpawnProcess.start = start
+        self._thread.start()
+
+    def write(self) -> None:
+        self._stop.set()
+        with self._lock:
+            used = {test: sorted(found) for test, found in sorted(self.used.items())}
+        self.out.write_text(json.dumps(used, indent=1) + "\n")
+
+
+def recorder() -> Recorder | None:
+    """A recorder writing to ``$ASYNC_RL_TEST_RESOURCES``, or None when that is unset."""
+    path = os.environ.get(ENV)
+    return Recorder(Path(path)) if path else None
