@@ -68,10 +68,23 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     if _RESOURCES is not None:
-        _RESOURCES.begin(item.nodeid, list(getattr(item, "fixturenames", ())))
+        info = getattr(item, "_fixtureinfo", None)
+        used = [(defs[-1].baseid, name) for name, defs in info.name2fixturedefs.items() if defs] if info is not None else []
+        _RESOURCES.begin(item.nodeid, used)
     yield
     if _RESOURCES is not None:
         _RESOURCES.end()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef: pytest.FixtureDef, request: pytest.FixtureRequest) -> Iterator[None]:
+    if _RESOURCES is not None:
+        _RESOURCES.enter_fixture((fixturedef.baseid, fixturedef.argname))
+    try:
+        yield
+    finally:
+        if _RESOURCES is not None:
+            _RESOURCES.exit_fixture()
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

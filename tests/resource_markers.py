@@ -8,8 +8,9 @@ Seen three ways, all in the test's own window (setup, call and teardown):
 - processes: every 0.5 s, the new descendants of the test process by command line
   (``redis-server``, ``raylet``, a vLLM ``EngineCore``, a ``ray::LearnerActor`` rank), which
   is how a CLI run's or a Ray actor's parts are seen;
-- fixtures: a test using ``redis_url`` (a Redis started once for the session), the tiny
-  assets or ``one_rank`` needs what they started even when an earlier test started it.
+- fixtures: what a module or function fixture's setup started (a module's Ray and vLLM
+  pool) is needed by every test that uses the fixture, also those after the first; the
+  session fixtures by :data:`FIXTURES`.
 
 ``ASYNC_RL_TEST_RESOURCES=PATH`` writes, at the session's end, ``{test id: [resources]}`` as
 JSON to PATH (the map the markers are set from); unset, nothing is watched.
@@ -29,8 +30,10 @@ RESOURCES = ("redis", "ray", "vllm", "dist", "assets")
 SLOW_S = 10.0
 """A test whose call takes longer than this is ``slow`` (seconds, on 2 cores)."""
 
-FIXTURES = {"redis_url": "redis", "tiny_assets": "assets", "tiny_vlm_assets": "assets", "one_rank": "dist"}
-"""Session fixtures and the resource a test that uses one depends on."""
+FIXTURES = {"redis_url": "redis", "one_rank": "dist", "tiny_assets": "assets", "tiny_vlm_assets": "assets"}
+"""Session fixtures and what a test that uses one needs: pytest runs tests/conftest.py's
+``pytest_fixture_setup`` for module- and function-scoped fixtures only (a session fixture's
+hooks are the root's), and the cached assets start nothing to see."""
 
 PROCESSES = (("redis-server", "redis"), ("raylet", "ray"), ("EngineCore", "vllm"), ("ray::LearnerActor", "dist"))
 """(text in a command line, resource) of the processes the sampler recognises."""
@@ -63,8 +66,12 @@ class Recorder:
     def __init__(self, out: Path):
         self.out = out
         self.used: dict[str, set[str]] = {}
+        self.fixtures: dict[tuple[str, str], set[str]] = {}  # (where it is defined, name) -> what its setups started
+        self.uses: dict[str, list[tuple[str, str]]] = {}  # test id -> the fixtures it uses
         self.current: str | None = None
+        self._setting_up: list[tuple[str, str]] = []  # the fixtures being set up, innermost last
         self._before: set[tuple[int, str]] = set()
+        self._seen: set[tuple[int, str]] = set()  # processes already noted
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, name="resource-sampler", daemon=True)
@@ -73,12 +80,25 @@ class Recorder:
         with self._lock:
             if self.current is not None:
                 self.used.setdefault(self.current, set()).add(resource)
+            if self._setting_up:
+                self.fixtures.setdefault(self._setting_up[-1], set()).add(resource)
 
-    def begin(self, test_id: str, fixtures: list[str]) -> None:
+    def begin(self, test_id: str, fixtures: list[tuple[str, str]]) -> None:
+        """``fixtures``: (where defined, name) of each fixture the test uses."""
         before = {(pid, start) for pid, (_, start, _) in _table().items()}
         with self._lock:
             self.current, self._before = test_id, before
-            self.used.setdefault(test_id, set()).update(FIXTURES[f] for f in fixtures if f in FIXTURES)
+            self.uses[test_id] = fixtures
+            self.used.setdefault(test_id, set()).update(FIXTURES[name] for _, name in fixtures if name in FIXTURES)
+
+    def enter_fixture(self, fixture: tuple[str, str]) -> None:
+        with self._lock:
+            self._setting_up.append(fixture)
+
+    def exit_fixture(self) -> None:
+        self._scan()  # what the setup started, before the test's own call
+        with self._lock:
+            self._setting_up.pop()
 
     def timed(self, test_id: str, call_s: float) -> None:
         if call_s > SLOW_S:
@@ -101,9 +121,10 @@ class Recorder:
                     todo.append(pid)
         for pid in mine:
             _, start, cmd = table[pid]
-            if (pid, start) not in self._before:
+            if (pid, start) not in self._before and (pid, start) not in self._seen:
                 for text, resource in PROCESSES:
                     if text in cmd:
+                        self._seen.add((pid, start))  # said once, of what was running (or set up) when it started
                         self.note(resource)
 
     def _sample(self) -> None:
@@ -163,7 +184,8 @@ class Recorder:
     def write(self) -> None:
         self._stop.set()
         with self._lock:
-            used = {test: sorted(found) for test, found in sorted(self.used.items())}
+            used = {test: sorted(found.union(*(self.fixtures.get(f, set()) for f in self.uses.get(test, ()))))
+                    for test, found in sorted(self.used.items())}
         self.out.write_text(json.dumps(used, indent=1) + "\n")
 
 
