@@ -193,3 +193,76 @@ def recorder() -> Recorder | None:
     """A recorder writing to ``$ASYNC_RL_TEST_RESOURCES``, or None when that is unset."""
     path = os.environ.get(ENV)
     return Recorder(Path(path)) if path else None
+
+
+MARK_ORDER = (*RESOURCES, "slow")
+
+
+def apply(used: dict[str, list[str]]) -> None:
+    """Set the markers of a recorded map on the test files: module-level ``pytestmark`` for a
+    resource every test of a module needs, a decorator on each test function otherwise (the
+    union over its parametrizations); markers already there are kept."""
+    import ast
+    import collections
+    import re
+
+    by_file = collections.defaultdict(lambda: collections.defaultdict(set))
+    for nodeid, res in used.items():
+        path, _, rest = nodeid.partition("::")
+        func = rest.split("[")[0].split("::")[-1]
+        by_file[path][func].update(res)
+    for path, funcs in sorted(by_file.items()):
+        p = Path(path)
+        src = p.read_text()
+        tree = ast.parse(src)
+        defs = {n.name: n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name.startswith("test")}
+        names = [n for n in defs if n in funcs]
+        if not names:
+            continue
+        module = [m for m in MARK_ORDER if all(m in funcs[n] for n in names)] if len(names) == len(defs) else []
+        lines = src.splitlines(keepends=True)
+        inserts = []  # (line index, text)
+        for name in names:
+            node = defs[name]
+            need = [m for m in MARK_ORDER if m in funcs[name] and m not in module]
+            if not need:
+                continue
+            existing = {d.attr for d in node.decorator_list if isinstance(d, ast.Attribute) and isinstance(d.value, ast.Attribute) and d.value.attr == "mark"}
+            need = [m for m in need if m not in existing]
+            if not need:
+                continue
+            first = min([d.lineno for d in node.decorator_list] + [node.lineno]) - 1
+            indent = re.match(r"\s*", lines[first]).group(0)
+            inserts.append((first, "".join(f"{indent}@pytest.mark.{m}\n" for m in need)))
+        for idx, text in sorted(inserts, reverse=True):
+            lines.insert(idx, text)
+        src = "".join(lines)
+        if module:
+            marks = [f"pytest.mark.{m}" for m in module]
+            m = re.search(r"^pytestmark = (.+)$", src, re.M)
+            if m:
+                old = m.group(1).strip()
+                items = [s.strip() for s in old.strip("[]").split(",")] if old.startswith("[") else [old]
+                items += [x for x in marks if x not in items]
+                src = src[:m.start()] + f"pytestmark = [{', '.join(items)}]" + src[m.end():]
+            else:
+                # after the last top-level import
+                tree = ast.parse(src)
+                last = max(n.end_lineno for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom)))
+                ls = src.splitlines(keepends=True)
+                ls.insert(last, f"\npytestmark = [{', '.join(marks)}]\n")
+                src = "".join(ls)
+        if "import pytest" not in src:
+            tree = ast.parse(src)
+            first_import = min(n.lineno for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom)) and not (isinstance(n, ast.ImportFrom) and n.module == "__future__"))
+            ls = src.splitlines(keepends=True)
+            ls.insert(first_import - 1, "import pytest\n")
+            src = "".join(ls)
+        p.write_text(src)
+        print(path, "module:", module, "funcs:", len(inserts))
+
+
+if __name__ == "__main__":  # python tests/resource_markers.py MAP.json   (from the repository root)
+    import sys
+
+    apply(json.loads(Path(sys.argv[1]).read_text()))
