@@ -24,6 +24,8 @@ import subprocess
 import threading
 from pathlib import Path
 
+from processes import Identity, descendants, table
+
 RESOURCES = ("redis", "ray", "vllm", "dist", "assets")
 """The resource markers (registered in pyproject.toml), besides ``slow``."""
 
@@ -44,22 +46,6 @@ SAMPLE_S = 0.5
 ENV = "ASYNC_RL_TEST_RESOURCES"
 
 
-def _table() -> dict[int, tuple[int, str, str]]:
-    """pid -> (parent pid, start time in clock ticks, command line) of every live process."""
-    found = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{name}/stat").read_bytes()
-            cmd = Path(f"/proc/{name}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        fields = stat[stat.rindex(b")") + 2 :].split()
-        found[int(name)] = (int(fields[1]), fields[19].decode(), cmd)
-    return found
-
-
 class Recorder:
     """The resources each test used, by test id."""
 
@@ -70,8 +56,8 @@ class Recorder:
         self.uses: dict[str, list[tuple[str, str]]] = {}  # test id -> the fixtures it uses
         self.current: str | None = None
         self._setting_up: list[tuple[str, str]] = []  # the fixtures being set up, innermost last
-        self._before: set[tuple[int, str]] = set()
-        self._seen: set[tuple[int, str]] = set()  # processes already noted
+        self._before: set[Identity] = set()
+        self._seen: set[Identity] = set()  # processes already noted
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, name="resource-sampler", daemon=True)
@@ -85,7 +71,7 @@ class Recorder:
 
     def begin(self, test_id: str, fixtures: list[tuple[str, str]]) -> None:
         """``fixtures``: (where defined, name) of each fixture the test uses."""
-        before = {(pid, start) for pid, (_, start, _) in _table().items()}
+        before = {(pid, start) for pid, (_, start, _) in table().items()}
         with self._lock:
             self.current, self._before = test_id, before
             self.uses[test_id] = fixtures
@@ -111,16 +97,9 @@ class Recorder:
             self.current = None
 
     def _scan(self) -> None:
-        table = _table()
-        me, mine, todo = os.getpid(), set(), [os.getpid()]
-        while todo:
-            parent = todo.pop()
-            for pid, (ppid, _, _) in table.items():
-                if ppid == parent and pid not in mine and pid != me:
-                    mine.add(pid)
-                    todo.append(pid)
-        for pid in mine:
-            _, start, cmd = table[pid]
+        procs = table()
+        for pid in descendants(procs, os.getpid()):
+            _, start, cmd = procs[pid]
             if (pid, start) not in self._before and (pid, start) not in self._seen:
                 for text, resource in PROCESSES:
                     if text in cmd:

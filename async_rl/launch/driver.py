@@ -152,8 +152,9 @@ class _Run:
         self._disk_low = False
         """The run's disk has less room than it needs (said once until it clears)."""
         self._disk_full_since: float | None = None
-        self._redis_back_at = -math.inf  # monotonic s: when the embedded Redis last came back after exiting
         """When the embedded Redis stopped for want of disk space (its restart waits for it), or None."""
+        self._redis_back_at = -math.inf
+        """When the embedded Redis last came back after exiting (monotonic seconds)."""
         self.recoveries: Counter[str] = Counter()
         """What the driver recovered from without a restart (``recoveries/*``)."""
         self._generated = RateMeter(RATE_WINDOW_S)
