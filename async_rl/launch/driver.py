@@ -53,7 +53,7 @@ from async_rl.learner.actor import start_learners
 from async_rl.queue import EmbeddedRedis, QueueUnavailableError, RedisExit, ReplayQueue
 from async_rl.queue.embedded import MIN_FREE_BYTES, NO_SPACE, SPACE_WAIT_S
 from async_rl.queue.admission import admission_limit
-from async_rl.queue.ownership import LEASE_RENEW_S, LeaseLostError, RunInUseError, RunOwnership
+from async_rl.queue.ownership import LEASE_RENEW_S, LEASE_RETRY_S, LeaseLostError, RunInUseError, RunOwnership
 from async_rl.queue.requests import Requests, ScaleReply
 from async_rl.rewards.pool import RewardPool
 from async_rl.rewards.scoring import RewardScorer, RewardStartupError, check_reward_function
@@ -337,14 +337,19 @@ class _Run:
         driver took it. A thread of its own: neither a busy event loop nor a thread pool whose
         workers all wait (on Redis, on a server's start) may delay it past the lease's TTL, or
         the run would look dead to ``async-rl scale`` and to a second driver."""
-        while not done.wait(LEASE_RENEW_S):
+        wait_s = LEASE_RENEW_S
+        while not done.wait(wait_s):
             try:
                 ownership.renew()
+                wait_s = LEASE_RENEW_S
             except LeaseLostError as exc:
                 loop.call_soon_threadsafe(self._fail, str(exc))
                 return
             except QueueUnavailableError as exc:  # Redis away: the queue's own calls decide the run's fate
+                # Retried soon: a Redis away past the TTL (a full disk, a restart) dropped the
+                # lease, and until it is renewed `async-rl scale` finds no driver (LEASE_BACK_S).
                 log.warning("the run's lease was not renewed: %s", exc)
+                wait_s = LEASE_RETRY_S
 
     def _scorer(self) -> RewardScorer:
         return RewardScorer(self.rewards, self.cfg.rollout.reward, self.cfg.rollout.max_response_length)

@@ -18,6 +18,7 @@ import yaml
 
 from async_rl.queue.client import QueueUnavailableError, connect
 from async_rl.queue.embedded import url_of
+from async_rl.queue.ownership import LEASE_BACK_S
 from async_rl.queue.requests import Requests, ScaleReply
 
 DEFAULT_GRACE_S = 30.0
@@ -69,6 +70,10 @@ def request_scale(run_dir: str | Path, servers: int, grace_s: float = DEFAULT_GR
         requests = Requests(client, run)
         try:
             driver = client.get(requests.keys.lease)
+            deadline = time.monotonic() + LEASE_BACK_S  # a lease lapsed while its Redis was away comes back
+            while driver is None and time.monotonic() < deadline:
+                time.sleep(0.5)
+                driver = client.get(requests.keys.lease)
             if driver is None:
                 raise ScaleError(f"no driver runs {run!r} (its lease in Redis is gone): start or resume the run first")
             request_id = requests.post(servers, grace_s)
@@ -77,6 +82,7 @@ def request_scale(run_dir: str | Path, servers: int, grace_s: float = DEFAULT_GR
         start = time.monotonic()
         said = start
         unreachable_since: float | None = None
+        lease_gone_since: float | None = None
         while True:
             try:
                 reply, lease = requests.reply(request_id), client.get(requests.keys.lease)
@@ -91,9 +97,10 @@ def request_scale(run_dir: str | Path, servers: int, grace_s: float = DEFAULT_GR
                 raise ScaleError(f"the run's Redis did not answer: {exc}") from exc
             if reply is not None:
                 return reply
-            if lease is None:
+            lease_gone_since = (lease_gone_since or time.monotonic()) if lease is None else None
+            if lease_gone_since is not None and time.monotonic() - lease_gone_since >= LEASE_BACK_S:
                 raise RunEndedError(f"the run ended before answering request {request_id} (its driver released its lease)")
-            if lease != driver:  # killed: its lease lapsed and a resumed driver holds a new one
+            if lease is not None and lease != driver:  # killed: its lease lapsed and a resumed driver holds a new one
                 raise ScaleError(f"the driver of {run!r} stopped before it answered request {request_id}: check the run's "
                                  f"console; a resumed run starts rollout.num_servers servers, scale it again then")
             if time.monotonic() - start > timeout_s:

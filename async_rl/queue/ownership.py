@@ -22,7 +22,7 @@ from async_rl.config import redact_url
 from async_rl.queue.client import connect, retrying
 from async_rl.queue.keys import RunKeys
 
-__all__ = ["LEASE_RENEW_S", "LEASE_TTL_S", "Lease", "LeaseLostError", "RunInUseError", "RunOwnership", "RunRecord"]
+__all__ = ["LEASE_BACK_S", "LEASE_RENEW_S", "LEASE_RETRY_S", "LEASE_TTL_S", "Lease", "LeaseLostError", "RunInUseError", "RunOwnership", "RunRecord"]
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +33,12 @@ LEASE_TTL_S = 30.0
 name is free again after at most this long)."""
 LEASE_RENEW_S = 10.0
 """How often a live driver renews its lease, seconds."""
+LEASE_RETRY_S = 1.0
+"""How soon a driver retries a renewal that failed (its Redis away), seconds."""
+LEASE_BACK_S = 5.0
+"""A Redis away for longer than the TTL (a restart, a full disk) dropped the lease: a live
+driver holds it again within this many seconds of its Redis answering (one retry, with a
+margin), so a reader waits this long before it reads a missing lease as no driver."""
 
 # KEYS: lease. ARGV: "<run id> <owner>", ttl_ms, take over ('1': whoever holds it is gone).
 # Returns the holder when another one holds the lease, else takes or renews it.

@@ -57,7 +57,7 @@ def test_sigkill_and_resume_reach_the_last_step_every_time(tiny_assets, tmp_path
     # About one response in ten ends in 3: scoring it hangs until the worker's timer interrupts
     # it (rollout.reward.timeout_s, default), which costs those samples, not the run.
     reward = _reward_file(tmp_path, "(time.sleep(3600) if item['response'].strip().endswith('3') else float(item['response'].strip() == item['ground_truth']))")
-    steps = 12
+    steps = 15  # the SIGSTOP at 11 must land before the end: up to 12 queued groups (3 steps) train in seconds
     config = write_config(tiny_assets, tmp_path, steps, trainer={"save_every": 3, "val_every": 0},
                           rollout={"reward": {"function": reward}, "openai_api": False},
                           learner={"lora": {"rank": 8}, "optim": {"lr": 1e-3}})
@@ -124,7 +124,7 @@ def test_sigkill_and_resume_reach_the_last_step_every_time(tiny_assets, tmp_path
         if (run_dir / "reward_errors.jsonl").exists() else []
     assert all(f["kind"] == "reward_timeout" and f["input"].strip().endswith("3") for f in failures), failures[:2]
 
-    # The finished run left groups queued (made by weights up to version 12). trainer.resume=off over
+    # The finished run left groups queued (made by weights up to its last version). trainer.resume=off over
     # it is refused before anything starts; trainer.resume=fresh moves it aside and trains none of them.
     assert queued, "the finished run left no group queued: nothing to check a fresh start against"
     old_id = json.loads((run_dir / "run.json").read_text())["run_id"]

@@ -1,5 +1,5 @@
 """`async-rl scale`'s side of a request (``launch/scale.py``) against a real redis-server; a
-thread plays the driver (the whole path, with a real driver, is tests/launch/test_live_scale.py)."""
+thread plays the driver (the whole path, with a real driver, is tests/launch/test_live_run.py)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from async_rl.cli import app
 from async_rl.launch.scale import REDIS_GONE_S, RunEndedError, ScaleError, request_scale
 from async_rl.queue import EmbeddedRedis
 from async_rl.queue.keys import RunKeys
+from async_rl.queue.ownership import LEASE_BACK_S
 from async_rl.queue.requests import Requests, ScaleReply
 
 RUN = "scale-test"
@@ -69,6 +70,25 @@ def test_no_driver_no_request(run_dir) -> None:
     assert Requests(client, RUN).take() is None
     with pytest.raises(ScaleError, match="pass --redis-url"):  # the config's URL holds a redacted password
         request_scale(path, 2)
+
+
+def test_a_lease_lapsed_while_redis_was_away_is_waited_for(run_dir) -> None:
+    """A Redis away for longer than the lease's TTL (a full disk, a restart) dropped the lease;
+    the live driver holds it again within LEASE_BACK_S: before the request and during its wait,
+    a lease missing for less than that is not read as "no driver"."""
+    path, url, client = run_dir
+    lease = RunKeys(RUN).lease
+    client.delete(lease)
+    threading.Timer(LEASE_BACK_S / 2, client.set, (lease, b"driver-1")).start()
+
+    def answer_after_a_lapse(requests, r) -> None:
+        client.delete(lease)
+        time.sleep(LEASE_BACK_S / 2)
+        client.set(lease, b"driver-1")
+        requests.answer(r.request_id, ScaleReply(True, r.servers, ("server-1 added",)))
+
+    _driver(client, answer_after_a_lapse)
+    assert request_scale(path, 2, redis_url=url, timeout_s=30).ok
 
 
 def test_a_run_that_ends_before_answering_says_so_with_exit_3(run_dir) -> None:
