@@ -12,8 +12,11 @@ Seen three ways, all in the test's own window (setup, call and teardown):
   pool) is needed by every test that uses the fixture, also those after the first; the
   session fixtures by :data:`FIXTURES`.
 
-``ASYNC_RL_TEST_RESOURCES=PATH`` writes, at the session's end, ``{test id: [resources]}`` as
-JSON to PATH (the map the markers are set from); unset, nothing is watched.
+Always on: a test that started a resource its markers do not name fails at its teardown
+(:func:`unmarked`), so the markers stay true. ``ASYNC_RL_TEST_RESOURCES=PATH`` also writes, at
+the session's end, ``{test id: [resources]}`` as JSON to PATH (under pytest-xdist, one file per
+worker: ``PATH.gw0``, ...), the map ``python tests/resource_markers.py PATH...`` sets the markers
+from (``slow`` too, which is timed, not enforced).
 """
 
 from __future__ import annotations
@@ -49,16 +52,17 @@ ENV = "ASYNC_RL_TEST_RESOURCES"
 class Recorder:
     """The resources each test used, by test id."""
 
-    def __init__(self, out: Path):
+    def __init__(self, out: Path | None):
         self.out = out
         self.used: dict[str, set[str]] = {}
         self.fixtures: dict[tuple[str, str], set[str]] = {}  # (where it is defined, name) -> what its setups started
         self.uses: dict[str, list[tuple[str, str]]] = {}  # test id -> the fixtures it uses
+        self.seconds: dict[str, float] = {}  # test id -> its setup, call and teardown, seconds
         self.current: str | None = None
         self._setting_up: list[tuple[str, str]] = []  # the fixtures being set up, innermost last
-        self._before: set[Identity] = set()
-        self._seen: set[Identity] = set()  # processes already noted
+        self._seen: set[Identity] = set()  # processes already noted, or there before the first test
         self._lock = threading.Lock()
+        self._scanning = threading.Lock()  # one scan at a time, never across a test's start or end
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, name="resource-sampler", daemon=True)
 
@@ -71,36 +75,46 @@ class Recorder:
 
     def begin(self, test_id: str, fixtures: list[tuple[str, str]]) -> None:
         """``fixtures``: (where defined, name) of each fixture the test uses."""
-        before = {(pid, start) for pid, (_, start, _) in table().items()}
-        with self._lock:
-            self.current, self._before = test_id, before
+        with self._scanning, self._lock:
+            self.current = test_id
             self.uses[test_id] = fixtures
             self.used.setdefault(test_id, set()).update(FIXTURES[name] for _, name in fixtures if name in FIXTURES)
 
     def enter_fixture(self, fixture: tuple[str, str]) -> None:
-        with self._lock:
-            self._setting_up.append(fixture)
+        with self._scanning:
+            self._scan()  # what started before this setup (a session fixture's, whose hooks pytest does not call here) is not its
+            with self._lock:
+                self._setting_up.append(fixture)
 
     def exit_fixture(self) -> None:
-        self._scan()  # what the setup started, before the test's own call
+        with self._scanning:
+            self._scan()  # what the setup started, before the test's own call
         with self._lock:
             self._setting_up.pop()
 
-    def timed(self, test_id: str, call_s: float) -> None:
-        if call_s > SLOW_S:
-            with self._lock:
+    def timed(self, test_id: str, phase: str, seconds: float) -> None:
+        """A phase (setup, call, teardown) of a test took ``seconds``."""
+        with self._lock:
+            self.seconds[test_id] = self.seconds.get(test_id, 0.0) + seconds
+            if phase == "call" and seconds > SLOW_S:
                 self.used.setdefault(test_id, set()).add("slow")
 
-    def end(self) -> None:
-        self._scan()
-        with self._lock:
-            self.current = None
+    def end(self) -> set[str]:
+        """What the test that ends used: its own resources and those of the fixtures it uses."""
+        with self._scanning:
+            self._scan()
+            with self._lock:
+                test, self.current = self.current, None
+                return self._used(test) if test is not None else set()
+
+    def _used(self, test: str) -> set[str]:
+        return self.used.get(test, set()).union(*(self.fixtures.get(f, set()) for f in self.uses.get(test, ())))
 
     def _scan(self) -> None:
         procs = table()
         for pid in descendants(procs, os.getpid()):
             _, start, cmd = procs[pid]
-            if (pid, start) not in self._before and (pid, start) not in self._seen:
+            if (pid, start) not in self._seen:
                 for text, resource in PROCESSES:
                     if text in cmd:
                         self._seen.add((pid, start))  # said once, of what was running (or set up) when it started
@@ -108,8 +122,9 @@ class Recorder:
 
     def _sample(self) -> None:
         while not self._stop.wait(SAMPLE_S):
-            if self.current is not None:
-                self._scan()
+            with self._scanning:
+                if self.current is not None:
+                    self._scan()
 
     def install(self) -> None:
         """Wrap the calls that start a resource in this process; start the sampler."""
@@ -158,20 +173,58 @@ class Recorder:
             return spawn_start(proc)
 
         multiprocessing.context.SpawnProcess.start = start
+        procs = table()
+        self._seen = {(pid, procs[pid][1]) for pid in descendants(procs, os.getpid())}
         self._thread.start()
 
     def write(self) -> None:
+        """Stop watching; write the map when asked for one."""
         self._stop.set()
+        if self.out is None:
+            return
         with self._lock:
-            used = {test: sorted(found.union(*(self.fixtures.get(f, set()) for f in self.uses.get(test, ()))))
-                    for test, found in sorted(self.used.items())}
-        self.out.write_text(json.dumps(used, indent=1) + "\n")
+            used = {test: sorted(self._used(test)) for test in sorted(self.used)}
+            seconds = {test: round(s, 2) for test, s in sorted(self.seconds.items())}
+        worker = os.environ.get("PYTEST_XDIST_WORKER")
+        out = self.out.with_name(f"{self.out.name}.{worker}") if worker else self.out
+        out.write_text(json.dumps({"resources": used, "seconds": seconds}, indent=1) + "\n")
 
 
-def recorder() -> Recorder | None:
-    """A recorder writing to ``$ASYNC_RL_TEST_RESOURCES``, or None when that is unset."""
+DURATIONS = Path(__file__).parent / "durations.json"
+"""Seconds each test module took in the last recorded full run (2 cores): the suite runs the
+longest first, so that under pytest-xdist no long module starts last (tests/conftest.py)."""
+
+
+def write_durations(seconds: dict[str, float]) -> None:
+    """:data:`DURATIONS` from a recorded run's ``{test id: seconds}``."""
+    modules: dict[str, float] = {}
+    for test, s in seconds.items():
+        module = test.partition("::")[0]
+        modules[module] = modules.get(module, 0.0) + s
+    DURATIONS.write_text(json.dumps({m: round(s, 1) for m, s in sorted(modules.items(), key=lambda kv: -kv[1])}, indent=1) + "\n")
+
+
+def longest_first(paths: list[str]) -> list[str]:
+    """The distinct test modules of ``paths`` in the order to run them: those :data:`DURATIONS`
+    does not know (new: their duration is unknown) first, then the longest first."""
+    known = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
+    return sorted(dict.fromkeys(paths), key=lambda m: -known.get(m, float("inf")))
+
+
+def recorder() -> Recorder:
+    """A recorder; it writes its map to ``$ASYNC_RL_TEST_RESOURCES`` when that is set."""
     path = os.environ.get(ENV)
-    return Recorder(Path(path)) if path else None
+    return Recorder(Path(path) if path else None)
+
+
+def unmarked(used: set[str], markers: set[str]) -> str | None:
+    """Why a test that started ``used`` and carries ``markers`` fails, or None."""
+    missing = sorted((used & set(RESOURCES)) - markers)
+    if not missing:
+        return None
+    marks = " ".join(f"@pytest.mark.{m}" for m in missing)
+    return (f"this test started {', '.join(missing)} without its marker: add {marks} (or to the module's pytestmark); "
+            f"the resource markers select the inner loop, see docs/testing.md")
 
 
 MARK_ORDER = (*RESOURCES, "slow")
@@ -216,14 +269,20 @@ def apply(used: dict[str, list[str]]) -> None:
         for idx, text in sorted(inserts, reverse=True):
             lines.insert(idx, text)
         src = "".join(lines)
+        if not inserts and not module:
+            continue
         if module:
             marks = [f"pytest.mark.{m}" for m in module]
-            m = re.search(r"^pytestmark = (.+)$", src, re.M)
-            if m:
-                old = m.group(1).strip()
-                items = [s.strip() for s in old.strip("[]").split(",")] if old.startswith("[") else [old]
+            tree = ast.parse(src)
+            found = [n for n in tree.body if isinstance(n, ast.Assign) and [ast.unparse(t) for t in n.targets] == ["pytestmark"]]
+            if found:  # rewritten whole, however many lines it spans (its comments are lost)
+                node = found[0]
+                value = node.value
+                items = [ast.unparse(e) for e in value.elts] if isinstance(value, ast.List) else [ast.unparse(value)]
                 items += [x for x in marks if x not in items]
-                src = src[:m.start()] + f"pytestmark = [{', '.join(items)}]" + src[m.end():]
+                ls = src.splitlines(keepends=True)
+                ls[node.lineno - 1:node.end_lineno] = [f"pytestmark = [{', '.join(items)}]\n"]
+                src = "".join(ls)
             else:
                 # after the last top-level import
                 tree = ast.parse(src)
@@ -241,7 +300,14 @@ def apply(used: dict[str, list[str]]) -> None:
         print(path, "module:", module, "funcs:", len(inserts))
 
 
-if __name__ == "__main__":  # python tests/resource_markers.py MAP.json   (from the repository root)
+if __name__ == "__main__":  # python tests/resource_markers.py MAP.json [MAP.json.gw1 ...]   (from the repository root)
     import sys
 
-    apply(json.loads(Path(sys.argv[1]).read_text()))
+    resources: dict[str, list[str]] = {}
+    seconds: dict[str, float] = {}
+    for name in sys.argv[1:]:
+        recorded = json.loads(Path(name).read_text())
+        resources.update(recorded["resources"])
+        seconds.update(recorded["seconds"])
+    apply(resources)
+    write_durations(seconds)

@@ -111,14 +111,28 @@ def wait_for_version(proc: TrainProcess, run_dir: Path, version: int, since: int
         time.sleep(0.3)
 
 
+def _worker_of(pid: int) -> str | None:
+    """The pytest-xdist worker (``gw0``...) in whose test process ``pid`` was started, from its
+    environment (Ray's and vLLM's processes inherit it); None when it names none."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    found = [v[len(b"PYTEST_XDIST_WORKER="):].decode() for v in environ if v.startswith(b"PYTEST_XDIST_WORKER=")]
+    return found[0] if found else None
+
+
 def leftovers(run_dir: Path) -> list[str]:
     """Processes of this run still alive: its redis-server, Ray workers, vLLM engines.
     Zombies do not count: they are dead, waiting for a parent (in a container whose init
-    does not reap, orphans stay zombies forever)."""
+    does not reap, orphans stay zombies forever). Ray's and vLLM's processes do not name the
+    run: any counts, except those another pytest-xdist worker's tests started."""
     out = subprocess.run(["ps", "-eo", "pid,ppid,stat,args"], capture_output=True, text=True).stdout.splitlines()[1:]
-    mine = str(run_dir)
+    mine, worker = str(run_dir), os.environ.get("PYTEST_XDIST_WORKER")
     alive = [line for line in out if not line.split(None, 3)[2].startswith("Z")]
-    return [line for line in alive if mine in line or "ray::" in line or "EngineCore" in line or "raylet" in line]
+    generic = [line for line in alive if "ray::" in line or "EngineCore" in line or "raylet" in line]
+    return [line for line in alive if mine in line] + \
+        [line for line in generic if mine not in line and (worker is None or _worker_of(int(line.split()[0])) in (None, worker))]
 
 
 def wait_gone(run_dir: Path, seconds: float = 30.0) -> list[str]:

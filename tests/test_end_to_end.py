@@ -31,7 +31,7 @@ from wandb_records import history
 from async_rl.launch.plots import PLOTS
 from async_rl.launch.ray_cluster import LOOPBACK
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.redis, pytest.mark.ray, pytest.mark.vllm, pytest.mark.assets, pytest.mark.slow]
 
 
 def test_train_runs_the_whole_pipeline(tiny_assets, tmp_path):

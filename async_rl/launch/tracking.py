@@ -33,6 +33,9 @@ from async_rl.launch.prometheus import PrometheusServer, ServerState, Snapshot
 
 WANDB_ID_FILE = "wandb_run_id"
 """File in the run directory holding the W&B run id, so a resumed run continues the same W&B run."""
+WANDB_SERVICE_WAIT_S = 120.0
+"""How long W&B's wandb-core service may take to start, seconds: its own default (30 s) ran
+out on a 2-core machine busy with another run's start (Ray, vLLM and the learner loading)."""
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +100,8 @@ class Tracker:
             run_id = uuid.uuid4().hex[:12]
             id_file.write_text(run_id + "\n")
         run = wandb.init(project=w.project, entity=w.entity, name=self.cfg.trainer.run_name, dir=str(self.run_dir), id=run_id,
-                         resume="allow", mode=mode, config=shareable(self.cfg), reinit="finish_previous")
+                         resume="allow", mode=mode, config=shareable(self.cfg), reinit="finish_previous",
+                         settings=wandb.Settings(x_service_wait=WANDB_SERVICE_WAIT_S))
         self._wandb_step = max(self._wandb_step, run.step)
         run.define_metric("version")
         run.define_metric("*", step_metric="version")

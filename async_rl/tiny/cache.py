@@ -11,6 +11,7 @@ reused.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -54,15 +55,17 @@ def cached_tiny_assets(task: str, seed: int, build: Callable[[Path], TinyAssetsR
                        root: Path | None = None) -> TinyAssetsReport:
     """The cached build of ``task`` with ``seed``, made with ``build(directory)`` when the cache
     has none. A build is written beside its final name and renamed into place, so an
-    interrupted one is never read (a concurrent one that lands first is kept)."""
+    interrupted one is never read. Concurrent callers (pytest-xdist workers) build once: the
+    others wait on the key's lock file and read that build."""
     root = root or cache_root()
     final = root / cache_key(task, seed)
     if not (final / "assets.json").is_file():
-        partial = root / f".{final.name}.{os.getpid()}"
-        shutil.rmtree(partial, ignore_errors=True)
-        build(partial)
-        try:
-            partial.rename(final)
-        except OSError:  # another process renamed its build there first: same key, same bytes
-            shutil.rmtree(partial, ignore_errors=True)
+        root.mkdir(parents=True, exist_ok=True)
+        with open(root / f".{final.name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also by a killed holder
+            if not (final / "assets.json").is_file():
+                partial = root / f".{final.name}.{os.getpid()}"
+                shutil.rmtree(partial, ignore_errors=True)
+                build(partial)
+                partial.rename(final)
     return read_report(final)

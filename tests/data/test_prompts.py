@@ -48,6 +48,7 @@ def test_custom_keys_and_missing_file(tmp_path: Path):
         read_prompt_rows(tmp_path / "missing.jsonl")
 
 
+@pytest.mark.assets
 def test_formatter_chat_template_system_prompt_and_jinja(tiny_assets, tmp_path: Path):
     from transformers import AutoTokenizer
 

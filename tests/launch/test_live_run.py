@@ -47,7 +47,8 @@ from async_rl.launch.plots import PLOTS
 from async_rl.launch.scale import request_scale
 from async_rl.queue.embedded import MIN_FREE_BYTES
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.redis, pytest.mark.ray, pytest.mark.vllm, pytest.mark.assets, pytest.mark.slow,
+              pytest.mark.timeout(1800)]  # about 11 min alone; beside another worker's runs it took over 15
 
 DISK_MB = 512
 """The run's disk: room for what the pre-start check asks (2 checkpoints, a 128 MB AOF reserve, 256 MB of logs)."""

@@ -64,6 +64,7 @@ def test_gpu_configs_validate_and_plan(config: Path, data: Path):
         assert "share one GPU" in first and "sync backend: ipc" in first, first
 
 
+@pytest.mark.slow
 def test_dry_run_reports_missing_files_with_exit_2(tmp_path: Path):
     """The one dry run through the real command line (a subprocess); the others run in process."""
     res = subprocess.run([sys.executable, "-m", "async_rl.cli", "train", str(ROOT / "configs" / "quickstart.yaml"),
@@ -74,6 +75,7 @@ def test_dry_run_reports_missing_files_with_exit_2(tmp_path: Path):
     assert "error: data.train_files=" in res.stdout
 
 
+@pytest.mark.slow
 def test_train_refuses_to_start_with_a_one_line_reason(tmp_path: Path):
     res = subprocess.run([sys.executable, "-m", "async_rl.cli", "train", str(ROOT / "configs" / "quickstart.yaml"),
                           f"learner.model_path={tmp_path / 'nope'}"], capture_output=True, text=True, cwd=ROOT, timeout=120)
@@ -333,6 +335,7 @@ def test_a_gpu_kernel_on_a_cpu_learner_is_a_plan_error(data: Path, override: str
     assert any(message in e for e in plan.errors), plan.errors
 
 
+@pytest.mark.assets
 def test_dry_run_checks_vision_language_settings(tiny_vlm_assets, tiny_assets, tmp_path: Path):
     """VPPO on a text model, a critic of a VLM and a VLM family the learner has no input layout
     for are plan errors, before anything starts; the VLM quickstart itself plans."""
@@ -377,6 +380,7 @@ def test_a_run_whose_checkpoints_cannot_fit_its_disk_is_refused_naming_the_disk(
     assert checkpoint_bytes(small, lora.learner, critic=True) > full  # and the critic, a whole model
 
 
+@pytest.mark.assets
 def test_the_plan_shows_what_the_run_writes_to_its_disk(tiny_assets, tmp_path: Path):
     from async_rl.launch import disk
 

@@ -43,6 +43,8 @@ ray.shutdown()
 """
 
 
+@pytest.mark.ray
+@pytest.mark.slow
 @pytest.mark.integration
 def test_a_run_without_an_address_starts_its_own_cluster_beside_another(other_cluster: str) -> None:
     """... on loopback: Ray's daemons, the driver and the workers listen on 127.0.0.1 only, the

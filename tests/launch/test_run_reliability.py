@@ -37,7 +37,7 @@ from safetensors.torch import load_file
 from run_helpers import (ROOT, assert_ledger, lineage, process_alive, queue_state, redis_pid, start_train, step_versions, train_cli, wait_for_version,
                          wait_gone, write_config)
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.assets, pytest.mark.slow]
 
 
 def _reward_file(tmp_path: Path, body: str) -> str:
@@ -53,6 +53,9 @@ def _reward_file(tmp_path: Path, body: str) -> str:
     return f"{path}:compute_score"
 
 
+@pytest.mark.redis
+@pytest.mark.ray
+@pytest.mark.vllm
 def test_sigkill_and_resume_reach_the_last_step_every_time(tiny_assets, tmp_path):
     # About one response in ten ends in 3: scoring it hangs until the worker's timer interrupts
     # it (rollout.reward.timeout_s, default), which costs those samples, not the run.
@@ -153,6 +156,9 @@ def test_a_reward_function_failing_every_probe_stops_before_starting(tiny_assets
     assert time.monotonic() - start < 120
 
 
+@pytest.mark.vllm
+@pytest.mark.redis
+@pytest.mark.ray
 def test_a_reward_that_hangs_on_every_answer_stops_the_run_and_says_so(tiny_assets, tmp_path):
     """At default settings, a reward function that hangs on every non-empty response passes the
     start-up probe (it scores the empty one), then: the console names the timeout, a heartbeat
@@ -179,6 +185,9 @@ def test_a_reward_that_hangs_on_every_answer_stops_the_run_and_says_so(tiny_asse
     assert wait_gone(tmp_path / "run") == []
 
 
+@pytest.mark.redis
+@pytest.mark.ray
+@pytest.mark.vllm
 def test_a_run_without_progress_exits_and_says_what_each_side_waits_for(tiny_assets, tmp_path):
     reward = _reward_file(tmp_path, "(time.sleep(3600) if item['response'] else 0.0)")  # every real call hangs
     config = write_config(tiny_assets, tmp_path, 4, rollout={"reward": {"function": reward, "timeout_s": 600.0}},

@@ -66,6 +66,7 @@ def test_resume_off_over_an_old_run_is_refused_before_anything_starts(tmp_path: 
     assert refusal(_cfg(run_dir, "refused", "auto")) is None
 
 
+@pytest.mark.redis
 def test_fresh_moves_the_old_run_aside_and_the_new_run_reads_none_of_its_groups(redis_url: str, tmp_path: Path) -> None:
     name, run_dir = f"fresh-{uuid.uuid4().hex[:6]}", tmp_path / "run"
     run_dir.mkdir()
@@ -93,6 +94,7 @@ def test_fresh_moves_the_old_run_aside_and_the_new_run_reads_none_of_its_groups(
     assert _claim(redis_url, _cfg(run_dir, name)) == new_id  # and it resumes as itself
 
 
+@pytest.mark.redis
 def test_two_runs_of_one_name_on_one_redis(redis_url: str, tmp_path: Path) -> None:
     name = f"shared-{uuid.uuid4().hex[:6]}"
     first, second = _cfg(tmp_path / "a", name), _cfg(tmp_path / "b", name)
@@ -115,6 +117,7 @@ def test_two_runs_of_one_name_on_one_redis(redis_url: str, tmp_path: Path) -> No
     assert _claim(redis_url, first) == first_id  # the first one resumes
 
 
+@pytest.mark.redis
 def test_a_directory_and_a_queue_of_different_runs_are_refused(redis_url: str, tmp_path: Path) -> None:
     name, run_dir = f"mixed-{uuid.uuid4().hex[:6]}", tmp_path / "run"
     run_dir.mkdir()
@@ -125,6 +128,7 @@ def test_a_directory_and_a_queue_of_different_runs_are_refused(redis_url: str, t
         _claim(redis_url, _cfg(run_dir, name))
 
 
+@pytest.mark.redis
 def test_resume_off_over_another_runs_queue_is_refused(redis_url: str, tmp_path: Path) -> None:
     name = f"leftover-{uuid.uuid4().hex[:6]}"
     with ReplayQueue(redis_url, name) as queue:  # a run without a run id (before they existed) left data
@@ -135,6 +139,7 @@ def test_resume_off_over_another_runs_queue_is_refused(redis_url: str, tmp_path:
         _claim(redis_url, _cfg(tmp_path / "run", name))
 
 
+@pytest.mark.redis
 def test_a_run_from_before_run_ids_is_adopted_on_resume(redis_url: str, tmp_path: Path) -> None:
     name, run_dir = f"legacy-{uuid.uuid4().hex[:6]}", tmp_path / "run"
     _old_run(run_dir)

@@ -21,6 +21,8 @@ from async_rl.queue.keys import RunKeys
 from async_rl.queue.ownership import LEASE_BACK_S
 from async_rl.queue.requests import Requests, ScaleReply
 
+pytestmark = [pytest.mark.redis]
+
 RUN = "scale-test"
 
 
@@ -103,6 +105,7 @@ def test_a_run_that_ends_before_answering_says_so_with_exit_3(run_dir) -> None:
     assert time.monotonic() - start < 10
 
 
+@pytest.mark.slow
 def test_a_run_whose_embedded_redis_stops_before_answering_ended(tmp_path: Path) -> None:
     """With the run's own Redis (redis/ in the run directory), a Redis that stays gone longer
     than a restart takes means the run ended (its driver stops the Redis last)."""

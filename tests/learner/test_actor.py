@@ -15,6 +15,8 @@ from async_rl.sync.auth import RunSecret
 from async_rl.learner.checkpoint import list_checkpoints
 from async_rl.queue import ReplayQueue
 
+pytestmark = [pytest.mark.redis, pytest.mark.ray, pytest.mark.slow]
+
 
 @pytest.mark.integration
 def test_two_rank_actors_train_checkpoint_and_commit(tiny_model: Path, redis_url: str, tmp_path: Path) -> None:

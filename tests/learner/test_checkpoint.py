@@ -47,6 +47,7 @@ def _names(out: Path) -> list[str]:
     return [p.name.removeprefix("step_0000000") for p in checkpoint.list_checkpoints(out)]
 
 
+@pytest.mark.dist
 def test_auto_follows_the_line_and_retention_keeps_other_lines(trainer: Trainer, tiny_model: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
     assert checkpoint.start("auto", out) == checkpoint.Start(None, [])
@@ -73,6 +74,7 @@ def test_auto_follows_the_line_and_retention_keeps_other_lines(trainer: Trainer,
     assert checkpoint.start("auto", out).path == checkpoint.checkpoint_dir(out, 1)
 
 
+@pytest.mark.dist
 def test_legacy_checkpoints_without_parents_are_one_line_in_step_order(trainer: Trainer, tiny_model: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
     for version in (1, 2, 3):
@@ -87,6 +89,7 @@ def test_legacy_checkpoints_without_parents_are_one_line_in_step_order(trainer: 
     assert _names(out) == ["3", "4"]  # the legacy ancestors beyond keep=2 were the line's
 
 
+@pytest.mark.dist
 def test_a_save_killed_between_its_renames_is_rolled_back_at_the_next_start(trainer: Trainer, tiny_model: Path, tmp_path: Path) -> None:
     """What a kill between moving the old checkpoint aside and renaming the new one into place
     leaves, built from real saves: the next start puts the old one back and removes the new."""
@@ -114,6 +117,7 @@ class _Payload:
         return os.system, (f"touch {shlex.quote(str(self.marker))}",)
 
 
+@pytest.mark.dist
 def test_a_checkpoint_loads_its_weights_back_through_the_allowlists(trainer: Trainer, tiny_model: Path, tmp_path: Path) -> None:
     saved = {k: v.full_tensor().clone() for k, v in trainer.policy.state_dict().items()}
     path = _save(trainer, tiny_model, tmp_path / "run", 1, None, line=1)
@@ -126,6 +130,7 @@ def test_a_checkpoint_loads_its_weights_back_through_the_allowlists(trainer: Tra
     assert torch.equal(exported["lm_head.weight"], saved["lm_head.weight"])
 
 
+@pytest.mark.dist
 def test_a_checkpoint_names_the_ranks_that_saved_it_and_a_load_on_another_count_says_what_changes(
         trainer: Trainer, tiny_model: Path, tmp_path: Path) -> None:
     path = _save(trainer, tiny_model, tmp_path, 1, None, 1)
@@ -142,6 +147,7 @@ def test_a_checkpoint_names_the_ranks_that_saved_it_and_a_load_on_another_count_
     checkpoint.load(path, trainer.policy, trainer.optimizer)  # rank 0 of 1 reads rank_0.pt, nothing else
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("where", ["metadata", "rng"])
 def test_a_checkpoint_file_that_would_run_code_is_refused_and_nothing_runs(trainer: Trainer, tiny_model: Path, tmp_path: Path,
                                                                           where: str) -> None:
@@ -168,6 +174,7 @@ def test_a_checkpoint_file_that_would_run_code_is_refused_and_nothing_runs(train
     assert not marker.exists()
 
 
+@pytest.mark.dist
 def test_a_dcp_value_or_metadata_that_is_not_data_is_refused(one_rank: DistInfo, tmp_path: Path) -> None:
     """DCP keeps a non-tensor value as a pickle in its shard (torch reads it back with
     weights_only=False) and a .metadata of the wrong type: both refused."""
@@ -195,6 +202,8 @@ def test_dcp_metadata_naming_a_data_file_outside_its_directory_is_refused(tmp_pa
             dcp_load({"w": torch.zeros(2)}, tmp_path / "dcp", no_dist=True)
 
 
+@pytest.mark.dist
+@pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.parametrize("kill_at", ["shards", "moved_aside"])
 def test_a_sigkill_during_a_save_leaves_the_previous_checkpoint(trainer: Trainer, tiny_model: Path, tmp_path: Path, kill_at: str) -> None:

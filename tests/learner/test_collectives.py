@@ -18,6 +18,7 @@ from async_rl.learner.model import DistInfo, load_sharded
 from async_rl.learner.train_step import Trainer
 
 
+@pytest.mark.dist
 def test_strict_mode_names_a_tensor_left_on_the_cpu(one_rank: DistInfo) -> None:
     with simulated_cuda() as cuda:
         with pytest.raises(collectives.CollectiveDeviceError, match="metrics: tensor on cpu.*runs on cuda"):
@@ -25,6 +26,7 @@ def test_strict_mode_names_a_tensor_left_on_the_cpu(one_rank: DistInfo) -> None:
         assert collectives.all_reduce(torch.ones(2, device=cuda), cuda, "metrics").tolist() == [1.0, 1.0]
 
 
+@pytest.mark.dist
 def test_outside_strict_mode_a_stray_tensor_is_moved_and_counted(one_rank: DistInfo) -> None:
     before = collectives.moved["probe"]
     with simulated_cuda() as cuda, collectives.strict_devices(False):
@@ -51,6 +53,7 @@ def _combinations() -> list[tuple[str, ...]]:
     return out
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("overrides", _combinations(), ids=lambda o: "-".join(x.split("=")[1] for x in o))
 def test_a_learner_step_puts_every_collective_tensor_on_the_device(
     tiny_model: Path, one_rank: DistInfo, tmp_path: Path, overrides: tuple[str, ...]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from pathlib import Path
 
 import torch
@@ -16,6 +17,7 @@ from async_rl.learner.model import DistInfo, load_sharded
 from async_rl.learner.train_step import Trainer
 
 
+@pytest.mark.dist
 def test_exported_checkpoint_loads_in_transformers_with_the_learners_logprobs(tiny_model: Path, one_rank: DistInfo, tmp_path: Path) -> None:
     cfg = learner_config(tiny_model, tmp_path, "export")
     policy = load_sharded(str(tiny_model), cfg.learner, one_rank.device, trainable=True)

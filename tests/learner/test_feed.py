@@ -39,6 +39,8 @@ def _feed(queue: ReplayQueue, one_rank: DistInfo, batch_size: int = 2, fill_wind
     return BatchFeed(one_rank.rank, one_rank.device, limits, reader)
 
 
+@pytest.mark.redis
+@pytest.mark.dist
 def test_a_batch_carries_the_records_as_read_and_a_deadline_keeps_what_was_read(redis_url: str, one_rank: DistInfo) -> None:
     run = f"feed-{uuid.uuid4().hex[:8]}"
     groups = make_groups(3, seed=21, run=run)
@@ -57,6 +59,8 @@ def test_a_batch_carries_the_records_as_read_and_a_deadline_keeps_what_was_read(
         assert hooks.calls[0] == "catch_up 0" and data.images == {}
 
 
+@pytest.mark.redis
+@pytest.mark.dist
 def test_a_batch_waiting_for_new_groups_publishes_the_loading_version_first(redis_url: str, one_rank: DistInfo) -> None:
     run = f"feed-{uuid.uuid4().hex[:8]}"
     with ReplayQueue(redis_url, run, max_depth=64) as queue:
@@ -66,6 +70,8 @@ def test_a_batch_waiting_for_new_groups_publishes_the_loading_version_first(redi
         assert "settle True" in hooks.calls  # admission may need the version before new groups come
 
 
+@pytest.mark.redis
+@pytest.mark.dist
 def test_fill_window_holds_the_batch_until_admission_is_spent_and_nothing_is_in_flight(redis_url: str, one_rank: DistInfo) -> None:
     """learner.fill_staleness_window (eta = 1, B = 2): at version 0 the window is 4 groups. With a
     full batch queued but the window open (3 started) or a group still in flight, the feed waits;
@@ -85,6 +91,8 @@ def test_fill_window_holds_the_batch_until_admission_is_spent_and_nothing_is_in_
         assert data is not None and [f.screened.group for f in data.fed] == groups[:2]
 
 
+@pytest.mark.redis
+@pytest.mark.dist
 def test_without_fill_window_a_full_batch_is_read_while_groups_are_in_flight(redis_url: str, one_rank: DistInfo) -> None:
     run = f"feed-{uuid.uuid4().hex[:8]}"
     groups = make_groups(2, seed=25, run=run)
@@ -96,6 +104,8 @@ def test_without_fill_window_a_full_batch_is_read_while_groups_are_in_flight(red
         assert data is not None and [f.screened.group for f in data.fed] == groups
 
 
+@pytest.mark.redis
+@pytest.mark.dist
 def test_a_run_of_dropped_groups_stops_the_feed_with_the_reasons(redis_url: str, one_rank: DistInfo) -> None:
     """The stop message names the real cause: an environment's error is not blamed on the reward function."""
     run = f"feed-{uuid.uuid4().hex[:8]}"
@@ -113,6 +123,8 @@ def test_a_run_of_dropped_groups_stops_the_feed_with_the_reasons(redis_url: str,
     assert "reward" not in message
 
 
+@pytest.mark.redis
+@pytest.mark.dist
 def test_a_resumed_backlog_is_judged_at_the_version_each_group_is_trained_at(redis_url: str, one_rank: DistInfo) -> None:
     """After a resume from version 0, the groups a crashed learner had read at versions 1 and 2
     (eta = 1) are trained again at 1 and 2; one of weights 5 (never trainable by then) is
@@ -163,6 +175,8 @@ def test_truncation_counts_the_samples_the_token_budget_ended() -> None:
     assert truncation_metrics([group(sample("length", error="E: x"))], None) == {"batch/truncated_fraction": 0.0}
 
 
+@pytest.mark.redis
+@pytest.mark.dist
 def test_an_image_bomb_in_the_queue_is_dead_lettered_and_the_feed_goes_on(redis_url: str, one_rank: DistInfo) -> None:
     run = f"feed-{uuid.uuid4().hex[:8]}"
     good, other = make_groups(2, seed=23, run=run)

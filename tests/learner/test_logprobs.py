@@ -158,6 +158,8 @@ class _LargestTensors(TorchDispatchMode):
         return out
 
 
+@pytest.mark.dist
+@pytest.mark.slow
 def test_a_learner_step_with_the_real_vocabulary_builds_no_tokens_by_vocab_or_row_by_row_tensor(
     one_rank: DistInfo, tmp_path: Path
 ) -> None:

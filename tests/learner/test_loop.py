@@ -20,7 +20,7 @@ from transformers import AutoModelForTokenClassification
 from async_rl.learner.checkpoint import checkpoint_dir, export_hf, list_checkpoints
 from async_rl.queue import ReplayQueue
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.redis, pytest.mark.dist, pytest.mark.slow]
 TIMEOUT_S = 240
 
 

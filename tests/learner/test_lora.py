@@ -51,6 +51,7 @@ def _base_logp(model_dir: Path, batch: Batch) -> Tensor:
         return padded_logprobs(base, batch.input_ids, batch.attention_mask, batch.response_positions)[0]
 
 
+@pytest.mark.dist
 def test_only_the_float32_adapter_trains_and_the_base_stays_bit_for_bit(tiny_model: Path, one_rank: DistInfo, tmp_path: Path) -> None:
     trainer = _trainer(tiny_model, one_rank, tmp_path, "learner.ppo_mini_batches=2")
     policy = trainer.policy
@@ -83,6 +84,7 @@ def test_only_the_float32_adapter_trains_and_the_base_stays_bit_for_bit(tiny_mod
             assert not torch.equal(before[name], after[name]) and after[name].abs().sum() > 0, name
 
 
+@pytest.mark.dist
 def test_packed_logprobs_equal_transformers_with_peft_and_disabled_adapters_the_base(tiny_model: Path, one_rank: DistInfo,
                                                                                       tmp_path: Path) -> None:
     trainer = _trainer(tiny_model, one_rank, tmp_path, "learner.optim.lr=1e-2")
@@ -112,6 +114,7 @@ def test_packed_logprobs_equal_transformers_with_peft_and_disabled_adapters_the_
     assert (packed[mask] - base_logp[mask]).abs().max() > 1e-3  # the adapter changed the policy
 
 
+@pytest.mark.dist
 def test_a_first_forward_with_adapters_disabled_keeps_float32_gradients(tiny_model: Path, one_rank: DistInfo, tmp_path: Path) -> None:
     # bfloat16 compute: FSDP2 fixes the gradients' dtype at its first forward from requires_grad,
     # which PEFT clears on the adapters it disables (bfloat16 gradients would then be refused)
@@ -124,6 +127,7 @@ def test_a_first_forward_with_adapters_disabled_keeps_float32_gradients(tiny_mod
     assert {p.dtype for n, p in trainer.policy.named_parameters() if ".base_layer." in n} == {torch.bfloat16}  # no float32 master copy
 
 
+@pytest.mark.dist
 def test_gradient_checkpointing_gives_the_same_adapter_gradients(tiny_model: Path, one_rank: DistInfo, tmp_path: Path) -> None:
     micro = _batch(5).select([0, 1, 2])
     grads = []
@@ -142,6 +146,7 @@ def test_gradient_checkpointing_gives_the_same_adapter_gradients(tiny_model: Pat
     assert all(g.abs().sum() > 0 for g in grads[0].values())
 
 
+@pytest.mark.dist
 def test_a_vision_language_policy_is_refused(tmp_path: Path, one_rank: DistInfo) -> None:
     from transformers import Qwen2_5_VLConfig
 
@@ -171,6 +176,7 @@ def test_the_targets_are_checked_against_the_model() -> None:
     assert len(unservable) == 1 and "vLLM cannot serve a LoRA on ['lm_head', 'embed_tokens']" in unservable[0]
 
 
+@pytest.mark.dist
 def test_the_section_s_rules_name_the_key(tiny_model: Path, one_rank: DistInfo, tmp_path: Path) -> None:
     assert LoraConfig().problems() == []
     (empty,) = LoraConfig(target_modules=[]).problems()
@@ -196,6 +202,8 @@ def test_wire_names_and_the_announced_spec() -> None:
     assert adapter_spec(LoraConfig(rank=8, alpha=16.0, target_modules=["q_proj", "v_proj"])) == AdapterSpec(8, 16.0, ("q_proj", "v_proj"))
 
 
+@pytest.mark.dist
+@pytest.mark.slow
 @pytest.mark.integration
 def test_two_ranks_train_the_adapter_and_keep_the_base(tiny_model: Path, tmp_path: Path) -> None:
     from learner_helpers import SPAWN, lora_rank_main
@@ -236,6 +244,7 @@ def test_two_ranks_train_the_adapter_and_keep_the_base(tiny_model: Path, tmp_pat
 # -- the Trainer: reference = the adapters disabled, eval-mode tables, critic ---------------------
 
 
+@pytest.mark.dist
 def test_the_reference_is_the_base_model_and_the_kl_grows_from_zero(tiny_model: Path, one_rank: DistInfo, tmp_path: Path) -> None:
     trainer = _trainer(tiny_model, one_rank, tmp_path, "algorithm.loss.kl_coef=0.1", "algorithm.kl_in_reward=true",
                        "algorithm.kl_ctrl.kl_coef=0.5", "learner.optim.lr=1e-2", "learner.ppo_mini_batches=2")
@@ -255,6 +264,7 @@ def test_the_reference_is_the_base_model_and_the_kl_grows_from_zero(tiny_model: 
         Trainer(trainer.policy, trainer.policy, cfg.learner, cfg.algorithm, one_rank, 4, 1, lora=LORA)
 
 
+@pytest.mark.dist
 def test_gae_trains_a_full_critic_beside_a_lora_policy(tiny_model: Path, one_rank: DistInfo, tmp_path: Path) -> None:
     trainer = _trainer(tiny_model, one_rank, tmp_path, "algorithm.advantage.name=gae", "learner.critic.optim.lr=1e-3")
     assert trainer.critic is not None
@@ -266,6 +276,7 @@ def test_gae_trains_a_full_critic_beside_a_lora_policy(tiny_model: Path, one_ran
     assert any("score" in name for name in moved) and any(".layers." in name for name in moved)  # the critic trains fully
 
 
+@pytest.mark.dist
 def test_with_dropout_the_proximal_pass_has_none_and_is_recomputed(tiny_model: Path, one_rank: DistInfo, tmp_path: Path) -> None:
     trainer = _trainer(tiny_model, one_rank, tmp_path, lora=LoraConfig(rank=4, alpha=8.0, dropout=0.1))
     assert not trainer.single_update and trainer.recompute  # logp.detach() of a pass with dropout is not pi_prox

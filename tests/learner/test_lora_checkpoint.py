@@ -26,6 +26,8 @@ from async_rl.learner.model import DistInfo, load_sharded
 from async_rl.learner.safe_load import SafeFileSystemReader
 from async_rl.learner.train_step import Trainer
 
+pytestmark = [pytest.mark.dist]
+
 LORA = LoraConfig(rank=4, alpha=8.0, dropout=0.1)  # dropout: the resume must restore the RNG too
 
 
@@ -56,6 +58,7 @@ def _size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
+@pytest.mark.slow
 def test_a_lora_checkpoint_holds_the_adapter_only_and_resumes_bit_for_bit(tiny_model: Path, one_rank: DistInfo, tmp_path: Path) -> None:
     straight = _trainer(tiny_model, one_rank, tmp_path)
     for step in range(4):
@@ -164,6 +167,8 @@ def test_the_exported_adapter_and_the_merged_model_give_the_learners_logprobs(ti
     assert (got["base"] - learner[mask]).abs().max() > 1e-3  # the adapter changed the policy
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
 @pytest.mark.integration
 def test_vllm_serves_the_exported_adapter_by_path_with_the_learners_logprobs(tiny_model: Path, one_rank: DistInfo, tmp_path: Path,
                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
@@ -207,6 +212,7 @@ def test_vllm_serves_the_exported_adapter_by_path_with_the_learners_logprobs(tin
     assert moved > 0.1  # the engine served the adapter, not the base
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_a_lora_checkpoint_of_one_rank_resumes_on_two(tiny_model: Path, one_rank: DistInfo, tmp_path: Path) -> None:
     """DCP reshards the adapter-only shards: two ranks load what one saved, A, B and AdamW state alike."""

@@ -16,7 +16,10 @@ from async_rl.learner.model import DistInfo, free_port, load_sharded
 from async_rl.learner.publish import Publication
 from async_rl.sync.sender import PendingSend, SendResult, ServerReport
 
+pytestmark = [pytest.mark.dist]
 
+
+@pytest.mark.slow
 @pytest.mark.integration
 def test_buckets_hold_the_full_parameters_within_the_budget(tiny_model: Path, tmp_path: Path) -> None:
     budget = 200_000  # bytes: several buckets for the tiny model, one 256 KiB embedding alone

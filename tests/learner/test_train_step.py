@@ -44,6 +44,8 @@ def _on_policy(groups: list[RolloutGroup], trainer: Trainer, batch: Batch) -> li
     return out
 
 
+@pytest.mark.slow
+@pytest.mark.dist
 def test_loss_decreases_on_a_fixed_batch(tiny_model: Path, one_rank: DistInfo, tmp_path: Path) -> None:
     # pi_prox := mu (fixed), so the clipped surrogate is comparable across steps.
     trainer = _trainer(tiny_model, one_rank, tmp_path, "algorithm.recompute_proximal=false", "algorithm.loss.name=ppo",
@@ -53,6 +55,8 @@ def test_loss_decreases_on_a_fixed_batch(tiny_model: Path, one_rank: DistInfo, t
     assert all(b < a for a, b in zip(losses, losses[1:])), losses
 
 
+@pytest.mark.slow
+@pytest.mark.dist
 def test_decoupled_ppo_equals_ppo_on_policy(tiny_model: Path, one_rank: DistInfo, tmp_path: Path) -> None:
     results = []
     for loss in ("ppo", "decoupled_ppo"):
@@ -70,6 +74,7 @@ def test_decoupled_ppo_equals_ppo_on_policy(tiny_model: Path, one_rank: DistInfo
         torch.testing.assert_close(dec[name], ppo[name], rtol=0, atol=0)
 
 
+@pytest.mark.dist
 def test_bad_groups_are_dropped_with_reasons(tiny_model: Path, one_rank: DistInfo, tmp_path: Path) -> None:
     good = make_groups(2, seed=3)
     ok = Sample.from_lists([5, 6], [-1.0, -1.0], 0, 1.0)
@@ -108,6 +113,7 @@ def test_lr_schedule_warmup_then_cosine(tmp_path: Path) -> None:
     assert all(b <= a for a, b in zip(factors[2:], factors[3:]))
 
 
+@pytest.mark.dist
 def test_kl_in_reward_penalises_the_rewards_and_adapts_its_coefficient(tiny_model: Path, one_rank: DistInfo, tmp_path: Path) -> None:
     kl_settings = ("algorithm.kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0.5",
                    "algorithm.kl_ctrl.target_kl=0.001", "algorithm.kl_ctrl.horizon=100", "learner.ppo_mini_batches=2")
@@ -135,6 +141,7 @@ def test_kl_in_reward_penalises_the_rewards_and_adapts_its_coefficient(tiny_mode
         Trainer(plain.policy, None, cfg.learner, cfg.algorithm, one_rank, cfg.trainer.total_steps, cfg.trainer.seed)
 
 
+@pytest.mark.dist
 def test_the_critic_learns_the_returns_and_holds_the_policy_during_its_warm_up(tiny_model: Path, one_rank: DistInfo, tmp_path: Path) -> None:
     trainer = _trainer(tiny_model, one_rank, tmp_path, "algorithm.advantage.name=gae", "algorithm.advantage.lam=0.95",
                        "learner.critic.optim.lr=1e-3", "learner.critic.warmup_steps=3", "learner.critic.ppo_mini_batches=2",
@@ -156,6 +163,11 @@ def test_the_critic_learns_the_returns_and_holds_the_policy_during_its_warm_up(t
         Trainer(trainer.policy, None, cfg.learner, cfg.algorithm, one_rank, cfg.trainer.total_steps, cfg.trainer.seed)
 
 
+@pytest.mark.redis
+@pytest.mark.ray
+@pytest.mark.vllm
+@pytest.mark.assets
+@pytest.mark.slow
 @pytest.mark.integration
 def test_a_stale_run_corrects_with_the_recomputed_proximal_policy(tiny_assets, tmp_path: Path) -> None:
     """One small cell of benchmarks/staleness_ablation.py (decoupled_ppo, eta = 4, the window

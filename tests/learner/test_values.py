@@ -3,6 +3,7 @@ the policy; packed-row values equal a padded forward of the plain model, with gr
 
 from __future__ import annotations
 
+import pytest
 from pathlib import Path
 
 import torch
@@ -13,6 +14,8 @@ from async_rl.learner import attention
 from async_rl.learner.batching import pack, unpack
 from async_rl.learner.model import DistInfo, load_sharded
 from async_rl.learner.values import token_values
+
+pytestmark = [pytest.mark.dist]
 
 
 def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -20,6 +20,8 @@ from async_rl.learner.train_step import Trainer
 from async_rl.learner.vision import VisionInputs, load_image_processor
 from async_rl.records import ImageRef, RolloutGroup, Sample
 
+pytestmark = [pytest.mark.dist]
+
 BOUNDS = PixelBounds(1, 10_000)
 
 
@@ -60,6 +62,7 @@ def _trainer(model_dir: Path, info: DistInfo, tmp_path: Path, *overrides: str) -
     return Trainer(policy, None, cfg.learner, cfg.algorithm, info, cfg.trainer.total_steps, cfg.trainer.seed)
 
 
+@pytest.mark.assets
 def test_packed_logprobs_with_images_equal_the_models_own_forward(tiny_vlm_assets, one_rank: DistInfo, tmp_path: Path) -> None:
     from transformers import AutoModelForImageTextToText
 
@@ -80,6 +83,7 @@ def test_packed_logprobs_with_images_equal_the_models_own_forward(tiny_vlm_asset
         assert torch.allclose(packed[i, : len(positions)], expected, atol=1e-5), (i, packed[i], expected)
 
 
+@pytest.mark.assets
 def test_vppo_keeps_the_gradient_on_the_selected_fraction(tiny_vlm_assets, one_rank: DistInfo, tmp_path: Path) -> None:
     model_dir = tiny_vlm_assets.model_dir
     batch = _batch(model_dir, tiny_vlm_assets.train_path, 4)
@@ -123,6 +127,7 @@ def test_vppo_keeps_the_gradient_on_the_selected_fraction(tiny_vlm_assets, one_r
     assert (grad[selected > 0] > 0).all()
 
 
+@pytest.mark.assets
 def test_a_frozen_vision_tower_does_not_move(tiny_vlm_assets, one_rank: DistInfo, tmp_path: Path) -> None:
     model_dir = tiny_vlm_assets.model_dir
     batch = _batch(model_dir, tiny_vlm_assets.train_path, 2)

@@ -41,6 +41,7 @@ def test_rejects_password_that_breaks_the_config() -> None:
         EmbeddedRedis(password='a" b')
 
 
+@pytest.mark.redis
 def test_requires_generated_password_and_stops_on_exit() -> None:
     server = EmbeddedRedis()
     with server as url:
@@ -60,6 +61,7 @@ def test_requires_generated_password_and_stops_on_exit() -> None:
         connect(f"redis://127.0.0.1:{port}/0", socket_timeout_s=1.0).ping()
 
 
+@pytest.mark.redis
 def test_redis_dies_with_a_sigkilled_owner(tmp_path: Path) -> None:
     """A driver killed with SIGKILL cannot stop its Redis: the kernel does (PDEATHSIG)."""
     owner = subprocess.Popen(
@@ -85,6 +87,7 @@ def test_redis_dies_with_a_sigkilled_owner(tmp_path: Path) -> None:
         owner.kill()
 
 
+@pytest.mark.redis
 def test_port_held_by_another_redis_is_an_error() -> None:
     first = EmbeddedRedis()
     with first:
@@ -109,6 +112,7 @@ def _port_held(by: str) -> Iterator[int]:
         yield sock.getsockname()[1]
 
 
+@pytest.mark.redis
 @pytest.mark.parametrize("by", ["socket", "listening socket", "redis"])
 def test_a_free_port_taken_before_redis_binds_it_is_replaced(monkeypatch: pytest.MonkeyPatch, by: str) -> None:
     """The race of a probed port: another process binds it first; the server starts on another one."""
@@ -124,6 +128,7 @@ def test_a_free_port_taken_before_redis_binds_it_is_replaced(monkeypatch: pytest
             client.close()
 
 
+@pytest.mark.redis
 def test_a_given_port_or_every_probed_port_taken_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
     with _port_held("socket") as taken:
         with pytest.raises(RuntimeError, match=f"port {taken} is held by another process"):
@@ -135,6 +140,7 @@ def test_a_given_port_or_every_probed_port_taken_is_an_error(monkeypatch: pytest
         assert len(calls) == embedded.PORT_ATTEMPTS
 
 
+@pytest.mark.redis
 def test_loopback_without_auth_is_allowed(tmp_path: Path) -> None:
     with EmbeddedRedis(tmp_path, auth=False) as url:
         assert "@" not in url
@@ -142,6 +148,7 @@ def test_loopback_without_auth_is_allowed(tmp_path: Path) -> None:
     assert (tmp_path / "appendonlydir").is_dir()  # a given data dir is kept
 
 
+@pytest.mark.redis
 def test_its_data_is_this_users_only_even_in_a_directory_made_readable(tmp_path: Path) -> None:
     """The AOF holds every prompt and response, redis.conf the password: 0700 / 0600, also
     over a directory and a config an older version left readable."""
@@ -166,6 +173,7 @@ def _take(returned: Any, producer: BaseProcess, count: int, what: str) -> list[s
         raise AssertionError(f"producer stalled {what} (exit code {producer.exitcode})") from None
 
 
+@pytest.mark.redis
 @pytest.mark.integration
 def test_sigkilled_redis_restarted_on_its_aof_keeps_every_put(tmp_path: Path) -> None:
     """A producer process keeps putting while Redis is SIGKILLed and restarted."""
@@ -202,6 +210,7 @@ def _puts_survive(url: str, run: str, total: int, fault: Callable[[], None]) -> 
     assert len(acknowledged) == total
 
 
+@pytest.mark.redis
 @pytest.mark.integration
 def test_a_watched_redis_restarts_itself_on_its_aof_and_keeps_every_put(tmp_path: Path) -> None:
     """The driver's case: the same URL keeps working across a SIGKILL, with no manual restart."""
@@ -216,6 +225,7 @@ def test_a_watched_redis_restarts_itself_on_its_aof_and_keeps_every_put(tmp_path
         assert "(killed by SIGKILL); restarted on its append-only file" in exits[0].describe()
 
 
+@pytest.mark.redis
 @pytest.mark.integration
 def test_a_restart_that_fails_is_reported_once_with_the_reason(tmp_path: Path) -> None:
     exits: list[embedded.RedisExit] = []
@@ -236,6 +246,7 @@ def test_a_restart_that_fails_is_reported_once_with_the_reason(tmp_path: Path) -
         assert exits[0].error is not None and "could not be restarted" in exits[0].describe()
 
 
+@pytest.mark.redis
 @pytest.mark.integration
 def test_rediss_url_with_password(tmp_path: Path) -> None:
     """A TLS-only Redis (started by hand: EmbeddedRedis is plain TCP) via a rediss:// URL."""

@@ -19,6 +19,8 @@ from async_rl.queue.ownership import (
     RunRecord,
 )
 
+pytestmark = [pytest.mark.redis]
+
 
 def test_a_second_run_of_the_same_name_is_refused_while_the_first_holds_the_lease(redis_url: str, run: str) -> None:
     with RunOwnership(redis_url, run) as first, RunOwnership(redis_url, run) as second:

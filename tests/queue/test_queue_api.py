@@ -16,6 +16,7 @@ from async_rl.queue.admission import admission_limit
 from async_rl.records import Failure, FailureReport, RolloutGroup, decode, encode
 
 
+@pytest.mark.redis
 def test_put_get_commit_round_trip(queue: ReplayQueue, run: str) -> None:
     groups = [make_group(i, run=run) for i in range(3)]
     ids = [queue.put(g) for g in groups]
@@ -30,6 +31,7 @@ def test_put_get_commit_round_trip(queue: ReplayQueue, run: str) -> None:
     assert queue.get(1, timeout=0.2) == []
 
 
+@pytest.mark.redis
 def test_get_returns_what_it_has_at_timeout(queue: ReplayQueue, run: str) -> None:
     queue.put(make_group(0, run=run))
     start = time.monotonic()
@@ -38,6 +40,7 @@ def test_get_returns_what_it_has_at_timeout(queue: ReplayQueue, run: str) -> Non
     assert time.monotonic() - start >= 0.4
 
 
+@pytest.mark.redis
 def test_each_entry_goes_to_one_consumer(queue: ReplayQueue, redis_url: str, run: str) -> None:
     for i in range(4):
         queue.put(make_group(i, run=run))
@@ -48,6 +51,7 @@ def test_each_entry_goes_to_one_consumer(queue: ReplayQueue, redis_url: str, run
     assert {g.group_id for _, g in mine}.isdisjoint(g.group_id for _, g in theirs)
 
 
+@pytest.mark.redis
 def test_undecodable_entries_are_dead_lettered(
     queue: ReplayQueue, redis_url: str, run: str
 ) -> None:
@@ -75,6 +79,7 @@ def test_undecodable_entries_are_dead_lettered(
     raw.close()
 
 
+@pytest.mark.redis
 def test_stale_groups_are_dropped_counted_and_acknowledged(queue: ReplayQueue, run: str) -> None:
     for i, version in enumerate([5, 4, 3, 1, 0]):
         queue.put(make_group(i, version=version, run=run))
@@ -88,6 +93,7 @@ def test_stale_groups_are_dropped_counted_and_acknowledged(queue: ReplayQueue, r
     assert {g.group_id for _, g in queue.recover(include_own=True)} == {"g0", "g1", "g2"}
 
 
+@pytest.mark.redis
 def test_put_blocks_at_max_depth_then_times_out(redis_url: str, run: str) -> None:
     with ReplayQueue(redis_url, run, max_depth=2) as q:
         q.put(make_group(0, run=run))
@@ -106,6 +112,7 @@ def _admit_all(queue: ReplayQueue, batch_size: int, max_staleness: int, tries: i
     return [t for _ in range(tries) for t in queue.admit(batch_size, max_staleness, "test")]
 
 
+@pytest.mark.redis
 def test_admission_rule_single_producer(queue: ReplayQueue) -> None:
     first = _admit_all(queue, batch_size=4, max_staleness=1)
     assert len(first) == (0 + 1 + 1) * 4
@@ -119,6 +126,7 @@ def test_admission_rule_single_producer(queue: ReplayQueue) -> None:
         queue.publish_version(-1)
 
 
+@pytest.mark.redis
 def test_the_admission_limit_is_the_scripts_bound(queue: ReplayQueue) -> None:
     """``admission_limit`` (what the driver and the feed compute) is the bound the Lua script admits to."""
     for version, eta, batch in ((0, 0, 3), (2, 1, 4), (5, 3, 2)):
@@ -127,6 +135,7 @@ def test_the_admission_limit_is_the_scripts_bound(queue: ReplayQueue) -> None:
         assert queue.stats()["groups_started"] == admission_limit(version, eta, batch)
 
 
+@pytest.mark.redis
 def test_raise_version_never_lowers_the_published_version(queue: ReplayQueue) -> None:
     """The driver's watchdog races the learner's announcements: it may only raise the version."""
     queue.publish_version(5)
@@ -134,6 +143,7 @@ def test_raise_version_never_lowers_the_published_version(queue: ReplayQueue) ->
     assert queue.raise_version(7) and queue.stats()["version"] == 7
 
 
+@pytest.mark.redis
 def test_one_call_admits_as_many_as_the_rule_allows_returned_prompts_first(queue: ReplayQueue) -> None:
     first = queue.admit(5, 0, "server-0#0", limit=3)
     assert [t.index for t in first] == [0, 1, 2] and len({t.claim for t in first}) == 3
@@ -146,6 +156,7 @@ def test_one_call_admits_as_many_as_the_rule_allows_returned_prompts_first(queue
         queue.admit(5, 0, "server-0#0", limit=0)
 
 
+@pytest.mark.redis
 def test_a_ticket_ends_once_and_returned_prompts_are_served_first(queue: ReplayQueue, run: str) -> None:
     t0, t1, t2 = _admit_all(queue, batch_size=3, max_staleness=0)
     assert queue.admit(3, 0, "test") == []
@@ -160,6 +171,7 @@ def test_a_ticket_ends_once_and_returned_prompts_are_served_first(queue: ReplayQ
     assert [t.index for t in _admit_all(queue, batch_size=3, max_staleness=0)] == [1, 3]
 
 
+@pytest.mark.redis
 def test_dropped_groups_give_admission_slots_back(queue: ReplayQueue, run: str) -> None:
     (ticket,) = _admit_all(queue, batch_size=1, max_staleness=0)
     queue.put(make_group(0, version=0, run=run), ticket)  # 3 versions behind the reader: dropped at eta = 0
@@ -167,6 +179,7 @@ def test_dropped_groups_give_admission_slots_back(queue: ReplayQueue, run: str) 
     assert queue.stats()["groups_started"] == 0 and queue.last_screen.dropped == {"stale": 1}
 
 
+@pytest.mark.redis
 def test_future_groups_are_dropped_counted_and_their_prompts_served_again(queue: ReplayQueue, run: str) -> None:
     # A learner resumed at version 2 (eta = 1) meets groups of weights up to version 5 that a
     # crashed run generated after its last checkpoint: |2 - v| <= 1 is trained, the rest not.
@@ -187,6 +200,7 @@ def test_future_groups_are_dropped_counted_and_their_prompts_served_again(queue:
     assert [t.index for t in _admit_all(queue, batch_size=2, max_staleness=2)] == [3, 4, 6]
 
 
+@pytest.mark.redis
 def test_drop_after_reading_releases_like_a_drop_at_read_time(queue: ReplayQueue, run: str) -> None:
     (ticket,) = _admit_all(queue, batch_size=1, max_staleness=0)
     queue.put(make_group(ticket.index, version=7, run=run), ticket)
@@ -199,6 +213,7 @@ def test_drop_after_reading_releases_like_a_drop_at_read_time(queue: ReplayQueue
     assert queue.last_screen.dropped == {"future": 1} and not queue.last_screen.trailing
 
 
+@pytest.mark.redis
 def test_check_drops_or_dead_letters_and_reports_the_run_of_drops(queue: ReplayQueue, run: str) -> None:
     for i in range(5):
         queue.put(make_group(i, run=run))
@@ -218,6 +233,7 @@ def test_check_drops_or_dead_letters_and_reports_the_run_of_drops(queue: ReplayQ
     assert dead[0][1][b"reason"] == b"bad_token: id 999"
 
 
+@pytest.mark.redis
 def test_reconcile_returns_orphaned_prompts_and_recounts_started_groups(queue: ReplayQueue, run: str) -> None:
     tickets = _admit_all(queue, batch_size=4, max_staleness=1)  # 8 admitted; the producer then "dies"
     for t in tickets[:3]:
@@ -232,6 +248,7 @@ def test_reconcile_returns_orphaned_prompts_and_recounts_started_groups(queue: R
         queue.put(make_group(3, run=run), tickets[3])
 
 
+@pytest.mark.redis
 def test_a_live_reconcile_keeps_the_running_producers_tickets(queue: ReplayQueue, run: str) -> None:
     """A learner restarted from its checkpoint while the workers run: their tickets stay open and count."""
     tickets = _admit_all(queue, batch_size=4, max_staleness=1)  # 8 admitted
@@ -246,6 +263,7 @@ def test_a_live_reconcile_keeps_the_running_producers_tickets(queue: ReplayQueue
     assert queue.stats()["groups_started"] == 8
 
 
+@pytest.mark.redis
 def test_release_owner_ends_only_the_dead_producers_tickets(queue: ReplayQueue, run: str) -> None:
     dead = queue.admit(10, 0, "server-0#1", limit=3)
     [alive] = queue.admit(10, 0, "server-0#10")  # a name that starts like the dead one's is not matched
@@ -262,6 +280,7 @@ def test_release_owner_ends_only_the_dead_producers_tickets(queue: ReplayQueue, 
         queue.release_owner("server 0")
 
 
+@pytest.mark.redis
 def test_recover_takes_only_entries_idle_long_enough(
     queue: ReplayQueue, redis_url: str, run: str
 ) -> None:
@@ -276,6 +295,7 @@ def test_recover_takes_only_entries_idle_long_enough(
     assert queue.recover(min_idle_s=0) == []
 
 
+@pytest.mark.redis
 def test_stats_reports_oldest_age(queue: ReplayQueue, run: str) -> None:
     stats = queue.stats()
     assert set(stats) == {
@@ -288,6 +308,7 @@ def test_stats_reports_oldest_age(queue: ReplayQueue, run: str) -> None:
     assert 0.15 < queue.stats()["oldest_age_s"] < 5.0
 
 
+@pytest.mark.redis
 def test_wrong_password_fails_fast(redis_url: str, run: str) -> None:
     bad_url = redis_url.replace("://:", "://:wrong", 1)
     start = time.monotonic()
@@ -301,6 +322,7 @@ def test_rejects_non_redis_url(run: str) -> None:
         ReplayQueue("http://127.0.0.1:1/", run)
 
 
+@pytest.mark.redis
 def test_unreachable_redis_raises_after_op_timeout(run: str) -> None:
     server = EmbeddedRedis()
     url = server.start()
@@ -319,6 +341,7 @@ def test_encoded_size_is_packed(run: str) -> None:
     assert len(encode(group)) < 400  # bytes fields, not per-token msgpack ints
 
 
+@pytest.mark.redis
 def test_a_retried_admission_returns_the_same_ticket(queue: ReplayQueue) -> None:
     """A retry after a lost reply (same call id) must not claim a second prompt."""
     ledger = queue._ledger
@@ -332,6 +355,7 @@ def test_a_retried_admission_returns_the_same_ticket(queue: ReplayQueue) -> None
     assert stats["groups_started"] == 4 and stats["inflight"] == 4
 
 
+@pytest.mark.redis
 def test_get_rides_out_a_redis_stall_longer_than_the_socket_timeout(redis_url: str, run: str) -> None:
     """A reply slower than the socket timeout (an fsync, a loaded machine) is retried for
     ``op_timeout_s``, even when the get's own wait is shorter: it is not a dead Redis."""
@@ -342,6 +366,7 @@ def test_get_rides_out_a_redis_stall_longer_than_the_socket_timeout(redis_url: s
         assert 1.0 < time.monotonic() - start < 10.0
 
 
+@pytest.mark.redis
 def test_failure_reports_round_trip_and_undecodable_entries_are_skipped(queue: ReplayQueue, redis_url: str, run: str) -> None:
     """Servers on any node report their failed samples through the queue; the driver reads
     them after a cursor, and an entry that is not a report is counted, never decoded as code."""
@@ -358,6 +383,7 @@ def test_failure_reports_round_trip_and_undecodable_entries_are_skipped(queue: R
     assert queue.read_failures(cursor)[1:] == ([], 0) and queue.last_failure_id() == cursor
 
 
+@pytest.mark.redis
 def test_every_write_retried_after_a_lost_reply_applies_once(redis_url: str, run: str) -> None:
     """Each script call's reply is lost once (a real proxy cuts the connection after Redis
     ran it); the queue retries on a new connection with the same call id. The ledger, the

@@ -15,7 +15,7 @@ from queue_workers import SPAWN, admit, consume, draw_prompts, make_group, produ
 
 from async_rl.queue import ReplayQueue
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.redis]
 
 
 def _start(target: Any, *args: Any) -> BaseProcess:

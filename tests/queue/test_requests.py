@@ -7,6 +7,8 @@ import pytest
 from async_rl.queue import ReplayQueue
 from async_rl.queue.requests import MAX_SERVERS, Requests, ScaleReply
 
+pytestmark = [pytest.mark.redis]
+
 
 def test_a_request_is_taken_once_and_answered(queue: ReplayQueue, run: str) -> None:
     asker, driver = Requests(queue.client, run), Requests(queue.client, run)

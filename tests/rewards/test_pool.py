@@ -251,6 +251,7 @@ def test_a_checker_timing_itself_with_sigalrm_works_in_the_pool(rewards):
     asyncio.run(go())
 
 
+@pytest.mark.slow
 def test_hung_calls_do_not_hold_the_workers_other_calls_need(rewards):
     """Default timeout_s and growth: with the only worker hung, a clean call gets a new
     process after grow_after_s and returns long before the hang's timeout; the hung input

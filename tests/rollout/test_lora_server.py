@@ -20,7 +20,7 @@ from async_rl.sync.buckets import tensor_specs
 from async_rl.sync.control import AdapterSpec
 from async_rl.sync.sender import WeightSender
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.dist, pytest.mark.assets, pytest.mark.slow]
 
 RANK, ALPHA = 8, 16.0
 PROMPT = [5, 17, 42, 9, 3]

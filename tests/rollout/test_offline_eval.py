@@ -15,6 +15,9 @@ from async_rl.rollout.offline_eval import base_engine_kwargs, evaluate
 pytestmark = pytest.mark.integration
 
 
+@pytest.mark.vllm
+@pytest.mark.assets
+@pytest.mark.slow
 def test_one_turn_episodes_score_exactly_as_the_single_turn_eval(tiny_assets, tmp_path):
     """The tiny task as a one-turn environment: a greedy episode wins exactly when the greedy
     answer is right, so the two evaluations agree to the row (same template, same engine)."""

@@ -34,7 +34,7 @@ from async_rl.sync.buckets import tensor_specs
 from async_rl.sync.sender import WeightSender
 from async_rl.sync.auth import RunSecret, SyncEndpoint
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.ray, pytest.mark.vllm, pytest.mark.assets]
 
 API_KEY = "k3y-0123456789abcdef"
 """The servers' OpenAI API key (``rollout.openai_api_key``)."""
@@ -135,6 +135,7 @@ def _run(loop, worker, max_groups=None, seconds=None):
     return loop.run_until_complete(go())
 
 
+@pytest.mark.redis
 def test_groups_have_shapes_versions_and_true_logprobs(cfg, pool, queue):
     pool_, loop = pool
     worker = _worker(cfg, pool_, queue)
@@ -165,6 +166,7 @@ def test_groups_have_shapes_versions_and_true_logprobs(cfg, pool, queue):
     assert worst < 1e-3, f"behaviour logprobs differ from transformers by {worst}"
 
 
+@pytest.mark.redis
 def test_admission_bounds_groups_started(cfg, pool, queue):
     pool_, loop = pool
     worker = _worker(cfg, pool_, queue, max_staleness=0)
@@ -175,6 +177,7 @@ def test_admission_bounds_groups_started(cfg, pool, queue):
     assert worker.counters.groups_put == 2 * cfg.learner.batch_size
 
 
+@pytest.mark.redis
 def test_raising_reward_marks_samples_and_counts(cfg, pool, queue, tmp_path):
     pool_, loop = pool
     (tmp_path / "flaky.py").write_text(
@@ -212,6 +215,8 @@ def test_request_across_version_change_has_both_versions(cfg, pool):
     assert out.versions[0] == 0 and out.versions[-1] == 7 and sorted(set(out.versions)) == [0, 7]
 
 
+@pytest.mark.redis
+@pytest.mark.slow
 def test_killed_server_is_restarted_and_no_group_lost_or_duplicated(cfg, pool, queue):
     pool_, loop = pool
     pid = loop.run_until_complete(pool_.handle(0).health.remote()).pid
@@ -236,6 +241,7 @@ def test_killed_server_is_restarted_and_no_group_lost_or_duplicated(cfg, pool, q
     assert loop.run_until_complete(pool_.handle(0).health.remote()).pid != pid
 
 
+@pytest.mark.redis
 def test_a_cancelled_worker_returns_its_prompts_and_leaks_no_slot(cfg, pool, queue):
     """A stop that cancels groups mid-generation: every claimed prompt is enqueued or
     returned (served first by the next admission), and no admission slot stays taken."""
@@ -272,6 +278,8 @@ async def _until(check: Callable[[], bool], what: str, timeout_s: float, state: 
         await asyncio.sleep(0.1)
 
 
+@pytest.mark.redis
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["killed", "hung"])
 def test_a_dead_or_hung_engine_is_replaced_and_its_work_returned(cfg, pool, fault: str):
     """The vLLM engine core process, while its server actor lives, SIGKILLed (a CUDA fault or
@@ -459,6 +467,7 @@ def test_openai_api_answers_only_with_the_key(cfg, pool):
             assert client.post(path, json={}, headers=AUTH).status_code == 404, path
 
 
+@pytest.mark.slow
 def test_heal_replaces_a_server_that_lags_the_learner(cfg, pool):
     """The driver's health check: a server holding the learner's version stays; one that has
     held an older version longer than ``max_lag_s`` is replaced (a fresh process)."""

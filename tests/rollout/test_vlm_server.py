@@ -15,7 +15,7 @@ from async_rl.rollout.engine_args import engine_kwargs
 from async_rl.rollout.server import InferenceServer
 from async_rl.rollout.types import Sampling
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.assets, pytest.mark.slow]
 
 
 def test_image_prompts_are_token_exact_and_logprobs_are_the_models(tiny_vlm_assets) -> None:

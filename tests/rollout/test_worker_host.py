@@ -26,6 +26,8 @@ from async_rl.rollout.pool import ServerPool, ServerSpec
 from async_rl.rollout.types import Sampling
 from async_rl.rollout.worker import WorkerSettings
 
+pytestmark = [pytest.mark.ray]
+
 RUN = "host-test"
 
 
@@ -43,6 +45,8 @@ def _spec(url: str, workers: int = 1) -> WorkerHostSpec:
                           reward=RewardConfig(function="exact_match", num_workers=1), max_response_length=8, stats_period_s=0.2)
 
 
+@pytest.mark.redis
+@pytest.mark.slow
 def test_a_killed_host_loses_no_prompt_and_its_replacement_goes_on(ray_local, tmp_path):
     rows = [PromptRow(i + 1, f"question {i}", str(i % 10)) for i in range(10_000)]
     with EmbeddedRedis(tmp_path / "redis") as url, ReplayQueue(url, RUN, max_depth=100_000) as queue:
@@ -80,6 +84,7 @@ def test_a_killed_host_loses_no_prompt_and_its_replacement_goes_on(ray_local, tm
         assert rollout["tokens_generated"] > 0 and rollout.get("reward_errors", 0.0) == 0
 
 
+@pytest.mark.redis
 def test_workers_held_at_start_begin_only_when_asked(ray_local, tmp_path):
     """``start(workers=False)``: the servers serve (a validation of the starting weights) and
     no group is generated until ``start_workers()``."""
@@ -105,6 +110,8 @@ def test_workers_held_at_start_begin_only_when_asked(ray_local, tmp_path):
         assert queue.stats()["inflight"] == 0
 
 
+@pytest.mark.redis
+@pytest.mark.slow
 def test_the_pool_scales_up_and_down_while_it_produces_and_loses_no_prompt(ray_local, tmp_path):
     """1 -> 3 -> 1 servers while the workers produce: the new servers produce too (their
     own ticket owners), the drained ones stop admitting and give back what they could not

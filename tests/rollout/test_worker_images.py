@@ -6,6 +6,7 @@ tests/rollout/test_vlm_server.py runs the real vLLM engine on the tiny VLM."""
 
 from __future__ import annotations
 
+import pytest
 import asyncio
 import base64
 import io
@@ -22,6 +23,8 @@ from async_rl.records import decode, encode
 from async_rl.rewards import RewardPool, RewardScorer
 from async_rl.rollout.types import Completion, Sampling
 from async_rl.rollout.worker import RolloutWorker, WorkerSettings
+
+pytestmark = [pytest.mark.redis]
 
 IMAGE_TOKEN, EXPANSION = 99, [97, 99, 99, 99, 99, 97]  # a stand-in processor: one image -> 6 tokens
 SEEN: list[tuple[list[int], list[Image.Image] | None]] = []

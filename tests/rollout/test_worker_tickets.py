@@ -18,6 +18,8 @@ from async_rl.rewards import RewardPool, RewardScorer
 from async_rl.rollout.types import Completion, Sampling
 from async_rl.rollout.worker import RolloutWorker, WorkerSettings
 
+pytestmark = [pytest.mark.redis]
+
 
 async def _generate(prompt_token_ids: list[int], n: int, sampling: Sampling) -> list[Completion]:
     await asyncio.sleep(random.uniform(0.0, 0.004))

@@ -159,6 +159,7 @@ class ShmServer:
         self._peer.close()
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize(
     ("kind", "then_group"),
     [("ipc_unavailable", True), (None, False)],
@@ -181,6 +182,7 @@ def test_a_server_is_moved_to_the_group_by_the_acks_error_kind_not_its_text(kind
         sender.close()
 
 
+@pytest.mark.dist
 def test_shared_memory_that_cannot_be_reserved_sends_the_update_over_the_group(monkeypatch):
     """``/dev/shm`` filling up after the free-space check (posix_fallocate: ENOSPC) costs the
     learner nothing: a same-host server gets that update over the group."""

@@ -34,7 +34,7 @@ from async_rl.sync.buckets import tensor_specs
 from async_rl.sync.control import AdapterSpec
 from async_rl.sync.lora import policy_lora_request
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
 RANK = 8
 
@@ -81,6 +81,7 @@ def test_version_0_serves_the_base_model(rig: Rig, base):
     assert_serves_policy(rig.llm, 0, reference(base[0]))
 
 
+@pytest.mark.dist
 def test_adapter_updates_serve_the_merged_model_and_replace_each_other(rig: Rig, base):
     model = base[0]
     for seed, version in ((1, 1), (2, 2)):  # the second replaces the first (no double scaling, no leftover)
@@ -158,6 +159,7 @@ def _while_serving(rig: Rig, work) -> None:
     assert outcome is not None and outcome.ok, outcome
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("backend", ["gloo", "ipc"])
 def test_the_served_policy_is_the_trained_policy_after_each_update(backend: str, rig: Rig, base, one_rank: DistInfo, tmp_path, request):
     """The test that would have caught verl's issue 7495 (an adapter that never reached the servers

@@ -27,7 +27,7 @@ from async_rl.sync.control import AdapterSpec  # noqa: E402
 from async_rl.sync.sender import SendResult, WeightSender  # noqa: E402
 from async_rl.sync.server import UpdateOutcome, WeightUpdateServer  # noqa: E402
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
 TIMEOUT_S = 8.0
 PROMPTS = [[1, 2, 3, 4], [100, 7, 42], [511, 0, 9, 300, 5]]
@@ -141,6 +141,7 @@ def rig(tmp_path_factory) -> Iterator[Rig]:
     llm.llm_engine.engine_core.shutdown()  # now: a collected LLM stops its engine only whenever the GC gets to it
 
 
+@pytest.mark.dist
 def test_update_serves_the_new_weights(rig: Rig):
     new = tiny_qwen2(seed=1)
     expected = reference(new)
@@ -154,6 +155,7 @@ def test_update_serves_the_new_weights(rig: Rig):
     assert_serves(rig.llm, expected)
 
 
+@pytest.mark.dist
 def test_stalled_sender_keeps_old_weights_and_next_update_succeeds(rig: Rig):
     if rig.server.version != 1:
         test_update_serves_the_new_weights(rig)
@@ -192,6 +194,7 @@ def test_stalled_sender_keeps_old_weights_and_next_update_succeeds(rig: Rig):
     assert_serves(rig.llm, reference(newer))
 
 
+@pytest.mark.dist
 def test_restarted_server_rejoins_and_gets_current_weights(rig: Rig):
     """A server that comes back (new connection, no version) is seen as behind, gets
     the current weights alone (a new group epoch), then everyone updates together."""
@@ -266,6 +269,7 @@ def test_a_restarted_server_is_caught_up_over_ipc(ipc_rig: Rig):
     assert_serves(ipc_rig.llm, reference(newer))
 
 
+@pytest.mark.dist
 def test_a_server_that_cannot_map_the_segment_falls_back_to_the_group(ipc_rig: Rig, monkeypatch):
     """Shared memory the server cannot open (a container with its own /dev/shm): that
     update fails on the server, which gets the broadcast group from the next one on."""

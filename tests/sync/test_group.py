@@ -14,6 +14,8 @@ from async_rl.sync.buckets import iter_bucket_tensors, pack_bucket, plan_buckets
 from async_rl.sync.control import Announce, Start, encode
 from async_rl.sync.group import GroupTimeout, Rendezvous, WeightGroup, connect_store, host_store, new_key_prefix
 
+pytestmark = [pytest.mark.dist]
+
 MEMBER = Path(__file__).with_name("_gloo_member.py")
 
 

@@ -27,6 +27,7 @@ def _send(sender: WeightSender, model: torch.nn.Module, version: int, **kwargs):
     return sender.send(iter(named), version, specs=tensor_specs(named), **kwargs)
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("backend", ["ipc", "gloo"])
 def test_each_update_is_loaded_into_the_module(backend: str):
     """Three updates reach the module's parameters and buffers; over ``ipc`` from one reused

@@ -48,6 +48,7 @@ def test_splits_are_deterministic_disjoint_and_correct() -> None:
     assert make_splits(task, seed=3, n_train=500, n_val=80)[1][:50] == val  # a larger split extends the smaller one
 
 
+@pytest.mark.assets
 def test_files_and_manifest(tiny_assets: TinyAssetsReport) -> None:
     model_dir = tiny_assets.model_dir
     for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
@@ -65,6 +66,7 @@ def test_files_and_manifest(tiny_assets: TinyAssetsReport) -> None:
     assert {"torch", "transformers", "tokenizers"} <= set(manifest["versions"])
 
 
+@pytest.mark.assets
 def test_a_larger_validation_split_extends_val_and_stays_out_of_train(tiny_assets: TinyAssetsReport, tmp_path: Path) -> None:
     """``async-rl assets val-split``: written beside a copy of the assets (the fixture's are shared)."""
     shutil.copytree(tiny_assets.data_dir, tmp_path / "data")
@@ -78,6 +80,7 @@ def test_a_larger_validation_split_extends_val_and_stays_out_of_train(tiny_asset
         write_validation_split(tmp_path, 300)
 
 
+@pytest.mark.assets
 def test_same_seed_rebuilds_identical_assets(tiny_assets: TinyAssetsReport, tmp_path: Path) -> None:
     # Two builds with a 10-step warm start (the full one takes a minute): every stage runs, and
     # determinism of each step is determinism of the whole schedule.
@@ -95,6 +98,7 @@ def test_same_seed_rebuilds_identical_assets(tiny_assets: TinyAssetsReport, tmp_
     assert json.loads(again.manifest_path.read_text())["warm_start"]["max_steps"] == 10
 
 
+@pytest.mark.assets
 def test_multiturn_assets_know_the_feedback_and_warm_start_on_second_turns(tiny_assets: TinyAssetsReport, tmp_path: Path) -> None:
     from async_rl.tiny.text import _examples
 
@@ -118,6 +122,7 @@ def test_multiturn_assets_know_the_feedback_and_warm_start_on_second_turns(tiny_
         build_tiny_assets(tmp_path / "x", task="chess")
 
 
+@pytest.mark.assets
 def test_loads_in_transformers_with_chat_template(tiny_assets: TinyAssetsReport) -> None:
     tokenizer = AutoTokenizer.from_pretrained(tiny_assets.model_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_assets.model_dir)
@@ -140,6 +145,8 @@ def test_loads_in_transformers_with_chat_template(tiny_assets: TinyAssetsReport)
     assert sum(p.numel() for p in model.parameters()) == tiny_assets.num_parameters
 
 
+@pytest.mark.assets
+@pytest.mark.slow
 def test_base_accuracy_in_band(tiny_assets: TinyAssetsReport) -> None:
     """Greedy decoding written out here (full forward per token, no KV cache, no padding)."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_assets.model_dir)

@@ -120,6 +120,7 @@ def test_exact_match_is_the_builtin_reward() -> None:
     assert not is_exact_match("red.", "red") and not is_exact_match("dark red", "red")
 
 
+@pytest.mark.assets
 def test_files_and_manifest(tiny_vlm_assets: TinyAssetsReport) -> None:
     model_dir = tiny_vlm_assets.model_dir
     for name in (
@@ -151,6 +152,7 @@ def test_files_and_manifest(tiny_vlm_assets: TinyAssetsReport) -> None:
     assert 0.0 <= manifest["sampled_accuracy"] <= manifest["pass_at_k"] <= 1.0
 
 
+@pytest.mark.assets
 def test_rows_parse_as_vision_language_rows(tiny_vlm_assets: TinyAssetsReport) -> None:
     for path, n in ((tiny_vlm_assets.train_path, N_TRAIN), (tiny_vlm_assets.val_path, N_VAL)):
         rows, rejected = read_prompt_rows(path)
@@ -158,6 +160,7 @@ def test_rows_parse_as_vision_language_rows(tiny_vlm_assets: TinyAssetsReport) -
         assert all(len(r.images) == 1 and r.prompt.count("<image>") == 1 for r in rows)
 
 
+@pytest.mark.assets
 def test_loads_in_transformers_as_idefics3(tiny_vlm_assets: TinyAssetsReport) -> None:
     processor = AutoProcessor.from_pretrained(tiny_vlm_assets.model_dir)
     assert type(processor).__name__ == "Idefics3Processor"
@@ -195,6 +198,8 @@ def test_loads_in_transformers_as_idefics3(tiny_vlm_assets: TinyAssetsReport) ->
         assert tokenizer.decode(batched.answers[i]) == row.answer
 
 
+@pytest.mark.assets
+@pytest.mark.slow
 def test_base_accuracy_in_band(tiny_vlm_assets: TinyAssetsReport) -> None:
     """Greedy decoding written out here (full forward per token, no KV cache, one row at a
     time), from the rows as ``read_prompt_rows`` reads them."""
@@ -221,6 +226,8 @@ def test_base_accuracy_in_band(tiny_vlm_assets: TinyAssetsReport) -> None:
     assert 0.1 <= tiny_vlm_assets.sampled_accuracy < tiny_vlm_assets.pass_at_k
 
 
+@pytest.mark.slow
+@pytest.mark.assets
 def test_same_seed_rebuilds_identical_assets(tiny_vlm_assets: TinyAssetsReport, tmp_path: Path) -> None:
     # Two builds with a 5 + 10-step warm start: every stage runs, and determinism of each
     # step is determinism of the whole schedule.
@@ -251,6 +258,8 @@ def llm(tiny_vlm_assets: TinyAssetsReport) -> Iterator[object]:
         del engine
 
 
+@pytest.mark.vllm
+@pytest.mark.assets
 @pytest.mark.integration
 def test_vllm_serves_the_model_with_images(llm, tiny_vlm_assets: TinyAssetsReport) -> None:
     """Prompts with one <image> token and the PIL image: vLLM expands them to the HF

@@ -15,7 +15,7 @@ from async_rl.tiny import TinyAssetsReport
 from async_rl.tiny.addition import is_correct, read_jsonl
 from async_rl.tiny.text import prompt_ids
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.assets]
 
 LOGPROB_ATOL = 1e-3
 """|vLLM - transformers| per-token log-prob tolerance, float32 on both sides (different
