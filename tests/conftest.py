@@ -56,48 +56,12 @@ def run() -> str:
     return f"test-{uuid.uuid4().hex[:12]}"
 
 
-_RESOURCES = resource_markers.recorder()
-"""What each test starts (tests/resource_markers.py): checked against its markers, and written
-as a map when ``ASYNC_RL_TEST_RESOURCES`` names a file."""
-
-
 def pytest_configure(config: pytest.Config) -> None:
-    _RESOURCES.install()
+    """What each test starts, checked against its markers (tests/resource_markers.py)."""
+    config.pluginmanager.register(resource_markers.MarkerPlugin(), "resource-markers")
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
     """The longest modules first (tests/durations.json), each module's tests in their order."""
     order = {m: i for i, m in enumerate(resource_markers.longest_first([item.nodeid.partition("::")[0] for item in items]))}
     items.sort(key=lambda item: order[item.nodeid.partition("::")[0]])
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
-    info = getattr(item, "_fixtureinfo", None)
-    used = [(defs[-1].baseid, name) for name, defs in info.name2fixturedefs.items() if defs] if info is not None else []
-    _RESOURCES.begin(item.nodeid, used)
-    yield
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
-    outcome = yield
-    report = outcome.get_result()
-    _RESOURCES.timed(item.nodeid, report.when, report.duration)
-    if report.when == "teardown":
-        why = resource_markers.unmarked(_RESOURCES.end(), {m.name for m in item.iter_markers()})
-        if why is not None and report.passed:
-            report.outcome, report.longrepr = "failed", why
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_fixture_setup(fixturedef: pytest.FixtureDef, request: pytest.FixtureRequest) -> Iterator[None]:
-    _RESOURCES.enter_fixture((fixturedef.baseid, fixturedef.argname))
-    try:
-        yield
-    finally:
-        _RESOURCES.exit_fixture()
-
-
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    _RESOURCES.write()

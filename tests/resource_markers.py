@@ -25,7 +25,10 @@ import json
 import os
 import subprocess
 import threading
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 from processes import Identity, descendants, table
 
@@ -188,6 +191,44 @@ class Recorder:
         worker = os.environ.get("PYTEST_XDIST_WORKER")
         out = self.out.with_name(f"{self.out.name}.{worker}") if worker else self.out
         out.write_text(json.dumps({"resources": used, "seconds": seconds}, indent=1) + "\n")
+
+
+class MarkerPlugin:
+    """The pytest hooks around a :class:`Recorder` (registered by tests/conftest.py): each
+    test's window, its fixtures' setups, its phases' durations; at its teardown, a test that
+    started a resource its markers do not name fails (:func:`unmarked`)."""
+
+    def __init__(self) -> None:
+        self.recorder = recorder()
+        self.recorder.install()
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+        info = getattr(item, "_fixtureinfo", None)
+        used = [(defs[-1].baseid, name) for name, defs in info.name2fixturedefs.items() if defs] if info is not None else []
+        self.recorder.begin(item.nodeid, used)
+        yield
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+        outcome = yield
+        report = outcome.get_result()
+        self.recorder.timed(item.nodeid, report.when, report.duration)
+        if report.when == "teardown":
+            why = unmarked(self.recorder.end(), {m.name for m in item.iter_markers()})
+            if why is not None and report.passed:
+                report.outcome, report.longrepr = "failed", why
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_fixture_setup(self, fixturedef: pytest.FixtureDef, request: pytest.FixtureRequest) -> Iterator[None]:
+        self.recorder.enter_fixture((fixturedef.baseid, fixturedef.argname))
+        try:
+            yield
+        finally:
+            self.recorder.exit_fixture()
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        self.recorder.write()
 
 
 DURATIONS = Path(__file__).parent / "durations.json"
