@@ -39,9 +39,9 @@ SLOW_S = 10.0
 """A test whose call takes longer than this is ``slow`` (seconds, on 2 cores)."""
 
 FIXTURES = {"redis_url": "redis", "one_rank": "dist", "tiny_assets": "assets", "tiny_vlm_assets": "assets"}
-"""Session fixtures and what a test that uses one needs: pytest runs tests/conftest.py's
-``pytest_fixture_setup`` for module- and function-scoped fixtures only (a session fixture's
-hooks are the root's), and the cached assets start nothing to see."""
+"""Session fixtures and what every test that uses one needs: a session fixture is set up once,
+in the first test that asks for it, yet the later ones use its Redis or process group just the
+same; and the cached assets start no process to see."""
 
 PROCESSES = (("redis-server", "redis"), ("raylet", "ray"), ("EngineCore", "vllm"), ("ray::LearnerActor", "dist"))
 """(text in a command line, resource) of the processes the sampler recognises."""
@@ -85,7 +85,7 @@ class Recorder:
 
     def enter_fixture(self, fixture: tuple[str, str]) -> None:
         with self._scanning:
-            self._scan()  # what started before this setup (a session fixture's, whose hooks pytest does not call here) is not its
+            self._scan()  # what started before this setup (an earlier fixture's) is not its
             with self._lock:
                 self._setting_up.append(fixture)
 
