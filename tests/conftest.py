@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 import uuid
 from collections.abc import Iterator
 
@@ -62,6 +63,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The longest modules first (tests/durations.json), each module's tests in their order."""
+    """Under pytest-xdist (``-n N``), the longest modules first (tests/durations.json), each
+    module's tests in their order, so no long module starts last; in one process, file order."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return
     order = {m: i for i, m in enumerate(resource_markers.longest_first([item.nodeid.partition("::")[0] for item in items]))}
     items.sort(key=lambda item: order[item.nodeid.partition("::")[0]])

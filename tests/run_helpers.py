@@ -112,14 +112,20 @@ def wait_for_version(proc: TrainProcess, run_dir: Path, version: int, since: int
 
 
 def _worker_of(pid: int) -> str | None:
-    """The pytest-xdist worker (``gw0``...) in whose test process ``pid`` was started, from its
-    environment (Ray's and vLLM's processes inherit it); None when it names none."""
-    try:
-        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return None
-    found = [v[len(b"PYTEST_XDIST_WORKER="):].decode() for v in environ if v.startswith(b"PYTEST_XDIST_WORKER=")]
-    return found[0] if found else None
+    """The pytest-xdist worker (``gw0``...) in whose test process ``pid`` was started, from the
+    environment of ``pid`` or its nearest ancestor that names one (Ray's raylet starts its
+    dashboard and runtime-env agents without it); None when none does."""
+    while pid > 1:
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return None
+        found = [v[len(b"PYTEST_XDIST_WORKER="):].decode() for v in environ if v.startswith(b"PYTEST_XDIST_WORKER=")]
+        if found:
+            return found[0]
+        pid = int(stat.rsplit(")", 1)[1].split()[1])  # the parent: the field after the state
+    return None
 
 
 def leftovers(run_dir: Path) -> list[str]:
