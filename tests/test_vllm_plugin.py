@@ -1,5 +1,6 @@
-"""The AMX-permission fix is installed as a vLLM general plugin (loaded in every vLLM process)."""
+"""The AMX-permission and compile-cache fixes are installed as a vLLM general plugin (loaded in every vLLM process)."""
 
+import os
 from importlib.metadata import entry_points
 
 from async_rl import vllm_plugin
@@ -21,3 +22,14 @@ def test_register_is_idempotent():
     first = vllm_plugin.request_amx_permission()
     vllm_plugin.register()
     assert vllm_plugin.request_amx_permission() == first
+
+
+def test_aot_compile_is_off_on_cpu_unless_the_user_set_it(monkeypatch):
+    from vllm.platforms import current_platform
+
+    monkeypatch.delenv("VLLM_USE_AOT_COMPILE", raising=False)
+    assert vllm_plugin.keep_the_compile_cache_on_cpu() == current_platform.is_cpu()  # a GPU's compile cache loads
+    assert os.environ.get("VLLM_USE_AOT_COMPILE") == ("0" if current_platform.is_cpu() else None)
+    monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "1")
+    assert not vllm_plugin.keep_the_compile_cache_on_cpu()
+    assert os.environ["VLLM_USE_AOT_COMPILE"] == "1"

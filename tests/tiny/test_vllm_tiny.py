@@ -94,20 +94,23 @@ def test_batch_of_one_sampled_logprobs(llm, hf_model, tiny_assets: TinyAssetsRep
 
 
 def test_amx_fix_is_loaded_in_the_engine_process(llm) -> None:
-    def probe(worker: object) -> tuple[int, bool, int, int]:
+    def probe(worker: object) -> tuple[int, bool, int, int, bool]:
         import ctypes
         import os
         import sys
 
+        from vllm import envs
+
         mask = ctypes.c_uint64(0)
         libc = ctypes.CDLL(None, use_errno=True)
         rc = libc.syscall(158, 0x1022, ctypes.byref(mask))  # arch_prctl(ARCH_GET_XCOMP_PERM)
-        return os.getpid(), "async_rl.vllm_plugin" in sys.modules, rc, mask.value
+        return os.getpid(), "async_rl.vllm_plugin" in sys.modules, rc, mask.value, envs.VLLM_USE_AOT_COMPILE
 
-    for pid, plugin_loaded, rc, mask in llm.collective_rpc(probe):
+    for pid, plugin_loaded, rc, mask, aot_compile in llm.collective_rpc(probe):
         assert pid != os.getpid()  # really vLLM's own process
         assert plugin_loaded
         assert rc == 0
+        assert aot_compile is False  # the process that compiles reuses inductor's cache (vllm_plugin.keep_the_compile_cache_on_cpu)
         # the kernel grants AMX tile data to this process exactly when the CPU has AMX
         assert bool(mask >> _XFEATURE_XTILEDATA & 1) == _cpu_has_amx()
 
