@@ -286,7 +286,7 @@ def apply(used: dict[str, list[str]]) -> None:
         by_file[path][func].update(res)
     for path, funcs in sorted(by_file.items()):
         p = Path(path)
-        src = p.read_text()
+        src = original = p.read_text()
         tree = ast.parse(src)
         defs = {n.name: n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name.startswith("test")}
         names = [n for n in defs if n in funcs]
@@ -316,14 +316,15 @@ def apply(used: dict[str, list[str]]) -> None:
             marks = [f"pytest.mark.{m}" for m in module]
             tree = ast.parse(src)
             found = [n for n in tree.body if isinstance(n, ast.Assign) and [ast.unparse(t) for t in n.targets] == ["pytestmark"]]
-            if found:  # rewritten whole, however many lines it spans (its comments are lost)
+            if found:  # rewritten whole when a mark is missing, however many lines it spans (its comments are lost)
                 node = found[0]
                 value = node.value
                 items = [ast.unparse(e) for e in value.elts] if isinstance(value, ast.List) else [ast.unparse(value)]
-                items += [x for x in marks if x not in items]
-                ls = src.splitlines(keepends=True)
-                ls[node.lineno - 1:node.end_lineno] = [f"pytestmark = [{', '.join(items)}]\n"]
-                src = "".join(ls)
+                missing = [x for x in marks if x not in items]
+                if missing:
+                    ls = src.splitlines(keepends=True)
+                    ls[node.lineno - 1:node.end_lineno] = [f"pytestmark = [{', '.join(items + missing)}]\n"]
+                    src = "".join(ls)
             else:
                 # after the last top-level import
                 tree = ast.parse(src)
@@ -337,8 +338,9 @@ def apply(used: dict[str, list[str]]) -> None:
             ls = src.splitlines(keepends=True)
             ls.insert(first_import - 1, "import pytest\n")
             src = "".join(ls)
-        p.write_text(src)
-        print(path, "module:", module, "funcs:", len(inserts))
+        if src != original:
+            p.write_text(src)
+            print(path, "module:", module, "funcs:", len(inserts))
 
 
 if __name__ == "__main__":  # python tests/resource_markers.py MAP.json [MAP.json.gw1 ...]   (from the repository root)
