@@ -18,7 +18,8 @@ def test_vllm_loads_our_plugin():
     assert plugins["async_rl_cpu_fixes"] is vllm_plugin.register
 
 
-def test_register_is_idempotent():
+def test_register_is_idempotent(monkeypatch):
+    monkeypatch.delenv("VLLM_USE_AOT_COMPILE", raising=False)  # register() sets it: not for the rest of the session
     first = vllm_plugin.request_amx_permission()
     vllm_plugin.register()
     assert vllm_plugin.request_amx_permission() == first
