@@ -3,8 +3,10 @@ rest (driver, Redis, Ray's daemons, rollout workers) run on.
 
 vLLM's OpenMP threads spin, so a server and a learner rank that share a core slow each
 other down by far more than their share of it. :func:`cpu_layout` gives each its own
-cores; :func:`pinned_to` puts everything else on the servers' cores, so a learner rank's
-step takes as long as it does alone.
+cores; everything else goes to the servers' cores, so a learner rank's step takes as long as
+it does alone: :class:`SupportCores` moves it there once the run has started (the start
+itself, where no rank steps yet, uses every core: a train start on 2 cores took 80 s pinned
+and 61 s so), :func:`pinned_to` for the length of a block.
 """
 
 from __future__ import annotations
@@ -12,13 +14,15 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
+from types import TracebackType
 from typing import NamedTuple
 
 from async_rl.config import Config
+from async_rl.launch.reaper import descendants, process_table
 from async_rl.rollout.engine_args import on_gpu
 
-__all__ = ["CpuLayout", "cpu_layout", "pinned_to", "set_process_cores", "support_cores"]
+__all__ = ["CpuLayout", "SupportCores", "cpu_layout", "pinned_to", "set_process_cores", "support_cores"]
 
 
 class CpuLayout(NamedTuple):
@@ -71,6 +75,51 @@ def pinned_to(cores: set[int]) -> Iterator[None]:
         yield
     finally:
         set_process_cores(os.getpid(), before)
+
+
+class SupportCores:
+    """Puts this process and what it started on ``cores`` once a run has started.
+
+    Within the block, :meth:`place` moves every thread of this process and of the descendants
+    it started within the block that nobody placed (its cores are still those this process had when the block began) to
+    ``cores``: Ray's daemons and workers, the servers' actors and engine front ends, reward
+    workers. A thread placed on purpose keeps its cores: a learner rank's, vLLM's OpenMP
+    threads (bound to their server's cores), and the processes in ``keep`` (the embedded Redis,
+    which runs anywhere). Processes started afterwards inherit ``cores`` from their parent. On
+    leaving, this process gets its cores back (a test may call ``train`` in its own process).
+    """
+
+    def __init__(self, cores: set[int]):
+        self.cores = set(cores)
+        self._before: set[int] = set()
+        self._older: set[tuple[int, int]] = set()
+        """(pid, start time) of the descendants that ran before the block: not this run's to move."""
+
+    def __enter__(self) -> SupportCores:
+        self._before = os.sched_getaffinity(0)
+        table = process_table()
+        self._older = {(pid, table[pid][1]) for pid in descendants(table, {os.getpid()})}
+        return self
+
+    def place(self, keep: Collection[int] = ()) -> int:
+        """Move the unplaced threads (see the class) to the support cores; returns how many moved."""
+        me = os.getpid()
+        table = process_table()
+        moved = 0
+        for pid in {me} | {p for p in descendants(table, {me}) if (p, table[p][1]) not in self._older} - set(keep):
+            try:
+                tids = os.listdir(f"/proc/{pid}/task")
+            except OSError:  # it ended
+                continue
+            for tid in map(int, tids):
+                with contextlib.suppress(OSError):  # a thread that just ended, or one we may not move
+                    if os.sched_getaffinity(tid) == self._before:
+                        os.sched_setaffinity(tid, self.cores)
+                        moved += 1
+        return moved
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        set_process_cores(os.getpid(), self._before)
 
 
 def set_process_cores(pid: int, cores: set[int]) -> None:

@@ -39,7 +39,7 @@ from async_rl.data.prompts import ImageFields, PromptFormatter, read_prompt_rows
 from async_rl.envs import EnvPool, EnvStartupError
 from async_rl.envs.conversation import ChatEncoder
 from async_rl.launch import disk
-from async_rl.launch.cores import cpu_layout, pinned_to, set_process_cores, support_cores
+from async_rl.launch.cores import SupportCores, cpu_layout, set_process_cores, support_cores
 from async_rl.launch.failures import FailureLog
 from async_rl.launch.learning_checks import LearningChecks, rules_for
 from async_rl.launch.plan import make_plan
@@ -50,6 +50,7 @@ from async_rl.launch.run_state import RunStateError, claim_run, driver_owner, ma
 from async_rl.launch.stall import VERSION_WATCHDOG_S, Snapshot, blame, provable_version
 from async_rl.launch.tracking import Tracker
 from async_rl.learner.actor import start_learners
+from async_rl.learner.memory import servers_gpu_share
 from async_rl.queue import EmbeddedRedis, QueueUnavailableError, RedisExit, ReplayQueue
 from async_rl.queue.embedded import MIN_FREE_BYTES, NO_SPACE, SPACE_WAIT_S
 from async_rl.queue.admission import admission_limit
@@ -213,8 +214,10 @@ class _Run:
         cfg = self.cfg
         layout = cpu_layout(cfg)
         all_cores = os.sched_getaffinity(0)
-        if layout:  # before Redis and Ray start: they and their workers inherit the rollout cores
-            stack.enter_context(pinned_to(support_cores(layout)))
+        # Once the servers started, what runs beside them goes to their cores (the start uses every core).
+        self._support = stack.enter_context(SupportCores(support_cores(layout))) if layout else None
+        self._redis_pid: int | None = None
+        """The embedded Redis's process (None: an external one), which runs on every core."""
         stack.enter_context(reap_on_exit())  # before any process starts: each ends with this one, even on SIGKILL
         from transformers import AutoTokenizer
 
@@ -254,8 +257,7 @@ class _Run:
             # keeps busy, it waited seconds for the CPU and held generation and the learner
             # back with it (20 steps: 30-190 s instead of 8 s); it is light, so it runs anywhere.
             redis_cores = all_cores if layout else None
-            if redis_cores:
-                set_process_cores(embedded.pid, redis_cores)
+            self._redis_pid = embedded.pid
             loop = asyncio.get_running_loop()
             embedded.watch(lambda event: _call_soon(loop, self._on_redis_exit, event, redis_cores))
         await self._claim_run(stack, redis_url, embedded=not cfg.queue.redis_url)
@@ -270,18 +272,26 @@ class _Run:
         stack.callback(ray.shutdown)
         self._install_signal_handlers()
         self._redis_url, self._rank_cores = redis_url, layout.ranks if layout else None
-        # After trainer.resume=fresh moved the old state aside, the learner starts from the base model.
-        await self._start_learners(replace(cfg, trainer=replace(cfg.trainer, resume="off")) if cfg.trainer.resume == "fresh" else cfg)
-        stack.callback(self._kill_learners)
 
         env = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, round(cfg.rollout.vllm.kv_cache_space_gb)))} if not on_gpu() else {}
-        spec = ServerSpec(engine_kwargs(cfg), cfg.rollout.cpus_per_server, cfg.rollout.gpus_per_server, env, sync=self._sync_endpoint(),
+        spec = ServerSpec(engine_kwargs(cfg), cfg.rollout.cpus_per_server, cfg.rollout.gpus_per_server, env,
                           openai_api=openai_api_settings(cfg), hang_timeout_s=cfg.rollout.engine_hang_timeout_s)
         self.pool = ServerPool(spec, cfg.rollout.num_servers, on_start=self._on_server_start,
                                env_per_server=[{"VLLM_CPU_OMP_THREADS_BIND": cores} for cores in layout.servers] if layout else None,
                                workers=WorkerHostSpec.from_config(cfg, redis_url), rows=ray.put(self.rows), on_lost=self.queue.release_owner,
                                report=self._say)
         stack.push_async_callback(self.pool.shutdown)
+        self._sync_known: asyncio.Future[SyncEndpoint | None] = asyncio.get_running_loop().create_future()
+        """The weight sender's endpoint, once the learner started and the driver is ready for the servers."""
+        self._servers_starting: asyncio.Task | None = None
+        if servers_gpu_share(cfg.rollout, cfg.learner) == 0:
+            # The engines build while the learner starts. Not on a GPU they share: vLLM would
+            # size its KV cache by the memory the learner is still taking.
+            self._servers_starting = asyncio.create_task(self.pool.start(workers=False, sync=self._sync_known))
+            stack.push_async_callback(_cancel, self._servers_starting)  # a start that fails on the way kills them
+        # After trainer.resume=fresh moved the old state aside, the learner starts from the base model.
+        await self._start_learners(replace(cfg, trainer=replace(cfg.trainer, resume="off")) if cfg.trainer.resume == "fresh" else cfg)
+        stack.callback(self._kill_learners)
         try:
             self.tracker = Tracker(cfg, self.run_dir, cfg.trainer.total_steps, resumed=self.version > 0)
         except OSError as exc:  # the Prometheus port is taken
@@ -292,6 +302,7 @@ class _Run:
             if cfg.logging.console:
                 self.tracker.console.print(f"Prometheus metrics: {self.tracker.prometheus.url}", highlight=False)
         self._write_servers()
+        self._sync_known.set_result(self._sync_endpoint())
 
     def _on_redis_exit(self, event: RedisExit, cores: set[int] | None) -> None:
         """The embedded Redis exited on its own: restarted on its AOF (clients retry), waiting
@@ -309,6 +320,7 @@ class _Run:
             self._disk_full_since = None
         self._redis_back_at = time.monotonic()
         self.redis_restarts = event.restarts
+        self._redis_pid = event.new_pid
         if cores and event.new_pid is not None:
             with contextlib.suppress(OSError):  # it may have died again; the watcher restarts it
                 set_process_cores(event.new_pid, cores)
@@ -472,10 +484,12 @@ class _Run:
         requests: asyncio.Task | None = None
         try:
             try:
-                await self.pool.start(workers=False)
+                await (self._servers_starting or self.pool.start(workers=False, sync=self._sync_known))
             except (ray.exceptions.RayError, asyncio.TimeoutError) as exc:  # e.g. a server's node cannot reach queue.redis_url
                 self._fail(f"the inference servers did not start: {_cause(exc)}")
                 return
+            if self._support is not None:
+                self._support.place(keep={self._redis_pid} if self._redis_pid is not None else ())
             if self.cfg.logging.console and any(self.pool.openai_urls()):
                 self.tracker.console.print(f"OpenAI-compatible API: {' '.join(u or '-' for u in self.pool.openai_urls())} "
                                            f"(servers listed in {self.run_dir / 'servers.json'})", highlight=False)

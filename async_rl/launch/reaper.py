@@ -74,7 +74,8 @@ def start_time(pid: int) -> int | None:
     return None if stat is None or stat[2] in ("Z", "X") else stat[1]
 
 
-def _snapshot() -> _Table:
+def process_table() -> _Table:
+    """The live (not zombie) processes: pid -> (parent pid, start time)."""
     table: _Table = {}
     for name in os.listdir("/proc"):
         if name.isdigit() and (stat := _stat(int(name))) is not None and stat[2] not in ("Z", "X"):
@@ -82,7 +83,7 @@ def _snapshot() -> _Table:
     return table
 
 
-def _descendants(table: _Table, roots: set[int]) -> set[int]:
+def descendants(table: _Table, roots: set[int]) -> set[int]:
     """Pids in ``table`` below any of ``roots`` (the roots themselves excluded)."""
     children: dict[int, list[int]] = {}
     for pid, (ppid, _) in table.items():
@@ -120,9 +121,9 @@ class _Tracker:
     def update(self, roots: set[int]) -> None:
         """Forget what exited; record the live descendants of ``roots`` and of the known
         processes, and the token holders started since the driver."""
-        table = _snapshot()
+        table = process_table()
         self.known = {pid: start for pid, start in self.known.items() if pid in table and table[pid][1] == start}
-        found = _descendants(table, roots | set(self.known))
+        found = descendants(table, roots | set(self.known))
         found.update(pid for pid, (_, start) in table.items()
                      if start >= self.driver_start and pid not in found and pid not in self.known and _has_token(pid, self.entry))
         found.discard(os.getpid())

@@ -155,11 +155,15 @@ class ServerPool:
     def _items(self) -> Iterator[tuple[int, _Slot]]:
         return iter(list(self._slots.items()))
 
-    async def start(self, workers: bool = True) -> list[ServerHealth]:
+    async def start(self, workers: bool = True, sync: Awaitable[SyncEndpoint | None] | None = None) -> list[ServerHealth]:
         """Start every server (concurrently); returns their health. With ``workers=False``
         the rollout workers wait for :meth:`start_workers` (e.g. for a validation of the
-        starting weights that no update interrupts); a server restarted meanwhile starts its own."""
-        return list(await asyncio.gather(*(self._launch(i, workers) for i in self._slots)))
+        starting weights that no update interrupts); a server restarted meanwhile starts its own.
+
+        ``sync``: the weight sender's endpoint, not known yet (e.g. the learner is starting):
+        each server builds its engine meanwhile and registers once ``sync`` resolves (it becomes
+        ``spec.sync``); if ``sync`` raises, the servers are killed and it propagates."""
+        return list(await asyncio.gather(*(self._launch(i, workers, sync) for i in self._slots)))
 
     async def start_workers(self) -> None:
         """Start the rollout workers of every server that runs none."""
@@ -170,7 +174,7 @@ class ServerPool:
         """Ray actor handle of server ``i``."""
         return self._slots[i].handle
 
-    async def _launch(self, i: int, workers: bool = True) -> ServerHealth:
+    async def _launch(self, i: int, workers: bool = True, sync: Awaitable[SyncEndpoint | None] | None = None) -> ServerHealth:
         slot = self._slots[i]
         actor_cls = ray.remote(self.spec.server_cls).options(
             num_cpus=self.spec.num_cpus,
@@ -181,10 +185,10 @@ class ServerPool:
         openai_api = self.spec.openai_api.for_server(i) if self.spec.openai_api is not None else None
         handle = actor_cls.remote(f"server-{i}", self.spec.engine_kwargs, self.version(), openai_api, self.spec.hang_timeout_s)
         try:  # this call owns the actor until the slot holds it: a start that fails or hangs kills it
-            try:
-                health = await asyncio.wait_for(handle.start.remote(self.spec.sync), self.spec.start_timeout_s)
-            except asyncio.TimeoutError:
-                raise TimeoutError(await self._stuck(i, handle, f"did not start within {self.spec.start_timeout_s:g} s")) from None
+            if sync is not None:  # the engine builds while the weight sender starts
+                await self._start_on(i, handle, None)
+                self.spec.sync = await sync
+            health = await self._start_on(i, handle, self.spec.sync)
             slot.started = health
             if health.openai_url is not None:
                 log.info("server-%d (pid %d) serves the OpenAI API at %s", i, health.pid, health.openai_url)
@@ -198,6 +202,13 @@ class ServerPool:
         slot.handle = handle
         slot.watcher = asyncio.create_task(self._watch_engine(i, handle))
         return health
+
+    async def _start_on(self, i: int, handle: Any, sync: SyncEndpoint | None) -> ServerHealth:
+        """``handle.start(sync)`` within ``spec.start_timeout_s``; a hang names its step."""
+        try:
+            return await asyncio.wait_for(handle.start.remote(sync), self.spec.start_timeout_s)
+        except asyncio.TimeoutError:
+            raise TimeoutError(await self._stuck(i, handle, f"did not start within {self.spec.start_timeout_s:g} s")) from None
 
     async def _stuck(self, i: int, handle: Any, what: str) -> str:
         """``server-i <what>`` and the step it was at; its tasks' and threads' stacks go to

@@ -6,7 +6,7 @@ import sys
 import threading
 
 from async_rl.config import load_config
-from async_rl.launch.cores import cpu_layout, pinned_to, set_process_cores, support_cores
+from async_rl.launch.cores import SupportCores, cpu_layout, pinned_to, set_process_cores, support_cores
 
 
 def test_cpu_layout_gives_disjoint_cores():
@@ -80,3 +80,35 @@ def test_set_process_cores_moves_every_thread_of_another_process():
         child.kill()
     threads, same, mask = out.split(" ", 2)
     assert int(threads) >= 2 and same == "True" and mask.strip() == str(sorted(cores))  # every thread moved
+
+
+def test_support_cores_moves_what_nobody_placed_once_asked_and_gives_the_driver_its_cores_back():
+    """How a run's start uses every core and then leaves the learner's cores to it: processes
+    started in the block keep every core until ``place()``; then their unplaced threads and this
+    process's move to the support cores, while a process placed on purpose (as vLLM binds its
+    OpenMP threads, as a learner rank pins itself) and one kept (the embedded Redis) stay."""
+    before = os.sched_getaffinity(0)
+    assert len(before) >= 2, before  # CI has 2 cores: one for support, one placed elsewhere
+    support, other = {min(before)}, {max(before)}
+    older = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # as a test session's Redis: not the run's
+    code = ("import os, sys, threading, time\n"
+            "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+            "print('up', flush=True); sys.stdin.readline()\n"
+            "print(sorted({tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir('/proc/self/task')}), flush=True)\n")
+    with SupportCores(support) as cores:
+        children = [subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in range(3)]
+        try:
+            assert all(child.stdout.readline().strip() == "up" for child in children)
+            unplaced, placed, kept = children
+            set_process_cores(placed.pid, other)
+            assert os.sched_getaffinity(unplaced.pid) == before  # the start uses every core
+            moved = cores.place(keep={kept.pid})
+            assert os.sched_getaffinity(0) == support
+            assert os.sched_getaffinity(older.pid) == before
+            masks = [child.communicate("go\n", timeout=30)[0].strip() for child in children]
+        finally:
+            for child in [*children, older]:
+                child.kill()
+    assert masks == [str([tuple(sorted(support))]), str([tuple(sorted(other))]), str([tuple(sorted(before))])], masks
+    assert moved >= 2 + threading.active_count()  # the unplaced child's two threads and this process's
+    assert os.sched_getaffinity(0) == before  # given back on leaving

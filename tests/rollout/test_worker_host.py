@@ -8,10 +8,12 @@ Redis and Ray are the real ones.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -25,6 +27,7 @@ from async_rl.rollout.host import WorkerHostSpec
 from async_rl.rollout.pool import ServerPool, ServerSpec
 from async_rl.rollout.types import Sampling
 from async_rl.rollout.worker import WorkerSettings
+from async_rl.sync.auth import RunSecret, SyncEndpoint
 
 pytestmark = [pytest.mark.ray]
 
@@ -186,3 +189,59 @@ def test_an_added_server_whose_start_hangs_is_reported_with_its_stacks_and_kille
             break
         time.sleep(0.1)
     assert not os.path.exists(f"/proc/{hung}")
+
+
+class StartRecords(FakeServer):
+    """A :class:`FakeServer` that appends its pid and each ``start``'s weight sender address
+    (or None) to the file ``engine_kwargs["marker"]`` + its server id."""
+
+    async def start(self, sync=None, control_timeout_s: float = 10.0):
+        with open(f"{self.engine_kwargs['marker']}.{self.server_id}", "a") as f:
+            f.write(json.dumps([os.getpid(), sync.address if sync is not None else None]) + "\n")
+        return await super().start(sync, control_timeout_s)
+
+
+def _starts(marker: Path) -> dict[str, list[list]]:
+    return {p.name.rsplit(".", 1)[1]: [json.loads(line) for line in p.read_text().splitlines()]
+            for p in marker.parent.glob(f"{marker.name}.server-*")}
+
+
+def test_servers_start_before_their_weight_sender_is_known_and_die_if_it_never_is(ray_local, tmp_path):
+    """``start(sync=awaitable)`` (the driver's start, while the learner starts): each server
+    starts without a sender, registers once the awaitable gives it (it becomes ``spec.sync``),
+    and is killed if the awaitable raises (the learner did not start)."""
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the actor class lives in this test module
+    endpoint = SyncEndpoint("tcp://127.0.0.1:40123", RunSecret.generate())
+
+    async def run(marker: Path, outcome: BaseException | None) -> ServerPool:
+        pool = ServerPool(ServerSpec({"tokens_per_s": 2000.0, "marker": str(marker)}, num_cpus=0, server_cls=StartRecords), 2)
+        known: asyncio.Future = asyncio.get_running_loop().create_future()
+        starting = asyncio.create_task(pool.start(workers=False, sync=known))
+        while len(_starts(marker)) < 2:  # both started without a sender, which is not known yet
+            assert not starting.done(), starting
+            await asyncio.sleep(0.1)
+        known.set_result(endpoint) if outcome is None else known.set_exception(outcome)
+        try:
+            await starting
+        finally:
+            if outcome is None:
+                await pool.shutdown()
+        return pool
+
+    registered = tmp_path / "registered"
+    pool = asyncio.run(run(registered, None))
+    assert pool.spec.sync == endpoint
+    starts = _starts(registered)
+    assert sorted(starts) == ["server-0", "server-1"]
+    assert all([address for _, address in calls] == [None, endpoint.address] for calls in starts.values()), starts
+
+    failed = tmp_path / "failed"
+    with pytest.raises(RuntimeError, match="the learner did not start"):
+        asyncio.run(run(failed, RuntimeError("the learner did not start")))
+    starts = _starts(failed)
+    assert all([address for _, address in calls] == [None] for calls in starts.values()), starts  # never registered
+    pids = [calls[0][0] for calls in starts.values()]
+    deadline = time.monotonic() + 30
+    while any(os.path.exists(f"/proc/{pid}") for pid in pids):  # their actors were killed
+        assert time.monotonic() < deadline, pids
+        time.sleep(0.1)
