@@ -111,8 +111,21 @@ def wait_for_version(proc: TrainProcess, run_dir: Path, version: int, since: int
         time.sleep(0.3)
 
 
-def _worker_of(pid: int) -> str | None:
-    """The pytest-xdist worker (``gw0``...) in whose test process ``pid`` was started, from the
+SUITE_PARTS = ("ASYNC_RL_TEST_LANE", "PYTEST_XDIST_WORKER")
+"""What names the part of the suite a test process runs: the lane of scripts/test.sh
+(``stack``, ``rest``) and the pytest-xdist worker (``gw0``...)."""
+
+
+def _part(environ: dict[str, str] | list[bytes]) -> str | None:
+    """``lane/worker`` from an environment (os.environ, or /proc's NUL-split entries); None: neither is set."""
+    if isinstance(environ, list):
+        environ = dict(e.decode(errors="replace").partition("=")[::2] for e in environ if b"=" in e)
+    found = [environ.get(name, "") for name in SUITE_PARTS]
+    return "/".join(found) if any(found) else None
+
+
+def _part_of(pid: int) -> str | None:
+    """The part of the suite (:func:`_part`) in whose test process ``pid`` was started, from the
     environment of ``pid`` or its nearest ancestor that names one (Ray's raylet starts its
     dashboard and runtime-env agents without it); None when none does."""
     while pid > 1:
@@ -121,9 +134,8 @@ def _worker_of(pid: int) -> str | None:
             stat = Path(f"/proc/{pid}/stat").read_text()
         except OSError:
             return None
-        found = [v[len(b"PYTEST_XDIST_WORKER="):].decode() for v in environ if v.startswith(b"PYTEST_XDIST_WORKER=")]
-        if found:
-            return found[0]
+        if (found := _part(environ)) is not None:
+            return found
         pid = int(stat.rsplit(")", 1)[1].split()[1])  # the parent: the field after the state
     return None
 
@@ -132,13 +144,14 @@ def leftovers(run_dir: Path) -> list[str]:
     """Processes of this run still alive: its redis-server, Ray workers, vLLM engines.
     Zombies do not count: they are dead, waiting for a parent (in a container whose init
     does not reap, orphans stay zombies forever). Ray's and vLLM's processes do not name the
-    run: any counts, except those another pytest-xdist worker's tests started."""
+    run: any counts, except those another part of the suite (a lane of scripts/test.sh, a
+    pytest-xdist worker) started."""
     out = subprocess.run(["ps", "-eo", "pid,ppid,stat,args"], capture_output=True, text=True).stdout.splitlines()[1:]
-    mine, worker = str(run_dir), os.environ.get("PYTEST_XDIST_WORKER")
+    mine, part = str(run_dir), _part(dict(os.environ))
     alive = [line for line in out if not line.split(None, 3)[2].startswith("Z")]
     generic = [line for line in alive if "ray::" in line or "EngineCore" in line or "raylet" in line]
     return [line for line in alive if mine in line] + \
-        [line for line in generic if mine not in line and (worker is None or _worker_of(int(line.split()[0])) in (None, worker))]
+        [line for line in generic if mine not in line and (part is None or _part_of(int(line.split()[0])) in (None, part))]
 
 
 def wait_gone(run_dir: Path, seconds: float = 30.0) -> list[str]:

@@ -22,6 +22,7 @@ from async_rl.config import RewardConfig
 from async_rl.data.prompts import PromptRow
 from async_rl.launch.ray_cluster import init_ray
 from async_rl.queue import EmbeddedRedis, ReplayQueue
+from async_rl.records import decode
 from async_rl.rollout.fake_engine import FakeServer
 from async_rl.rollout.host import WorkerHostSpec
 from async_rl.rollout.pool import ServerPool, ServerSpec
@@ -124,10 +125,14 @@ def test_the_pool_scales_up_and_down_while_it_produces_and_loses_no_prompt(ray_l
         pool = ServerPool(ServerSpec({"tokens_per_s": 2000.0}, num_cpus=0, server_cls=FakeServer), 1,
                           workers=_spec(url), rows=ray.put(rows), on_lost=queue.release_owner)
 
+        def queued_by() -> set[str]:
+            return {decode(fields[b"group"]).server_id for _, fields in queue._client.xrange(queue.keys.rollouts)}
+
         async def produced(more: int, by: tuple[int, ...] = ()) -> None:
-            """``more`` groups queued, and servers ``by`` generated 400 tokens each (more than 8 groups in flight hold: some went through)."""
+            """``more`` groups queued, a group of each server in ``by`` among them (tokens
+            generated are not enough: on a loaded machine a group may still be scoring)."""
             start = queue.stats()["depth"]
-            while queue.stats()["depth"] < start + more or min([(await pool.handle(i).health.remote()).generated_tokens for i in by] or [400]) < 400:
+            while queue.stats()["depth"] < start + more or not {f"server-{i}" for i in by} <= queued_by():
                 await asyncio.sleep(0.1)
 
         async def go() -> tuple[list[str], list[str], list[int]]:
