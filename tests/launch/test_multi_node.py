@@ -22,7 +22,7 @@ from run_helpers import ROOT, start_train, step_versions, wait_for_version, writ
 
 from async_rl.queue import EmbeddedRedis
 
-pytestmark = [pytest.mark.integration, pytest.mark.redis, pytest.mark.ray, pytest.mark.vllm, pytest.mark.assets, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.redis, pytest.mark.ray, pytest.mark.vllm, pytest.mark.dist, pytest.mark.assets, pytest.mark.slow]
 
 
 @dataclass
