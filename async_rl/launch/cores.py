@@ -5,8 +5,9 @@ vLLM's OpenMP threads spin, so a server and a learner rank that share a core slo
 other down by far more than their share of it. :func:`cpu_layout` gives each its own
 cores; everything else goes to the servers' cores, so a learner rank's step takes as long as
 it does alone: :class:`SupportCores` moves it there once the run has started (the start
-itself, where no rank steps yet, uses every core: a train start on 2 cores took 80 s pinned
-and 61 s so), :func:`pinned_to` for the length of a block.
+itself, where no rank steps yet, uses every core: a 4-step run on 2 cores took 80 s pinned
+from the beginning, 62-68 s so; benchmarks/train_start.py), :func:`pinned_to` for the length
+of a block.
 """
 
 from __future__ import annotations
@@ -81,8 +82,8 @@ class SupportCores:
     """Puts this process and what it started on ``cores`` once a run has started.
 
     Within the block, :meth:`place` moves every thread of this process and of the descendants
-    it started within the block that nobody placed (its cores are still those this process had when the block began) to
-    ``cores``: Ray's daemons and workers, the servers' actors and engine front ends, reward
+    it started within the block that nobody placed (its cores are still those this process had
+    when the block began) to ``cores``: Ray's daemons and workers, the servers' actors and engine front ends, reward
     workers. A thread placed on purpose keeps its cores: a learner rank's, vLLM's OpenMP
     threads (bound to their server's cores), and the processes in ``keep`` (the embedded Redis,
     which runs anywhere). Processes started afterwards inherit ``cores`` from their parent. On
