@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# The whole suite, as CI runs it, in two lanes at once:
-#   stack: the tests that start a vLLM engine (marker `vllm`: whole `async-rl train` runs,
-#          inference servers), one after another: on 2 cores two of them at once starve each
-#          other past their bounds (an engine replaced within 300 s, a server added in time);
-#   rest:  everything else (pure logic, Redis, Ray with fake servers, process groups), beside it.
+# The whole suite, as CI runs it, in two lanes at once (tests/lanes.py says why and how):
+#   stack: the tests that start vLLM engines under Ray and assert a wall-clock bound at
+#          default settings (markers `vllm and ray and timed`), one after another: on 2 cores
+#          two runs at once starve each other past such bounds (an engine replaced in 300 s);
+#   rest:  everything else that starts no run (pure logic, Redis, Ray with fake servers,
+#          process groups, a vLLM engine of its own in the test process), beside it.
+# The other runs (`vllm and ray and not timed`: the tail) come last in both lanes; each is run
+# by whichever lane reaches it first, lane rest only once lane stack's timed tests are over.
 # Each lane is a pytest process of its own; a test counts as left behind only the processes
 # of its own lane (tests/run_helpers.py, ASYNC_RL_TEST_LANE). Arguments go to both lanes
 # (e.g. -x, -k NAME, a path; not -m). Their outputs are in .pytest-lanes/, printed as each
@@ -13,6 +16,9 @@ cd "$(dirname "$0")/.."
 python=${PYTHON:-.venv/bin/python}
 logs=.pytest-lanes
 mkdir -p "$logs"
+tail_dir=$(mktemp -d "${TMPDIR:-/tmp}/async-rl-tail.XXXXXX")
+trap 'rm -rf "$tail_dir"' EXIT
+export ASYNC_RL_TEST_TAIL=$tail_dir
 
 lane() {  # lane NAME MARK-EXPRESSION [pytest args...]
     local name=$1 mark=$2
@@ -25,9 +31,11 @@ lane() {  # lane NAME MARK-EXPRESSION [pytest args...]
 }
 
 started=$(date +%s)
-lane stack "vllm" "$@" &
+# Lane stack touches timed-done itself before its first tail test; here too, so that lane
+# rest never waits on a lane that ended early (failed, or selected no tail test).
+(lane stack "vllm and ray" "$@"; rc=$?; touch "$tail_dir/timed-done"; exit "$rc") &
 stack=$!
-lane rest "not vllm" "$@"
+lane rest "not (vllm and ray and timed)" "$@"
 rest=$?
 cat "$logs/rest.log"
 echo "[test.sh] lane rest ended after $(( $(date +%s) - started )) s; waiting for lane stack (log: $logs/stack.log)"

@@ -8,6 +8,7 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
+import lanes
 import resource_markers
 import torch
 import torch.distributed as dist
@@ -60,6 +61,9 @@ def run() -> str:
 def pytest_configure(config: pytest.Config) -> None:
     """What each test starts, checked against its markers (tests/resource_markers.py)."""
     config.pluginmanager.register(resource_markers.MarkerPlugin(), "resource-markers")
+    lane = lanes.plugin()
+    if lane is not None:  # a lane of scripts/test.sh: its tail shared with the other lane (tests/lanes.py)
+        config.pluginmanager.register(lane, "lanes")
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -232,24 +232,31 @@ class MarkerPlugin:
 
 
 DURATIONS = Path(__file__).parent / "durations.json"
-"""Seconds each test module took in the last recorded full run (2 cores): the suite runs the
-longest first, so that under pytest-xdist no long module starts last (tests/conftest.py)."""
+"""Seconds each test took in the last recorded full run (2 cores: a recorded run, or the
+lanes of scripts/test.sh timed one by one), by test id: the suite runs
+the longest modules first under pytest-xdist, so that no long module starts last
+(tests/conftest.py), and the lanes of scripts/test.sh their shared tail longest first
+(tests/lanes.py)."""
 
 
 def write_durations(seconds: dict[str, float]) -> None:
     """:data:`DURATIONS` from a recorded run's ``{test id: seconds}``."""
-    modules: dict[str, float] = {}
-    for test, s in seconds.items():
-        module = test.partition("::")[0]
-        modules[module] = modules.get(module, 0.0) + s
-    DURATIONS.write_text(json.dumps({m: round(s, 1) for m, s in sorted(modules.items(), key=lambda kv: -kv[1])}, indent=1) + "\n")
+    DURATIONS.write_text(json.dumps({t: round(s, 1) for t, s in sorted(seconds.items(), key=lambda kv: -kv[1])}, indent=1) + "\n")
+
+
+def test_seconds() -> dict[str, float]:
+    """:data:`DURATIONS`: seconds by test id (empty when absent)."""
+    return json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
 
 
 def longest_first(paths: list[str]) -> list[str]:
     """The distinct test modules of ``paths`` in the order to run them: those :data:`DURATIONS`
     does not know (new: their duration is unknown) first, then the longest first."""
-    known = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
-    return sorted(dict.fromkeys(paths), key=lambda m: -known.get(m, float("inf")))
+    modules: dict[str, float] = {}
+    for test, s in test_seconds().items():
+        module = test.partition("::")[0]
+        modules[module] = modules.get(module, 0.0) + s
+    return sorted(dict.fromkeys(paths), key=lambda m: -modules.get(m, float("inf")))
 
 
 def recorder() -> Recorder:

@@ -47,7 +47,7 @@ from async_rl.launch.plots import PLOTS
 from async_rl.launch.scale import request_scale
 from async_rl.queue.embedded import MIN_FREE_BYTES
 
-pytestmark = [pytest.mark.integration, pytest.mark.redis, pytest.mark.ray, pytest.mark.vllm, pytest.mark.assets, pytest.mark.slow,
+pytestmark = [pytest.mark.integration, pytest.mark.redis, pytest.mark.ray, pytest.mark.vllm, pytest.mark.assets, pytest.mark.slow, pytest.mark.timed,
               pytest.mark.timeout(1800)]  # about 11 min alone; beside another worker's runs it took over 15
 
 DISK_MB = 512

@@ -34,7 +34,7 @@ from async_rl.sync.buckets import tensor_specs
 from async_rl.sync.sender import WeightSender
 from async_rl.sync.auth import RunSecret, SyncEndpoint
 
-pytestmark = [pytest.mark.integration, pytest.mark.ray, pytest.mark.vllm, pytest.mark.assets]
+pytestmark = [pytest.mark.integration, pytest.mark.ray, pytest.mark.vllm, pytest.mark.assets, pytest.mark.timed]  # its pool: a hung engine replaced within 300 s
 
 API_KEY = "k3y-0123456789abcdef"
 """The servers' OpenAI API key (``rollout.openai_api_key``)."""
