@@ -16,8 +16,8 @@ cd "$(dirname "$0")/.."
 python=${PYTHON:-.venv/bin/python}
 logs=.pytest-lanes
 mkdir -p "$logs"
-tail_dir=$(mktemp -d "${TMPDIR:-/tmp}/async-rl-tail.XXXXXX")
-trap 'rm -rf "$tail_dir"' EXIT
+tail_dir=$PWD/$logs/tail  # the lanes' claims on the tail (who ran what), kept until the next run
+rm -rf "$tail_dir" && mkdir -p "$tail_dir"
 export ASYNC_RL_TEST_TAIL=$tail_dir
 
 lane() {  # lane NAME MARK-EXPRESSION [pytest args...]

@@ -105,7 +105,7 @@ class LanePlugin:
     def pytest_terminal_summary(self, terminalreporter) -> None:
         write = terminalreporter.write_line
         waited = f", after waiting {self.waited_s:.0f} s for lane stack's timed tests" if self.waited_s else ""
-        write(f"lane {self.lane}: {len(self.ran)} tail tests run here{waited}; {len(self.left)} run by the other lane:")
+        write(f"lane {self.lane}: {len(self.ran)} tail tests run here{waited}; {len(self.left)} run by the other lane{':' if self.left else ''}")
         for nodeid in self.left:
             write(f"  {nodeid}")
 

@@ -14,8 +14,8 @@ Seen three ways, all in the test's own window (setup, call and teardown):
 
 Always on: a test that started a resource its markers do not name fails at its teardown
 (:func:`unmarked`), so the markers stay true. ``ASYNC_RL_TEST_RESOURCES=PATH`` also writes, at
-the session's end, ``{test id: [resources]}`` as JSON to PATH (under pytest-xdist, one file per
-worker: ``PATH.gw0``, ...), the map ``python tests/resource_markers.py PATH...`` sets the markers
+the session's end, ``{test id: [resources]}`` as JSON to PATH (one file per lane of
+scripts/test.sh and pytest-xdist worker: ``PATH.rest``, ``PATH.stack``, ``PATH.gw0``, ...), the map ``python tests/resource_markers.py PATH...`` sets the markers
 from (``slow`` too, which is timed, not enforced).
 """
 
@@ -188,8 +188,8 @@ class Recorder:
         with self._lock:
             used = {test: sorted(self._used(test)) for test in sorted(self.used)}
             seconds = {test: round(s, 2) for test, s in sorted(self.seconds.items())}
-        worker = os.environ.get("PYTEST_XDIST_WORKER")
-        out = self.out.with_name(f"{self.out.name}.{worker}") if worker else self.out
+        part = ".".join(filter(None, (os.environ.get("ASYNC_RL_TEST_LANE"), os.environ.get("PYTEST_XDIST_WORKER"))))
+        out = self.out.with_name(f"{self.out.name}.{part}") if part else self.out  # one file per lane and worker
         out.write_text(json.dumps({"resources": used, "seconds": seconds}, indent=1) + "\n")
 
 
@@ -232,8 +232,8 @@ class MarkerPlugin:
 
 
 DURATIONS = Path(__file__).parent / "durations.json"
-"""Seconds each test took in the last recorded full run (2 cores: a recorded run, or the
-lanes of scripts/test.sh timed one by one), by test id: the suite runs
+"""Seconds each test took in the last recorded full run (2 cores), by test id (0.0: known and
+under 0.05 s; a test not listed is new, its duration unknown): the suite runs
 the longest modules first under pytest-xdist, so that no long module starts last
 (tests/conftest.py), and the lanes of scripts/test.sh their shared tail longest first
 (tests/lanes.py)."""
