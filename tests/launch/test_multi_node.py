@@ -2,7 +2,8 @@
 a Ray head and a second raylet of one CPU each, started with `ray start` and token
 authentication, an external redis-server, and `async-rl train` with `ray.address` and
 `queue.redis_url`. The inference server and the learner rank land on different raylets; a
-third raylet that joins mid-run receives the server `async-rl scale` adds."""
+third raylet that joins mid-run receives the server `async-rl scale` adds, which a scale back to
+one server then drains to its end while the learner trains on."""
 
 from __future__ import annotations
 
@@ -76,7 +77,8 @@ def _actor_nodes(address: str) -> dict[str, set[str]]:
 def test_quickstart_trains_on_two_raylets_and_a_raylet_that_joins_later_gets_a_server(tiny_assets, tmp_path: Path, two_raylets: Cluster) -> None:
     """The run starts on two raylets (the server on one, the learner rank on the other); a
     third raylet joins the cluster mid-run and `async-rl scale --servers 2` puts the new
-    server there; the run goes on until a SIGTERM stops it."""
+    server there; `--servers 1` drains it (its groups in flight finished or returned) and
+    stops it, the learner never restarts; the run goes on until a SIGTERM stops it."""
     address = two_raylets.address
     with EmbeddedRedis(tmp_path / "redis") as redis_url:
         config = write_config(tiny_assets, tmp_path, steps=10_000, ray={"address": address}, queue={"redis_url": redis_url},
@@ -95,6 +97,12 @@ def test_quickstart_trains_on_two_raylets_and_a_raylet_that_joins_later_gets_a_s
                                 cwd=ROOT, capture_output=True, text=True, timeout=900)
             assert up.returncode == 0 and "server-1 added" in up.stdout, up.stdout + up.stderr
             wait_for_version(proc, run_dir, max(step_versions(run_dir)) + 2)
+            down = subprocess.run([sys.executable, "-m", "async_rl.cli", "scale", str(run_dir), "--servers", "1", "--redis-url", redis_url],
+                                  cwd=ROOT, capture_output=True, text=True, timeout=900)
+            assert down.returncode == 0 and "server-1 drained and stopped" in down.stdout, down.stdout + down.stderr
+            put = int(down.stdout.split("server-1 drained and stopped (")[1].split()[0])
+            assert put > 0, down.stdout  # it produced
+            wait_for_version(proc, run_dir, max(step_versions(run_dir)) + 2)
             proc.send_signal(signal.SIGTERM)
             output = proc.wait_output(300)
         finally:
@@ -106,6 +114,9 @@ def test_quickstart_trains_on_two_raylets_and_a_raylet_that_joins_later_gets_a_s
     assert password and leaked == [], leaked  # not in resolved_config.yaml, W&B's config or any log
     after = _actor_nodes(address)
     new_nodes = after["InferenceServer"] - before["InferenceServer"] - before["LearnerActor"]
-    assert len(after["InferenceServer"]) == 2 and len(new_nodes) == 1, (before, after)  # server-1 runs on the raylet that joined
+    assert len(after["InferenceServer"]) == 2 and len(new_nodes) == 1, (before, after)  # server-1 ran on the raylet that joined (dead actors are listed)
     servers = json.loads((run_dir / "servers.json").read_text())["servers"]
-    assert [s["server_id"] for s in servers] == ["server-0", "server-1"]
+    assert [s["server_id"] for s in servers] == ["server-0"]  # server-1 left
+    assert "scaling the inference servers 2 -> 1" in output and "server-1 drained and stopped" in output, output[-4000:]
+    last = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "perf/tokens_per_s" in r][-1]
+    assert last["rollout/servers"] == 1.0 and last["learner/restarts"] == 0.0 and last["rollout/server_restarts"] == 0.0

@@ -8,15 +8,14 @@
   Redis and then its learner rank, SIGKILLed during the last run, are restarted (Redis on
   its AOF, the learner from its checkpoint) and the run goes on; so is the new learner rank
   once SIGSTOPped (hung: named on the console within trainer.learner_hang_timeout_s = 50 s at
-  default settings); then `trainer.resume=off`
-  over it is refused, and `trainer.resume=fresh` moves it aside and trains none of the
-  groups it left queued;
+  default settings) (`trainer.resume=off` and `=fresh` over a finished run: tests/test_end_to_end.py);
 - a reward function that fails on every probe stops the run before anything starts;
 - a reward function that hangs on some samples costs those samples, not the run (the
   resumed run above uses one, at the default timeout);
 - one that hangs on every real sample (default settings) is named on the console, a
   heartbeat comes while no step does, and the run stops with exit 1 naming reward_timeout;
-- a run in which nothing progresses exits 1 and says what each side waits for.
+- (a run in which nothing progresses exits 1 and says what each side waits for: the fresh run
+  of tests/test_end_to_end.py.)
 """
 
 from __future__ import annotations
@@ -25,16 +24,15 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from async_rl.config import TrainerConfig
+from async_rl.learner.checkpoint import export_hf
 from safetensors.torch import load_file
-from run_helpers import (ROOT, assert_ledger, lineage, process_alive, queue_state, redis_pid, start_train, step_versions, train_cli, wait_for_version,
+from run_helpers import (assert_ledger, lineage, process_alive, queue_state, redis_pid, start_train, step_versions, train_cli, wait_for_version,
                          wait_gone, write_config)
 
 pytestmark = [pytest.mark.integration, pytest.mark.assets, pytest.mark.slow]
@@ -110,9 +108,7 @@ def test_sigkill_and_resume_reach_the_last_step_every_time(tiny_assets, tmp_path
     final = sorted((run_dir / "checkpoints").iterdir())[-1]
     saved = json.loads((final / "state.json").read_text())
     assert saved["version"] == steps and saved["lora"]["rank"] == 8  # an adapter-only checkpoint of the resumed line
-    exported = subprocess.run(  # the adapter as a PEFT directory
-        [sys.executable, "-m", "async_rl.cli", "export", str(final), "--out", str(tmp_path / "adapter")], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert exported.returncode == 0, exported.stdout + exported.stderr
+    export_hf(final, tmp_path / "adapter")  # the adapter as a PEFT directory (`async-rl export` in process: tests/test_end_to_end.py runs the command)
     adapter_bytes = sum(t.nbytes for t in load_file(tmp_path / "adapter" / "adapter_model.safetensors").values())
     updates = {r["sync/update_bytes"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "sync/update_bytes" in r}
     assert updates - {0.0} == {adapter_bytes}, (updates, adapter_bytes)  # every update sent the adapter, nothing else (0: none sent)
@@ -120,31 +116,13 @@ def test_sigkill_and_resume_reach_the_last_step_every_time(tiny_assets, tmp_path
     assert len(steps_run) == steps
     entries = [e for line in steps_run.values() for e in line["entry_ids"]]
     assert len(entries) == len(set(entries)) == 4 * steps  # each group trained once into the final model
-    queued = assert_ledger(run_dir, config)["queued"]
+    assert_ledger(run_dir, config)
     # At the default timeout a hung sample is known 2 x 5 s after its group's call began (the batch
     # call, then its own): these runs take a few seconds a step, so how many are known by the end
     # varies. Every one known is a timeout at the hanging line, and never stopped the run.
     failures = [json.loads(line) for line in (run_dir / "reward_errors.jsonl").read_text().splitlines()] \
         if (run_dir / "reward_errors.jsonl").exists() else []
     assert all(f["kind"] == "reward_timeout" and f["input"].strip().endswith("3") for f in failures), failures[:2]
-
-    # The finished run left groups queued (made by weights up to its last version). trainer.resume=off over
-    # it is refused before anything starts; trainer.resume=fresh moves it aside and trains none of them.
-    assert queued, "the finished run left no group queued: nothing to check a fresh start against"
-    old_id = json.loads((run_dir / "run.json").read_text())["run_id"]
-    off = train_cli(config, "trainer.resume=off", timeout_s=300)
-    assert off.returncode == 1 and "trainer.resume=fresh" in off.stderr and str(run_dir) in off.stderr, off.stderr[-2000:]
-    fresh = train_cli(config, "trainer.resume=fresh", "trainer.total_steps=2", timeout_s=600)
-    assert fresh.returncode == 0, fresh.stdout[-3000:] + fresh.stderr[-3000:]
-    aside = run_dir / f"previous-{old_id}"
-    assert {"checkpoints", "learner_steps.jsonl", "metrics.jsonl", "redis", "run.json"} <= {p.name for p in aside.iterdir()}
-    assert sorted(lineage(aside)) == list(range(1, steps + 1))  # the old run, intact
-    assert json.loads((run_dir / "run.json").read_text())["run_id"] != old_id
-    assert sorted(lineage(run_dir)) == [1, 2]
-    steps_logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    staleness = [r["staleness/mean"] for r in steps_logged if "staleness/mean" in r]
-    assert len(staleness) == 2 and min(staleness) >= 0, staleness  # every group trained was generated by this run's weights
-    assert "future" not in queue_state(run_dir, config)["stats"]["dropped"]  # the old groups never reached the new queue
 
 
 def test_a_reward_function_failing_every_probe_stops_before_starting(tiny_assets, tmp_path):
@@ -183,18 +161,4 @@ def test_a_reward_that_hangs_on_every_answer_stops_the_run_and_says_so(tiny_asse
     state = queue_state(tmp_path / "run", config)
     assert state["stats"]["pending"] == 0  # every dropped entry was acknowledged
     assert state["stats"]["dropped"]["reward_timeout"] >= 40  # min(100, 10 x batch 4)
-    assert wait_gone(tmp_path / "run") == []
-
-
-@pytest.mark.redis
-@pytest.mark.ray
-@pytest.mark.vllm
-def test_a_run_without_progress_exits_and_says_what_each_side_waits_for(tiny_assets, tmp_path):
-    reward = _reward_file(tmp_path, "(time.sleep(3600) if item['response'] else 0.0)")  # every real call hangs
-    config = write_config(tiny_assets, tmp_path, 4, rollout={"reward": {"function": reward, "timeout_s": 600.0}},
-                          trainer={"stall_timeout_s": 10.0, "val_every": 0})
-    proc = train_cli(config, timeout_s=600)
-    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "no progress for" in proc.stderr and "trainer.stall_timeout_s=10" in proc.stderr
-    assert "learner at version 0 waits for 4 groups" in proc.stderr and "groups in flight" in proc.stderr
     assert wait_gone(tmp_path / "run") == []
