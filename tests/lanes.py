@@ -43,14 +43,10 @@ def is_tail(item: pytest.Item) -> bool:
 
 
 def tail_last(items: list[pytest.Item]) -> None:
-    """Reorder ``items`` in place: the lane's own tests, the modules that build a vLLM engine
-    first (else in their order), then the tail, the longest first (tests/durations.json;
-    unknown ones first), so that no long one starts last. An engine built while a tail run
-    serves crawls (tests/tiny/test_vllm_tiny.py's took 287 s beside the multi-node run, 27 s
-    alone): if lane rest's own tests outlast the timed ones, what meets the tail is light."""
+    """Reorder ``items`` in place: the lane's own tests in their order, then the tail, the
+    longest first (tests/durations.json; unknown ones first), so that no long one starts last."""
     known = resource_markers.test_seconds()
-    engines = {i.module for i in items if not is_tail(i) and i.get_closest_marker("vllm")}
-    own = sorted((i for i in items if not is_tail(i)), key=lambda i: i.module not in engines)  # stable: modules stay whole
+    own = [i for i in items if not is_tail(i)]
     tail = sorted((i for i in items if is_tail(i)), key=lambda i: -known.get(i.nodeid, float("inf")))
     items[:] = own + tail
 
