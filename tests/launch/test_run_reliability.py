@@ -8,14 +8,15 @@
   Redis and then its learner rank, SIGKILLed during the last run, are restarted (Redis on
   its AOF, the learner from its checkpoint) and the run goes on; so is the new learner rank
   once SIGSTOPped (hung: named on the console within trainer.learner_hang_timeout_s = 50 s at
-  default settings) (`trainer.resume=off` and `=fresh` over a finished run: tests/test_end_to_end.py);
+  default settings); `trainer.resume=off` and `=fresh` over a finished run are checked on
+  the whole-pipeline run of tests/test_end_to_end.py;
 - a reward function that fails on every probe stops the run before anything starts;
 - a reward function that hangs on some samples costs those samples, not the run (the
   resumed run above uses one, at the default timeout);
 - one that hangs on every real sample (default settings) is named on the console, a
   heartbeat comes while no step does, and the run stops with exit 1 naming reward_timeout;
-- (a run in which nothing progresses exits 1 and says what each side waits for: the fresh run
-  of tests/test_end_to_end.py.)
+- a run in which nothing progresses exits 1 and says what each side waits for: checked on the
+  fresh run of tests/test_end_to_end.py.
 """
 
 from __future__ import annotations
