@@ -16,7 +16,15 @@ Cases (:data:`FAULTS`, a case name -> :class:`Fault`; add one with its injector)
   restarts from the step-10 checkpoint);
 - ``engine_hang``, ``learner_rank_hang``: SIGSTOP of the same processes (hung: alive, answering
   nothing), found by ``rollout.engine_hang_timeout_s`` and ``trainer.learner_hang_timeout_s``
-  (the defaults).
+  (the defaults);
+- ``random_scale``: 20 seeded ``async-rl scale`` requests between 1 and 2 servers
+  (``rollout.cpus_per_server=0.5``, so two fit on 2 cores) at random moments, 2-20 s after the
+  last answer, each with a random grace of 0, 5 or 30 s (:class:`RandomScale`): with a weight
+  update after every step and a checkpoint every 10, they land during updates, checkpoints and
+  the catch-up of added servers. The run is stopped (SIGTERM) once all are answered. Its pass
+  rule (fixed before its first run, issue 42): every request answered ``ok``
+  (``answered_ok`` = ``requests``), ``longest_gap_s`` at most 60 s, ``trained_once``,
+  ``none_lost`` and ``ledger_balanced``.
 
 With ``--json`` naming an existing file, the cases not run now keep their earlier results there.
 
@@ -36,9 +44,11 @@ import argparse
 import itertools
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,6 +57,8 @@ from pathlib import Path
 import yaml
 from _report import report
 from _train import ROOT, ConsoleRun, quickstart_command
+
+from async_rl.launch.scale import ScaleError, request_scale
 
 sys.path.insert(0, str(ROOT / "tests"))  # the tests' readers of a run's steps and of its ledger after the run
 from run_helpers import queue_state, redis_pid, step_versions
@@ -58,12 +70,55 @@ FAULT_AT = 10
 
 @dataclass(frozen=True)
 class Fault:
-    """One way a run's process dies or hangs."""
+    """One way a run's process dies, hangs or is disturbed."""
 
     inject: Callable[[Path], str]
     """Injects the fault into the running run whose output directory is given; returns what it did."""
     console: str
     """Text of the driver's console line that must name the fault (its first one is timed)."""
+    steps: int = STEPS
+    """The run's ``trainer.total_steps``."""
+    overrides: tuple[str, ...] = ()
+    """More config overrides of the run."""
+
+
+class RandomScale:
+    """``changes`` seeded ``async-rl scale`` requests from a thread, 1 <-> 2 servers, each
+    2-20 s after the last answer and with a grace of 0, 5 or 30 s; :attr:`done` once all are answered."""
+
+    def __init__(self, changes: int = 20, seed: int = 0) -> None:
+        self.changes, self.seed = changes, seed
+        self.replies: list[dict] = []
+        self._thread: threading.Thread | None = None
+
+    def __call__(self, run_dir: Path) -> str:
+        self._thread = threading.Thread(target=self._scale, args=(run_dir,), daemon=True)
+        self._thread.start()
+        return f"{self.changes} scale changes between 1 and 2 servers at random moments (seed {self.seed})"
+
+    @property
+    def done(self) -> bool:
+        return self._thread is not None and not self._thread.is_alive()
+
+    def _scale(self, run_dir: Path) -> None:
+        rng = random.Random(self.seed)
+        servers = 1
+        for _ in range(self.changes):
+            time.sleep(rng.uniform(2.0, 20.0))
+            servers, grace = 3 - servers, rng.choice((0.0, 5.0, 30.0))
+            start = time.time()
+            try:
+                reply = request_scale(run_dir, servers, grace_s=grace, timeout_s=600)
+                ok, error = reply.ok, reply.error
+            except ScaleError as exc:
+                ok, error = False, str(exc)
+            self.replies.append({"at": start, "servers": servers, "grace_s": grace, "ok": ok, "took_s": round(time.time() - start, 1),
+                                 "error": error})
+            print(f"random_scale: -> {servers} servers (grace {grace:g} s): {'ok' if ok else error} in {time.time() - start:.1f} s", flush=True)
+
+    def results(self) -> dict:
+        """Every request's reply, and how many were answered ``ok``."""
+        return {"requests": self.changes, "answered_ok": sum(r["ok"] for r in self.replies), "replies": self.replies}
 
 
 def _engine_core(run_dir: Path) -> tuple[str, int]:
@@ -126,6 +181,7 @@ FAULTS: dict[str, Fault] = {
     "redis_kill": Fault(kill_redis, "restarted on its append-only file"),
     "learner_rank_kill": Fault(kill_learner_rank, "restarting the learner from its last checkpoint"),
     "learner_rank_hang": Fault(stop_learner_rank, "declared hung"),
+    "random_scale": Fault(RandomScale(), "drained and stopped", steps=100_000, overrides=("rollout.cpus_per_server=0.5",)),
 }
 
 
@@ -157,7 +213,7 @@ def run_case(case: str, fault: Fault, args: argparse.Namespace) -> dict:
     run_dir = (args.out / case).resolve()
     subprocess.run(["rm", "-rf", str(run_dir)], check=True)
     run = ConsoleRun(quickstart_command(args.assets, run_dir, f"heal-{case}-{os.getpid()}",
-                                        f"trainer.total_steps={STEPS}", "trainer.save_every=10"), case)
+                                        f"trainer.total_steps={fault.steps}", "trainer.save_every=10", *fault.overrides), case)
     while max(step_versions(run_dir), default=0) < FAULT_AT:
         if run.proc.poll() is not None:
             return {"exit_code": run.finish(), "error": f"the run ended before step {FAULT_AT}"}
@@ -165,15 +221,16 @@ def run_case(case: str, fault: Fault, args: argparse.Namespace) -> dict:
     injected_at = time.time()
     did = fault.inject(run_dir)
     print(f"{case}: {did}", flush=True)
-    while run.proc.poll() is None and time.time() < injected_at + args.budget_min * 60:
+    scaling = fault.inject if isinstance(fault.inject, RandomScale) else None
+    while run.proc.poll() is None and time.time() < injected_at + args.budget_min * 60 and not (scaling and scaling.done):
         time.sleep(0.5)
     exit_code = run.stop()
     named = run.first(fault.console, after=injected_at)
     return {"fault": did, "exit_code": exit_code, "console_latency_s": None if named is None else named - injected_at,
-            **steps_after(run_dir, injected_at), **ledger(run_dir)}
+            **steps_after(run_dir, injected_at, fault.steps), **ledger(run_dir), **(scaling.results() if scaling else {})}
 
 
-def steps_after(run_dir: Path, injected_at: float) -> dict:
+def steps_after(run_dir: Path, injected_at: float, total_steps: int = STEPS) -> dict:
     """The learner steps' timing from ``metrics.jsonl`` around a fault injected at ``injected_at`` (``time.time()``)."""
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     steps = sorted((int(r["version"]), r["time/wall_s"]) for r in records if "perf/tokens_per_s" in r)
@@ -181,7 +238,7 @@ def steps_after(run_dir: Path, injected_at: float) -> dict:
     times = [t for _, t in steps]
     gaps = [(a, b - a) for a, b in itertools.pairwise(times)]
     spanning = [gap for a, gap in gaps if a <= injected_at < a + gap]
-    return {"reached_last_step": bool(steps) and steps[-1][0] >= STEPS, "last_step": steps[-1][0] if steps else 0,
+    return {"reached_last_step": bool(steps) and steps[-1][0] >= total_steps, "last_step": steps[-1][0] if steps else 0,
             "longest_gap_s": max((gap for _, gap in gaps), default=None), "fault_gap_s": spanning[0] if spanning else None,
             "server_restarts": last.get("rollout/server_restarts"), "engine_deaths": last.get("rollout/engine_deaths"),
             "redis_restarts": last.get("queue/redis_restarts"), "learner_restarts": last.get("learner/restarts"),

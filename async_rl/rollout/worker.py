@@ -14,6 +14,10 @@ staleness bound still limits how many groups are in flight in all). Each group:
    never stops the loop);
 5. puts the ``RolloutGroup`` on the queue (blocking while the queue is full).
 
+While the queue's Redis does not answer (restarting, or waiting for disk space) the worker
+waits for it: admission is retried, and a finished group is held and put once it answers
+(said once per outage, counted in ``queue_wait_s``). The run's driver bounds the outage.
+
 The group's task owns its ticket and ends it exactly once, in ``finally``: enqueued, or
 abandoned. An abandoned ticket gives its slot back (the learner is never starved of a
 batch); its prompt is done when it was skipped or filtered, and returned (served again
@@ -32,12 +36,22 @@ from typing import Any, Callable
 from async_rl.data.images import ImageError, PixelBounds, image_blob, load_image
 from async_rl.data.prompts import PromptRow
 from async_rl.queue import ReplayQueue, Ticket
+from async_rl.queue.client import QueueUnavailableError
 from async_rl.records import Failure, FailureReport, ImageRef, RolloutGroup, Sample
 from async_rl.rewards.scoring import RewardScorer
 from async_rl.rollout.episodes import EpisodeSampler
 from async_rl.rollout.types import Completion, GenerateFn, Sampling
 
 log = logging.getLogger(__name__)
+
+
+async def _claimed(claim: asyncio.Future[list[Ticket]]) -> list[Ticket]:
+    """The tickets of an admission call, or none when Redis stayed away for its whole timeout
+    (a ticket it took unanswered stays with its owner, whose release ends it)."""
+    try:
+        return await claim
+    except QueueUnavailableError:
+        return []
 
 
 class GenerationFailed(RuntimeError):
@@ -92,6 +106,8 @@ class WorkerCounters:
     """Prompts skipped because an image no longer loads (it did when the dataset was read)."""
     tokens_generated: int = 0
     admission_wait_s: float = 0.0
+    queue_wait_s: float = 0.0
+    """Seconds queue calls found the queue's Redis unreachable for their whole timeout (the worker waited)."""
 
 
 class RolloutWorker:
@@ -135,6 +151,8 @@ class RolloutWorker:
         self.report = report
         self.counters = WorkerCounters()
         self._orders: dict[int, list[int]] = {}
+        self._queue_away = False
+        """A queue call found Redis unreachable and none has succeeded since (said once per outage)."""
 
     def row_for(self, index: int) -> PromptRow:
         """The dataset row of global cursor ``index`` (a fresh seeded permutation per epoch)."""
@@ -200,11 +218,16 @@ class RolloutWorker:
             while not stop.is_set():
                 owner = self.s.owner or self.s.server_id
                 claim = asyncio.ensure_future(asyncio.to_thread(self.queue.admit, self.s.batch_size, self.s.max_staleness, owner, limit))
+                called = time.monotonic()
                 try:
                     tickets = await asyncio.shield(claim)
                 except asyncio.CancelledError:  # the claim may still succeed: end its tickets
-                    await asyncio.gather(*(self._abandon(late, return_prompt=True) for late in await claim))
+                    await asyncio.gather(*(self._abandon(late, return_prompt=True) for late in await _claimed(claim)))
                     raise
+                except QueueUnavailableError as exc:
+                    self._waited_for_queue(exc, called)
+                    continue
+                self._queue_answered()
                 if tickets:
                     return tickets
                 await asyncio.sleep(self.s.admit_poll_s)
@@ -228,12 +251,16 @@ class RolloutWorker:
             if group is None:  # skipped (overlong), filtered (dynamic sampling) or untrainable: this prompt is done
                 return_prompt = False
                 return
-            while True:  # back-pressure: the group waits (never dropped) until the learner consumes
+            while True:  # back-pressure: the group waits (never dropped) until the learner consumes or Redis answers
+                called = time.monotonic()
                 try:
                     await asyncio.to_thread(self.queue.put, group, ticket, self.s.put_timeout_s)
+                    self._queue_answered()
                     break
                 except TimeoutError:
                     log.warning("replay queue full for %.0f s; still holding group %s", self.s.put_timeout_s, group.group_id)
+                except QueueUnavailableError as exc:  # a retried put is applied once (the ticket ends with it)
+                    self._waited_for_queue(exc, called)
             enqueued = True
         except GenerationFailed as exc:
             log.warning("prompt index %d goes back to the queue: %s", ticket.index, exc)
@@ -246,6 +273,20 @@ class RolloutWorker:
             if not enqueued and not await self._abandon(ticket, return_prompt=return_prompt):
                 enqueued = True
             self.counters.groups_put += enqueued
+
+    def _waited_for_queue(self, exc: QueueUnavailableError, since: float) -> None:
+        """A queue call found Redis unreachable for its whole timeout, from ``since``: count
+        the wait and say it once per outage; the caller tries again."""
+        self.counters.queue_wait_s += time.monotonic() - since
+        if not self._queue_away:
+            log.warning("%s: the replay queue's Redis does not answer (%s); waiting for it, holding finished groups",
+                        self.s.server_id, exc)
+        self._queue_away = True
+
+    def _queue_answered(self) -> None:
+        if self._queue_away:
+            log.warning("%s: the replay queue's Redis answers again", self.s.server_id)
+        self._queue_away = False
 
     async def _abandon(self, ticket: Ticket, *, return_prompt: bool) -> bool:
         """End ``ticket`` without a group (:meth:`~async_rl.queue.ReplayQueue.abandon`) in a

@@ -11,7 +11,8 @@ is a section below, and the run's console is in ``train.log`` beside the config.
    file fills while the run trains. The embedded Redis cannot write its append-only file, or the
    learner cannot write (whichever writes first); the console names the full disk within 10 s;
    the run waits (longer than queue.timeout_s, so every client of the queue gives up once)
-   instead of failing, and once the filler is removed it restarts what stopped and trains on.
+   instead of failing (the rollout workers hold their groups: no server is replaced), and once
+   the filler is removed it restarts what stopped and trains on.
    Before, Redis was restarted once into the same full disk and the run exited 1.
 3. **A SIGKILLed driver** while the added server drains (2 -> 1): every process the run
    started (the driver's tree, its Ray session's raylet and workers, vLLM engines, Redis),
@@ -161,6 +162,8 @@ def _fill_the_disk(proc, run_dir: Path, disk: Path) -> None:
     assert redis_named or learner_named, said[-3000:]
     assert "the run waits up to 10 min" in said, said[-3000:]
     assert not redis_named or "restarted on its append-only file" in said, said[-3000:]
+    # The rollout workers waited for Redis (rollout/queue_wait_s) instead of failing: no server was replaced for it.
+    assert "starting a replacement" not in said, said[-3000:]
     print(f"disk full named after {named_s:.1f} s at step {at_full} ({'Redis' if redis_named else 'the learner'} first); "
           f"MIN_FREE_BYTES={MIN_FREE_BYTES}")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import signal
 import sys
 import time
@@ -164,6 +165,56 @@ def test_the_pool_scales_up_and_down_while_it_produces_and_loses_no_prompt(ray_l
         assert {g.server_id for g in groups} == {"server-0", "server-1", "server-2"}
         assert pool.restarts == 0 and stats["inflight"] == 0
         assert stats["groups_started"] == len(queued)
+        assert sorted(queued + returned) == list(range(stats["prompt_cursor"]))  # none skipped, none twice
+
+
+@pytest.mark.redis
+@pytest.mark.slow
+def test_random_scale_changes_beside_the_health_loop_lose_no_prompt(ray_local, tmp_path):
+    """Eight seeded changes of the pool's size (1 to 3 servers) at random moments, each with a
+    grace of 0, 5 or 30 s, while the workers produce (slow servers: groups are in flight when a
+    drain starts) and the driver's health loop (``heal``) runs beside them, as in a run: every
+    change leaves the pool at the size asked, nothing is replaced, every prompt started is
+    queued or returned exactly once and no ticket stays open."""
+    rng = random.Random(0)
+    rows = [PromptRow(i + 1, f"question {i}", str(i % 10)) for i in range(10_000)]
+    with EmbeddedRedis(tmp_path / "redis") as url, ReplayQueue(url, RUN, max_depth=100_000) as queue:
+        pool = ServerPool(ServerSpec({"tokens_per_s": 200.0}, num_cpus=0, server_cls=FakeServer), 1,
+                          workers=_spec(url), rows=ray.put(rows), on_lost=queue.release_owner)
+
+        async def healing(stop: asyncio.Event) -> list[str]:
+            actions: list[str] = []
+            while not stop.is_set():
+                actions += await pool.heal(version=0, max_lag_s=60.0)
+                await asyncio.sleep(0.2)  # not from rng: the changes' draws stay the seed's
+            return actions
+
+        async def go() -> tuple[list[tuple[int, float, list[str]]], list[str]]:
+            await pool.start()
+            stop = asyncio.Event()
+            healer = asyncio.create_task(healing(stop))
+            changes = []
+            for _ in range(8):
+                await asyncio.sleep(rng.uniform(0.0, 3.0))
+                n, grace = rng.choice([k for k in (1, 2, 3) if k != pool.num_servers]), rng.choice((0.0, 5.0, 30.0))
+                lines = await asyncio.wait_for(pool.scale_to(n, grace), 120)
+                assert pool.num_servers == n, (n, grace, lines)
+                changes.append((n, grace, lines))
+            stop.set()
+            actions = await healer
+            await pool.stop_workers(grace_s=5.0)
+            await pool.shutdown()
+            return changes, actions
+
+        changes, actions = asyncio.run(go())
+        assert actions == [] and pool.restarts == 0, actions
+        assert {grace for _, grace, _ in changes} == {0.0, 5.0, 30.0}  # the seed draws every grace
+        for _, _, lines in changes:
+            assert lines and all(line.endswith(" added") or " drained and stopped (" in line for line in lines), lines
+        stats = queue.stats()
+        queued = [g.prompt_id for _, g in queue.get(100_000, timeout=1.0)]
+        returned = [int(i) for i in queue._client.lrange(queue.keys.returned, 0, -1)]
+        assert stats["inflight"] == 0 and stats["groups_started"] == len(queued)
         assert sorted(queued + returned) == list(range(stats["prompt_cursor"]))  # none skipped, none twice
 
 

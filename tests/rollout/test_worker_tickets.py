@@ -151,3 +151,42 @@ def test_a_stop_while_redis_is_paused_never_blocks_the_event_loop() -> None:
         assert longest < 0.5, f"the event loop stalled for {longest:.1f} s"  # ...and the loop did not
         stats = queue.stats()
         assert stats["inflight"] == 0 and stats["groups_started"] == 0 and stats["returned_prompts"] == 4
+
+
+def test_a_worker_waits_for_a_redis_that_does_not_answer_and_goes_on() -> None:
+    """Redis paused (``CLIENT PAUSE``) for longer than the worker's queue calls retry, as a
+    restart or a full disk leaves it: the worker neither fails nor drops a group; it waits,
+    counts the wait (``queue_wait_s``) and goes on once Redis answers; every claimed prompt
+    is queued or returned exactly once and no ticket stays open."""
+    rows = [PromptRow(i + 1, f"{i}+1", str(i + 1)) for i in range(50)]
+    with EmbeddedRedis() as url, ReplayQueue(url, run="away", max_depth=10_000) as queue, \
+            ReplayQueue(url, run="away", max_depth=10_000, op_timeout_s=1.0, socket_timeout_s=0.5) as workers_queue, \
+            RewardPool(RewardConfig(num_workers=1)) as rewards:
+        settings = WorkerSettings(run_id="away", server_id="server-0", n=2, sampling=Sampling(max_tokens=4),
+                                  batch_size=1000, max_staleness=0, max_inflight=4, shuffle=False)
+
+        async def pause_and_go_on() -> tuple[int, int, float]:
+            worker = RolloutWorker(settings, workers_queue, rows, lambda text: [1, 2, 3], RewardScorer(rewards, rewards.cfg, 4),
+                                   lambda: _generate)
+            stop = asyncio.Event()
+            task = asyncio.create_task(worker.run(stop))
+            while worker.counters.groups_put < 5:
+                await asyncio.sleep(0.02)
+            await asyncio.to_thread(queue._client.execute_command, "CLIENT", "PAUSE", 4000, "ALL")
+            before = worker.counters.groups_put
+            await asyncio.sleep(4.5)
+            assert not task.done(), task
+            while worker.counters.groups_put < before + 5:  # it goes on
+                assert not task.done(), task
+                await asyncio.sleep(0.02)
+            stop.set()
+            await task
+            return before, worker.counters.groups_put, worker.counters.queue_wait_s
+
+        before, put, waited = asyncio.run(pause_and_go_on())
+        assert waited >= 1.0 and put >= before + 5, (waited, before, put)  # a call waited out its whole 1 s; it went on
+        stats = queue.stats()
+        queued = [g.prompt_id for _, g in queue.get(10_000, timeout=0.5)]
+        returned = [int(i) for i in queue._client.lrange(queue.keys.returned, 0, -1)]
+        assert stats["inflight"] == 0 and len(queued) == put == stats["groups_started"]
+        assert sorted(queued + returned) == list(range(stats["prompt_cursor"]))  # none skipped, none twice
