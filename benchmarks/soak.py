@@ -19,7 +19,8 @@ to the learner's RSS swinging by tens of MB within a step, which a slope over an
 and ``slope_mb_per_1000_updates``, the least-squares slope of RSS against learner steps, times
 1,000. Also ``updates`` (steps after warm-up), ``steps_per_min`` and ``run_dir_mb_per_hour``
 (the output directory's growth). Target (issue 42): no role grows by more than 2 MB per 1,000
-updates after warm-up, by medians of thirds, over at least an hour.
+updates after warm-up, by medians of thirds, in a soak of at least an hour (``met``). Also per role:
+each third's floor and peak RSS. ``--reanalyse JSON`` recomputes the figures from a JSON's samples.
 """
 
 from __future__ import annotations
@@ -133,6 +134,48 @@ def thirds_growth(points: list[tuple[float, float, float]]) -> tuple[float, floa
     return rss_first, rss_last, (rss_last - rss_first) / steps if steps > 0 else 0.0
 
 
+def summarize(samples: list[dict], minutes: float, warmup_frac: float, processes: dict[str, int]) -> dict:
+    """The figures of a soak from its ``samples`` (``t_s``, ``step``, ``run_dir_mb`` and each
+    role's MB): per role over the samples after warm-up, the growth by medians of thirds (the
+    target's measure), the least-squares slope, and each third's floor and peak (the learner's
+    RSS swings by about 130 MB within a step: its floor shows what it holds)."""
+    warm = [s for s in samples if s["t_s"] >= warmup_frac * minutes * 60]
+    if len(warm) < 3:
+        raise SystemExit("too few samples after warm-up: run longer or sample more often")
+    first, last = warm[0], warm[-1]
+    updates = last["step"] - first["step"]
+    roles = {}
+    for role in ROLES:
+        pts = [(s["t_s"], s["step"], s[role]) for s in warm if s.get(role) is not None]
+        if len(pts) < 3:
+            continue
+        rss_first, rss_last, per_step = thirds_growth(pts)
+        n = len(pts)
+        thirds = [[p[2] for p in pts[k * n // 3:(k + 1) * n // 3]] for k in range(3)]
+        roles[role] = {"rss_mb_start": pts[0][2], "rss_mb_end": pts[-1][2],
+                       "rss_mb_median_first_third": rss_first, "rss_mb_median_last_third": rss_last,
+                       "mb_per_1000_updates": 1000 * per_step,
+                       "slope_mb_per_1000_updates": 1000 * slope([p[1] for p in pts], [p[2] for p in pts]),
+                       "rss_mb_floor_by_third": [min(t) for t in thirds], "rss_mb_peak_by_third": [max(t) for t in thirds],
+                       "processes": processes.get(role, 0)}
+    hours = (last["t_s"] - first["t_s"]) / 3600
+    worst = max(r["mb_per_1000_updates"] for r in roles.values())
+    return {
+        **{f"{role}.mb_per_1000_updates": r["mb_per_1000_updates"] for role, r in roles.items()},
+        "worst_mb_per_1000_updates": worst,
+        "target_mb_per_1000_updates": TARGET_MB_PER_1000,
+        "met": worst <= TARGET_MB_PER_1000 and minutes >= 60,
+        "updates": updates,
+        "hours_after_warmup": hours,
+        "steps_per_min": updates / (hours * 60) if hours else 0.0,
+        "run_dir_mb_per_hour": (last["run_dir_mb"] - first["run_dir_mb"]) / hours if hours else 0.0,
+        "roles": roles,
+        "minutes": minutes,
+        "warmup_frac": warmup_frac,
+        "samples": samples,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--minutes", type=float, default=30.0, help="training time after start-up")
@@ -142,7 +185,14 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("runs/bench/soak"), help="run directory")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--reanalyse", type=Path, default=None, metavar="JSON",
+                    help="recompute the figures from the samples of an earlier soak's JSON (no run); writes --json")
     args = ap.parse_args()
+    if args.reanalyse is not None:
+        old = json.loads(args.reanalyse.read_text())
+        result = summarize(old["samples"], old["minutes"], old["warmup_frac"], {r: v["processes"] for r, v in old["roles"].items()})
+        report({**result, **{k: old[k] for k in ("exit_code", "config", "machine")}}, args.json)
+        return
     if not (args.assets / "assets.json").is_file():
         from async_rl.tiny import build_tiny_assets
 
@@ -170,39 +220,11 @@ def main() -> None:
         time.sleep(args.every_s)
     exit_code = run.stop()
 
-    warm = [s for s in samples if s["t_s"] >= args.warmup_frac * args.minutes * 60]
-    if len(warm) < 2:
-        raise SystemExit("too few samples after warm-up: run longer or sample more often")
-    first, last = warm[0], warm[-1]
-    updates = last["step"] - first["step"]
-    roles = {}
-    for role in ROLES:
-        pts = [(s["t_s"], s["step"], s[role]) for s in warm if s.get(role) is not None]
-        if len(pts) < 3:
-            continue
-        rss_first, rss_last, per_step = thirds_growth(pts)
-        roles[role] = {"rss_mb_start": pts[0][2], "rss_mb_end": pts[-1][2],
-                       "rss_mb_median_first_third": rss_first, "rss_mb_median_last_third": rss_last,
-                       "mb_per_1000_updates": 1000 * per_step,
-                       "slope_mb_per_1000_updates": 1000 * slope([p[1] for p in pts], [p[2] for p in pts]),
-                       "processes": len(last["pids"].get(role, []))}
-    hours = (last["t_s"] - first["t_s"]) / 3600
-    result = {
-        **{f"{role}.mb_per_1000_updates": r["mb_per_1000_updates"] for role, r in roles.items()},
-        "worst_mb_per_1000_updates": max(r["mb_per_1000_updates"] for r in roles.values()),
-        "target_mb_per_1000_updates": TARGET_MB_PER_1000,
-        "met": max(r["mb_per_1000_updates"] for r in roles.values()) <= TARGET_MB_PER_1000 and args.minutes >= 60,
-        "updates": updates,
-        "steps_per_min": updates / (hours * 60) if hours else 0.0,
-        "run_dir_mb_per_hour": (last["run_dir_mb"] - first["run_dir_mb"]) / hours if hours else 0.0,
-        "roles": roles,
-        "exit_code": exit_code,
-        "minutes": args.minutes,
-        "warmup_frac": args.warmup_frac,
-        "samples": [{k: v for k, v in s.items() if k != "pids"} for s in samples],
-        "config": "configs/quickstart.yaml trainer.save_every=1000 trainer.val_every=0 " + " ".join(args.set),
-        "machine": f"{os.cpu_count()} cores, cpu",
-    }
+    processes = {role: len(pids) for role, pids in samples[-1]["pids"].items()} if samples else {}
+    result = summarize([{k: v for k, v in s.items() if k != "pids"} for s in samples], args.minutes, args.warmup_frac, processes)
+    result.update({"exit_code": exit_code,
+                   "config": "configs/quickstart.yaml trainer.save_every=1000 trainer.val_every=0 " + " ".join(args.set),
+                   "machine": f"{os.cpu_count()} cores, cpu"})
     report(result, args.json)
 
 
