@@ -89,6 +89,12 @@ class _Slot:
     """``time.monotonic()`` since when it lags the learner's version (see :meth:`ServerPool.heal`)."""
 
 
+def _in_transition(i: int) -> tuple[str, str]:
+    """What :meth:`ServerPool.health` says of server ``i`` while it starts, and while it is
+    replaced or removed (:meth:`ServerPool.heal` never acts on either: it changed since)."""
+    return f"server-{i} is starting", f"server-{i} is being replaced or removed"
+
+
 class ServerPool:
     """:class:`InferenceServer` actors, restarted when they die, resized on demand."""
 
@@ -366,9 +372,9 @@ class ServerPool:
         async def one(i: int, slot: _Slot) -> ServerHealth | str:
             h = slot.handle
             if h is None:
-                return f"server-{i} is starting"
+                return _in_transition(i)[0]
             if slot.lock.locked():  # restart() or remove() holds it: its old actor is gone or going
-                return f"server-{i} is being replaced or removed"
+                return _in_transition(i)[1]
             try:
                 return await asyncio.wait_for(h.health.remote(), timeout_s)
             except asyncio.TimeoutError:  # its actor's event loop answers nothing: hung (heal() replaces it)
@@ -397,6 +403,8 @@ class ServerPool:
         for (i, slot), health in zip(items, healths, strict=False):
             handle = slot.handle
             if handle is None or slot.lock.locked() or self._slots.get(i) is not slot:  # being replaced or removed
+                continue
+            if isinstance(health, str) and health in _in_transition(i):  # it started or was replaced since: its next health counts
                 continue
             if isinstance(health, str) and health.startswith(f"server-{i}: EngineDied") and slot.watcher is not None and not slot.watcher.done():
                 continue  # its engine died or hung: its watcher replaces it once its workers gave their groups back, and counts it
