@@ -121,14 +121,17 @@ def slope(xs: list[float], ys: list[float]) -> float:
     return 0.0 if var == 0 else sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var
 
 
+def time_thirds(points: list[tuple[float, float, float]]) -> list[list[tuple[float, float, float]]]:
+    """``(t_s, step, rss_mb)`` samples (in time order) in the three equal spans of their time."""
+    t0, span = points[0][0], (points[-1][0] - points[0][0]) / 3
+    return [[p for p in points if k * span <= p[0] - t0 <= (k + 1) * span] for k in range(3)]
+
+
 def thirds_growth(points: list[tuple[float, float, float]]) -> tuple[float, float, float]:
     """Growth per step by medians of thirds of ``(t_s, step, rss_mb)`` samples (in time order):
-    ``(first third's median RSS, last third's median RSS, MB per step)``; the time span is cut
-    into three equal parts, and a last third no steps past the first's gives 0 per step."""
-    t0, t1 = points[0][0], points[-1][0]
-    span = (t1 - t0) / 3
-    first = [p for p in points if p[0] <= t0 + span]
-    last = [p for p in points if p[0] >= t1 - span]
+    ``(first third's median RSS, last third's median RSS, MB per step)``; a last third no steps
+    past the first's gives 0 per step."""
+    first, _, last = time_thirds(points)
     rss_first, rss_last = statistics.median(p[2] for p in first), statistics.median(p[2] for p in last)
     steps = statistics.median(p[1] for p in last) - statistics.median(p[1] for p in first)
     return rss_first, rss_last, (rss_last - rss_first) / steps if steps > 0 else 0.0
@@ -150,8 +153,7 @@ def summarize(samples: list[dict], minutes: float, warmup_frac: float, processes
         if len(pts) < 3:
             continue
         rss_first, rss_last, per_step = thirds_growth(pts)
-        n = len(pts)
-        thirds = [[p[2] for p in pts[k * n // 3:(k + 1) * n // 3]] for k in range(3)]
+        thirds = [[p[2] for p in third] for third in time_thirds(pts)]
         roles[role] = {"rss_mb_start": pts[0][2], "rss_mb_end": pts[-1][2],
                        "rss_mb_median_first_third": rss_first, "rss_mb_median_last_third": rss_last,
                        "mb_per_1000_updates": 1000 * per_step,
