@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from async_rl.appendlog import append_lines
 from async_rl.data.images import ImageError, PixelBounds, chat_content, load_image, normalise_ref
 
 if TYPE_CHECKING:
@@ -126,9 +127,7 @@ def write_rejected(rejected: list[RejectedRow], path: str | Path) -> None:
         return
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("a", encoding="utf-8") as fh:
-        for row in rejected:
-            fh.write(json.dumps(asdict(row)) + "\n")
+    append_lines(out, [json.dumps(asdict(row)) for row in rejected])
 
 
 class PromptFormatter:

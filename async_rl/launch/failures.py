@@ -17,6 +17,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from async_rl.appendlog import HeldLines
 from async_rl.records import FailureReport
 
 REWARD_FILE = "reward_errors.jsonl"
@@ -56,6 +57,8 @@ class FailureLog:
     """Stream entries that were not a failure report (skipped)."""
     _printed: list[float] = field(default_factory=list)
     _unshown: int = 0
+    _files: dict[str, HeldLines] = field(default_factory=dict)
+    """Each file's appender: rows a full disk refused are held and written with the next rows."""
 
     def ingest(self, reports: list[FailureReport], now: float) -> list[str]:
         """Append ``reports`` to their files; the console lines to print at ``now`` (monotonic seconds)."""
@@ -69,11 +72,13 @@ class FailureLog:
             self.counts[r.failure.kind] += 1
             name = REWARD_FILE if r.failure.kind.startswith("reward") else ENV_FILE
             by_file.setdefault(name, []).append(json.dumps(_row(r)))
-        for name, rows in by_file.items():
-            with (self.run_dir / name).open("a") as out:
-                out.write("\n".join(rows) + "\n")
-        self._printed = [t for t in self._printed if now - t < 60.0]
         lines: list[str] = []
+        for name in sorted({*by_file, *(n for n, f in self._files.items() if f.held)}):
+            out = self._files.setdefault(name, HeldLines(self.run_dir / name))
+            was_failing = out.failing
+            if (exc := out.write(by_file.get(name, []))) is not None and not was_failing:
+                lines.append(f"{out.path} cannot be written ({exc}): its rows are held and written once the disk takes them again")
+        self._printed = [t for t in self._printed if now - t < 60.0]
         if self._unshown and len(self._printed) < CONSOLE_LINES_PER_MINUTE:
             lines.append(f"{self._unshown} more distinct reward/environment failures were not shown; "
                          f"{self.run_dir / REWARD_FILE} and {self.run_dir / ENV_FILE} hold every one")

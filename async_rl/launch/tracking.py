@@ -26,6 +26,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from async_rl.appendlog import HeldLines
 from async_rl.config import Config, shareable
 from async_rl.launch.eta import EtaModel
 from async_rl.launch.plots import read_records, staleness_counts, write_plots
@@ -79,9 +80,7 @@ class Tracker:
         if resumed and metrics_path.exists():
             with metrics_path.open() as lines:
                 self._wandb_step = sum(1 for _ in lines)
-        self._jsonl = open(metrics_path, "a") if cfg.logging.jsonl else None  # noqa: SIM115
-        self._jsonl_failing = False
-        """The last write to metrics.jsonl failed (said once until one succeeds)."""
+        self._jsonl = HeldLines(metrics_path) if cfg.logging.jsonl else None
         self._wandb = self._init_wandb(resumed) if cfg.logging.wandb.enable else None
         self._live = Live(self._table(), console=self.console, refresh_per_second=2, transient=False) if cfg.logging.console and sys.stdout.isatty() else None
         if self._live is not None:
@@ -129,7 +128,7 @@ class Tracker:
         if (eta := self.eta.remaining_s(int(self.latest.get("version", 0)))) is not None:
             self.latest["eta_s"] = eta
         if self._jsonl is not None:
-            self._write_jsonl(json.dumps(metrics) + "\n")
+            self._write_jsonl(json.dumps(metrics))
         if self._wandb is not None:
             self._wandb.log(metrics, step=self._wandb_step)
             self._wandb_step += 1
@@ -139,20 +138,17 @@ class Tracker:
             self.console.print(self._line(metrics), highlight=False, soft_wrap=True)
 
     def _write_jsonl(self, line: str) -> None:
-        """Append ``line`` to metrics.jsonl. A write that fails (a full disk) is said once and
-        counted (``disk/metrics_write_errors``); the file object keeps what it could not write
-        and writes it with the next line that goes through."""
-        try:
-            self._jsonl.write(line)  # type: ignore[union-attr]
-            self._jsonl.flush()  # type: ignore[union-attr]
-        except OSError as exc:
-            self.latest["disk/metrics_write_errors"] = self.latest.get("disk/metrics_write_errors", 0.0) + 1
-            if not self._jsonl_failing:
-                self._jsonl_failing = True
-                self.console.print(f"metrics.jsonl cannot be written ({exc}): its lines are held and written once the disk "
-                                   "takes them again", highlight=False, soft_wrap=True)
-        else:
-            self._jsonl_failing = False
+        """Append ``line`` to metrics.jsonl, whole. A write that fails (a full disk) is said once
+        and counted (``disk/metrics_write_errors``); its lines are held and written, in order,
+        with the next one that goes through."""
+        was_failing = self._jsonl.failing  # type: ignore[union-attr]
+        exc = self._jsonl.write([line])  # type: ignore[union-attr]
+        if exc is None:
+            return
+        self.latest["disk/metrics_write_errors"] = float(self._jsonl.write_errors)  # type: ignore[union-attr]
+        if not was_failing:
+            self.console.print(f"metrics.jsonl cannot be written ({exc}): its lines are held and written once the disk "
+                               "takes them again", highlight=False, soft_wrap=True)
 
     def snapshot(self) -> Snapshot:
         """What a Prometheus scrape reports (called from the HTTP server's thread: copies)."""
@@ -204,7 +200,7 @@ class Tracker:
         if self.prometheus is not None:
             self.prometheus.close()
         if self._jsonl is not None:
-            self._jsonl.close()
+            self._jsonl.write([])  # what a full disk held, if it takes it now
         if self._wandb is not None:
             self._wandb.finish()
         if self.cfg.logging.plots:

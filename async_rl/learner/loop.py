@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from async_rl.algos.options import ESTIMATORS
+from async_rl.appendlog import append_lines
 from async_rl.config import Config
 from async_rl.data.images import decode_blob
 from async_rl.heap import release_freed_heap
@@ -264,5 +265,4 @@ class LearnerLoop:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         record = {"version": self.version, "entry_ids": [f.entry_id for f in data.fed],
                   "prompt_ids": [f.screened.group.prompt_id for f in data.fed], "metrics": metrics}
-        with open(self.output_dir / "learner_steps.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
+        append_lines(self.output_dir / "learner_steps.jsonl", [json.dumps(record)])

@@ -120,3 +120,20 @@ def test_a_taken_prometheus_port_is_a_clear_error(tmp_path):
                             "logging.prometheus_host=127.0.0.1"), tmp_path, 6)
     finally:
         first.close()
+
+
+def test_metrics_a_full_disk_refused_are_held_and_written_in_order(tmp_path, capsys):
+    """metrics.jsonl on a disk that takes nothing (``/dev/full``): the tracker says so once,
+    counts the failed writes, and writes every held line, in order, once the disk takes them."""
+    cfg = _config(tmp_path, "logging.wandb.enable=false", "logging.console=true", "logging.plots=false")
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.symlink_to("/dev/full")
+    tracker = Tracker(cfg, tmp_path, 6)
+    tracker.log(_step(1))
+    tracker.log(_step(2))
+    assert capsys.readouterr().out.count("metrics.jsonl cannot be written") == 1
+    assert tracker.latest["disk/metrics_write_errors"] == 2.0
+    metrics.unlink()  # space is back
+    tracker.log(_step(3))
+    tracker.close()
+    assert [json.loads(line)["version"] for line in metrics.read_text().splitlines()] == [1.0, 2.0, 3.0]
