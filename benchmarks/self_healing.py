@@ -17,6 +17,10 @@ Cases (:data:`FAULTS`, a case name -> :class:`Fault`; add one with its injector)
 - ``engine_hang``, ``learner_rank_hang``: SIGSTOP of the same processes (hung: alive, answering
   nothing), found by ``rollout.engine_hang_timeout_s`` and ``trainer.learner_hang_timeout_s``
   (the defaults);
+- ``disk_full``: the run directory on a 512 MB tmpfs of its own (root only), filled to its last
+  byte for 90 s (past ``queue.timeout_s``), then freed: the run names the full disk, waits,
+  and trains on to its last step without a restart by the user (``disk_full``, the
+  ``recoveries/disk_full`` counter; issue 42's bound: named within 10 s);
 - ``random_scale``: 20 seeded ``async-rl scale`` requests between 1 and 2 servers
   (``rollout.cpus_per_server=0.5``, so two fit on 2 cores) at random moments, 2-20 s after the
   last answer, each with a random grace of 0, 5 or 30 s (:class:`RandomScale`): with a weight
@@ -63,7 +67,7 @@ from _train import ROOT, ConsoleRun, quickstart_command
 from async_rl.launch.scale import ScaleError, request_scale
 
 sys.path.insert(0, str(ROOT / "tests"))  # the tests' readers of a run's steps and of its ledger after the run
-from run_helpers import queue_state, redis_pid, step_versions
+from run_helpers import fill_disk, queue_state, redis_pid, small_disk, step_versions
 
 STEPS = 40
 FAULT_AT = 10
@@ -82,6 +86,8 @@ class Fault:
     """The run's ``trainer.total_steps``."""
     overrides: tuple[str, ...] = ()
     """More config overrides of the run."""
+    disk_mb: int | None = None
+    """The run directory on a tmpfs of this size of its own (root only), or on the output disk."""
 
 
 class RandomScale:
@@ -122,6 +128,22 @@ class RandomScale:
         """Every request's reply, and how many were answered ``ok``."""
         return {"planned": self.changes, "requests": len(self.replies), "answered_ok": sum(r["ok"] for r in self.replies),
                 "replies": self.replies}
+
+
+class FullDisk:
+    """Fills the run's disk (a tmpfs of its own) to its last byte, and frees it
+    ``full_for_s`` later from a thread."""
+
+    def __init__(self, full_for_s: float = 90.0) -> None:
+        self.full_for_s = full_for_s
+        self._timer: threading.Timer | None = None
+
+    def __call__(self, run_dir: Path) -> str:
+        filler = run_dir.parent / "filler"
+        fill_disk(filler)
+        self._timer = threading.Timer(self.full_for_s, filler.unlink)
+        self._timer.start()
+        return f"the run's disk ({run_dir.parent}) filled to its last byte for {self.full_for_s:.0f} s"
 
 
 def _engine_core(run_dir: Path) -> tuple[str, int]:
@@ -184,6 +206,9 @@ FAULTS: dict[str, Fault] = {
     "redis_kill": Fault(kill_redis, "restarted on its append-only file"),
     "learner_rank_kill": Fault(kill_learner_rank, "restarting the learner from its last checkpoint"),
     "learner_rank_hang": Fault(stop_learner_rank, "declared hung"),
+    # 90 s: past queue.timeout_s (60 s), so every client of the queue gives up once; 512 MB: room
+    # for what the pre-start check asks (2 checkpoints, a 128 MB AOF reserve, 256 MB of logs).
+    "disk_full": Fault(FullDisk(90.0), "is full", disk_mb=512),
     "random_scale": Fault(RandomScale(), "drained and stopped", steps=100_000, overrides=("rollout.cpus_per_server=0.5",)),
 }
 
@@ -213,8 +238,15 @@ def main() -> None:
 
 def run_case(case: str, fault: Fault, args: argparse.Namespace) -> dict:
     """Train one case in its own process, inject ``fault`` after step :data:`FAULT_AT`; what the run shows."""
-    run_dir = (args.out / case).resolve()
-    subprocess.run(["rm", "-rf", str(run_dir)], check=True)
+    base = (args.out / case).resolve()
+    subprocess.run(["rm", "-rf", str(base)], check=True)
+    if fault.disk_mb is None:
+        return _run_case(case, fault, args, base)
+    with small_disk(base / "disk", fault.disk_mb) as disk:
+        return _run_case(case, fault, args, disk / "run")
+
+
+def _run_case(case: str, fault: Fault, args: argparse.Namespace, run_dir: Path) -> dict:
     run = ConsoleRun(quickstart_command(args.assets, run_dir, f"heal-{case}-{os.getpid()}",
                                         f"trainer.total_steps={fault.steps}", "trainer.save_every=10", *fault.overrides), case)
     while max(step_versions(run_dir), default=0) < FAULT_AT:

@@ -3,11 +3,14 @@ tiny assets, the CLI in a subprocess, and what the run left in Redis and the pro
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -229,3 +232,29 @@ def process_alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+@contextlib.contextmanager
+def small_disk(path: Path, size_mb: int) -> Iterator[Path]:
+    """``path`` (created) as a tmpfs of ``size_mb`` MB of its own while the block runs (root
+    only, as CI runs; it raises, naming why, where mounting is not allowed)."""
+    path.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", str(path)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        raise PermissionError(f"mounting a {size_mb} MB tmpfs at {path} needs root (as CI runs): {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def fill_disk(filler: Path) -> None:
+    """Write ``filler`` until its disk has no byte left (the run writes meanwhile: no size is known in advance)."""
+    with open(filler, "wb", buffering=0) as f:
+        for chunk in (b"\0" * (1 << 20), b"\0" * 4096, b"\0"):
+            try:
+                while True:
+                    f.write(chunk)
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise

@@ -30,7 +30,6 @@ It mounts a tmpfs (root, as CI runs): the test fails, naming why, where mounting
 
 from __future__ import annotations
 
-import errno
 import json
 import signal
 import subprocess
@@ -43,7 +42,8 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 from processes import RunProcesses, kill
-from run_helpers import ROOT, assert_ledger, start_train, step_versions, wait_for_version, wait_gone, write_config
+import run_helpers
+from run_helpers import ROOT, assert_ledger, fill_disk, start_train, step_versions, wait_for_version, wait_gone, write_config
 
 from async_rl.launch.plots import PLOTS
 from async_rl.launch.scale import request_scale
@@ -62,25 +62,8 @@ PAUSE_S = 30.0
 
 @pytest.fixture()
 def small_disk(tmp_path: Path):
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK_MB}m", "tmpfs", str(disk)], capture_output=True, text=True)
-    assert mounted.returncode == 0, f"this test mounts a tmpfs (run it as root, as CI does): {mounted.stderr}"
-    try:
+    with run_helpers.small_disk(tmp_path / "disk", DISK_MB) as disk:
         yield disk
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)
-
-
-def _fill(filler: Path) -> None:
-    """Write ``filler`` until its disk has no byte left (the run writes meanwhile: no size is known in advance)."""
-    with open(filler, "wb", buffering=0) as f:
-        for chunk in (b"\0" * (1 << 20), b"\0" * 4096, b"\0"):
-            try:
-                while True:
-                    f.write(chunk)
-            except OSError as exc:
-                assert exc.errno == errno.ENOSPC, exc
 
 
 def _wait_generated(metrics_url: str, tokens: int, timeout_s: float = 300) -> None:
@@ -143,7 +126,7 @@ def _fill_the_disk(proc, run_dir: Path, disk: Path) -> None:
     """Phase 2: the run's disk full for :data:`FULL_FOR_S`, then free again."""
     filler = disk / "filler"
     printed = len(proc.output())
-    _fill(filler)
+    fill_disk(filler)
     filled = time.monotonic()
     proc.wait_printed("is full", since=printed, timeout_s=120)
     named_s = time.monotonic() - filled
