@@ -360,7 +360,8 @@ class _Run:
             except QueueUnavailableError as exc:  # Redis away: the queue's own calls decide the run's fate
                 # Retried soon: a Redis away past the TTL (a full disk, a restart) dropped the
                 # lease, and until it is renewed `async-rl scale` finds no driver (LEASE_BACK_S).
-                log.warning("the run's lease was not renewed: %s", exc)
+                if self._disk_full_since is None:  # a Redis waiting for disk space was said already
+                    log.warning("the run's lease was not renewed: %s", exc)
                 wait_s = LEASE_RETRY_S
 
     def _scorer(self) -> RewardScorer:
@@ -785,7 +786,8 @@ class _Run:
                     last_beat = now
                     await self._heartbeat(now - self._last_step)
             except Exception as exc:  # noqa: BLE001 - diagnostics must never end the run (Redis away: the watcher decides)
-                log.warning("failure reports not read: %s: %s", type(exc).__name__, exc)
+                if self._disk_full_since is None:  # a Redis waiting for disk space was said already
+                    log.warning("failure reports not read: %s: %s", type(exc).__name__, exc)
 
     async def _relay_once(self) -> None:
         self._failure_cursor, reports, bad = await self._redis(self.queue.read_failures, self._failure_cursor)
