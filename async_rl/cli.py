@@ -148,16 +148,24 @@ def quickstart(
 
 
 def _train(cfg, dry_run: bool) -> None:
-    from async_rl.launch.driver import RunFailed, StartupError, train
-    from async_rl.launch.plan import make_plan, render
-    from async_rl.queue import RedisNotInstalledError
+    if dry_run:  # the plan only: the driver's imports (torch, transformers, vLLM, Ray) cost seconds
+        from async_rl.launch.plan import make_plan, render
 
-    if dry_run:
         plan = make_plan(cfg)
         typer.echo(render(plan))
         raise typer.Exit(2 if plan.errors else 0)
+    from async_rl.launch.plan import StartupError, startable_plan
+
     try:
-        result = train(cfg)
+        plan = startable_plan(cfg)  # a refused run, too, need not import the driver
+    except StartupError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    from async_rl.launch.driver import RunFailed, train
+    from async_rl.queue import RedisNotInstalledError
+
+    try:
+        result = train(cfg, plan)
     except (StartupError, RunFailed, RedisNotInstalledError, FileNotFoundError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None

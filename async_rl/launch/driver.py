@@ -42,7 +42,7 @@ from async_rl.launch import disk
 from async_rl.launch.cores import SupportCores, cpu_layout, set_process_cores, support_cores
 from async_rl.launch.failures import FailureLog
 from async_rl.launch.learning_checks import LearningChecks, rules_for
-from async_rl.launch.plan import make_plan
+from async_rl.launch.plan import Plan, StartupError, startable_plan
 from async_rl.launch.prometheus import server_states
 from async_rl.launch.ray_cluster import init_ray
 from async_rl.launch.reaper import reap_on_exit
@@ -90,10 +90,6 @@ HEARTBEAT_S = 30.0
 doing (and the counters go to every metrics sink) once per this many seconds."""
 
 
-class StartupError(RuntimeError):
-    """The run cannot start; the message is the reason."""
-
-
 class RunFailed(RuntimeError):
     """The run started but could not go on (stalled, nothing trainable, the learner died)."""
 
@@ -118,11 +114,10 @@ class RunResult:
     """Per server, seconds with requests running during the run."""
 
 
-def train(cfg: Config) -> RunResult:
-    """Run training as configured; raises :class:`StartupError` for problems found before starting."""
-    plan = make_plan(cfg)
-    if plan.errors:
-        raise StartupError("; ".join(plan.errors))
+def train(cfg: Config, plan: Plan | None = None) -> RunResult:
+    """Run training as configured (``plan``: :func:`~async_rl.launch.plan.startable_plan` of
+    ``cfg`` when the caller made it); raises :class:`StartupError` for problems found before starting."""
+    plan = plan if plan is not None else startable_plan(cfg)
     return asyncio.run(_Run(cfg, plan.disk).main())
 
 

@@ -86,6 +86,19 @@ def sync_backends(backend: str, gpu: bool, local: bool) -> str:
     return handoff if local else f"{handoff} on learner rank 0's node, {group} to the others"
 
 
+class StartupError(RuntimeError):
+    """The run cannot start; the message is the reason."""
+
+
+def startable_plan(cfg: Config) -> Plan:
+    """:func:`make_plan`, or :class:`StartupError` naming every error it found (the one rule
+    that refuses a run before anything starts)."""
+    plan = make_plan(cfg)
+    if plan.errors:
+        raise StartupError("; ".join(plan.errors))
+    return plan
+
+
 def make_plan(cfg: Config) -> Plan:
     """The plan of ``cfg`` on this machine (nothing is started)."""
     import torch

@@ -67,20 +67,22 @@ def test_gpu_configs_validate_and_plan(config: Path, data: Path):
 @pytest.mark.slow
 def test_dry_run_reports_missing_files_with_exit_2(tmp_path: Path):
     """The one dry run through the real command line (a subprocess); the others run in process."""
-    res = subprocess.run([sys.executable, "-m", "async_rl.cli", "train", str(ROOT / "configs" / "quickstart.yaml"),
+    res = subprocess.run([sys.executable, "-X", "importtime", "-m", "async_rl.cli", "train", str(ROOT / "configs" / "quickstart.yaml"),
                           f"learner.model_path={tmp_path / 'nope'}", f"data.train_files={tmp_path / 'train.jsonl'}", "--dry-run"],
                          capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert res.returncode == 2
+    assert "async_rl.launch.driver" not in res.stderr  # a plan needs none of the driver's imports (3 s of them)
     assert "error: learner.model_path=" in res.stdout and "async-rl assets tiny" in res.stdout
     assert "error: data.train_files=" in res.stdout
 
 
 @pytest.mark.slow
 def test_train_refuses_to_start_with_a_one_line_reason(tmp_path: Path):
-    res = subprocess.run([sys.executable, "-m", "async_rl.cli", "train", str(ROOT / "configs" / "quickstart.yaml"),
+    res = subprocess.run([sys.executable, "-X", "importtime", "-m", "async_rl.cli", "train", str(ROOT / "configs" / "quickstart.yaml"),
                           f"learner.model_path={tmp_path / 'nope'}"], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert res.returncode == 1
-    lines = res.stderr.strip().splitlines()
+    assert "async_rl.launch.driver" not in res.stderr  # refused by the plan, before the driver's imports
+    lines = [line for line in res.stderr.strip().splitlines() if not line.startswith("import time:")]
     assert len(lines) == 1 and lines[0].startswith("error: learner.model_path=")
 
 
