@@ -487,8 +487,14 @@ class AlgorithmConfig:
 
     @property
     def needs_reference(self) -> bool:
-        """Whether the learner loads the frozen reference policy (a KL term in the loss or the reward)."""
+        """Whether the loss needs the frozen reference policy's log-probs (a KL term in the loss or the reward)."""
         return self.loss.kl_coef > 0 or self.kl_in_reward
+
+    def loads_reference_model(self, lora: LoraConfig | None) -> bool:
+        """Whether the learner loads a second, frozen model as the reference: when
+        :attr:`needs_reference` and the policy is not LoRA (``learner.lora``: a LoRA policy's
+        reference is the policy itself with its adapters disabled)."""
+        return self.needs_reference and lora is None
 
 
 @dataclass
@@ -604,6 +610,12 @@ class Config:
     """Ray cluster."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Tracking."""
+
+    @property
+    def max_sample_tokens(self) -> int:
+        """The longest sample in tokens, ``data.max_prompt_length + rollout.max_response_length``:
+        the engine's context when ``rollout.vllm.max_model_len`` is unset, and what one micro-batch must hold."""
+        return self.data.max_prompt_length + self.rollout.max_response_length
 
 
 #: String fields whose documented words YAML reads as booleans (``resume: off``).
@@ -886,15 +898,15 @@ def _cross_field_problems(cfg: Config) -> list[str]:
         f"learner.batch_size = {window}: producers would block before the window fills and the learner would wait for it forever",
     )
     need(
-        lrn.max_tokens_per_microbatch >= cfg.data.max_prompt_length + r.max_response_length,
+        lrn.max_tokens_per_microbatch >= cfg.max_sample_tokens,
         f"learner.max_tokens_per_microbatch={lrn.max_tokens_per_microbatch} must hold one whole sample: "
-        f">= data.max_prompt_length + rollout.max_response_length = {cfg.data.max_prompt_length + r.max_response_length}",
+        f">= data.max_prompt_length + rollout.max_response_length = {cfg.max_sample_tokens}",
     )
     if r.vllm.max_model_len is not None:
         need(
-            r.vllm.max_model_len >= cfg.data.max_prompt_length + r.max_response_length,
+            r.vllm.max_model_len >= cfg.max_sample_tokens,
             f"rollout.vllm.max_model_len={r.vllm.max_model_len} must be >= data.max_prompt_length + rollout.max_response_length "
-            f"= {cfg.data.max_prompt_length + r.max_response_length}",
+            f"= {cfg.max_sample_tokens}",
         )
     bypass = ", ".join(repr(name) for name, info in LOSSES.items() if info.bypass)
     need(

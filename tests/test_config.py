@@ -439,3 +439,27 @@ def test_lora_section_in_the_reference():
     text = reference_markdown()
     assert "| `learner.lora` | `section \\| null` | `null` |" in text
     assert "## `learner.lora`" in text and "| `learner.lora.rank` | `int` | `16` | `[1, 512]` |" in text
+
+
+def test_the_longest_sample_is_one_rule_for_the_engine_the_microbatch_and_the_plan():
+    """``Config.max_sample_tokens`` (prompt bound + response bound) is the engine's default
+    context and the bound the micro-batch and ``rollout.vllm.max_model_len`` are checked against."""
+    from async_rl.rollout.engine_args import engine_kwargs
+
+    cfg = load_config(None, ["data.max_prompt_length=40", "rollout.max_response_length=24"])
+    assert cfg.max_sample_tokens == 64 and engine_kwargs(cfg)["max_model_len"] == 64
+    assert "= 64" in _error(["data.max_prompt_length=40", "rollout.max_response_length=24", "learner.max_tokens_per_microbatch=63"])
+    assert "= 64" in _error(["data.max_prompt_length=40", "rollout.max_response_length=24", "rollout.vllm.max_model_len=63"])
+    load_config(None, ["data.max_prompt_length=40", "rollout.max_response_length=24", "rollout.vllm.max_model_len=64",
+                       "learner.max_tokens_per_microbatch=64"])  # exactly one sample fits: no error
+
+
+def test_a_second_reference_model_is_loaded_only_for_a_kl_term_without_lora():
+    from async_rl.config import LoraConfig
+    from async_rl.learner.memory import Beside
+
+    kl = load_config(None, ["algorithm.loss.kl_coef=0.01"]).algorithm
+    assert kl.needs_reference and kl.loads_reference_model(None) and not kl.loads_reference_model(LoraConfig())
+    assert Beside.of(kl).reference and not Beside.of(kl, LoraConfig()).reference
+    plain = load_config(None, ["algorithm.loss.kl_coef=0", "algorithm.kl_in_reward=false"]).algorithm
+    assert not plain.needs_reference and not plain.loads_reference_model(None)

@@ -53,7 +53,7 @@ def need(cfg: Config, model_config: Mapping[str, Any]) -> DiskNeed:
     aof = 0
     if cfg.queue.redis_url is None:  # the embedded Redis keeps its AOF in the run directory
         live_groups = cfg.queue.max_depth + cfg.trainer.save_every * cfg.learner.batch_size  # waiting + read, not yet committed
-        tokens = cfg.rollout.n * (cfg.data.max_prompt_length + cfg.rollout.max_response_length)
+        tokens = cfg.rollout.n * cfg.max_sample_tokens
         aof = 2 * max(AOF_FLOOR_BYTES, live_groups * tokens * AOF_BYTES_PER_TOKEN)
     return DiskNeed(checkpoint_bytes(model_config, cfg.learner, cfg.algorithm.needs_critic), aof)
 

@@ -345,7 +345,7 @@ def _does_not_fit(cfg: Config, model_config: dict[str, Any], est: MemoryEstimate
     else:
         source = f"this machine's memory / learner.world_size={lrn.world_size}"
     fit_tokens = max_fitting_tokens(model_config, lrn, est.checkpointing, budget, device_type, beside)
-    sample = cfg.data.max_prompt_length + cfg.rollout.max_response_length
+    sample = cfg.max_sample_tokens
     tokens = (f"at most {fit_tokens} fits" if fit_tokens else "no size fits") + (
         f", but one sample needs {sample}" if fit_tokens < sample else "")
     if est.checkpointing:

@@ -448,7 +448,7 @@ class Beside:
     """The models a learner rank holds beside the policy it trains."""
 
     reference: bool = False
-    """The frozen reference (``algorithm.needs_reference``)."""
+    """The frozen reference model (:meth:`~async_rl.config.AlgorithmConfig.loads_reference_model`)."""
     critic: bool = False
     """The critic (``algorithm.needs_critic``)."""
     handoff: bool = False
@@ -461,7 +461,7 @@ class Beside:
         """What ``algorithm`` needs beside the policy; with ``lora`` (``learner.lora``) no
         reference model: a LoRA run's reference is the policy with its adapters disabled.
         ``handoff``: servers share the rank's GPU and get their updates through CUDA IPC."""
-        return cls(algorithm.needs_reference and lora is None, algorithm.needs_critic, handoff)
+        return cls(algorithm.loads_reference_model(lora), algorithm.needs_critic, handoff)
 
 
 def estimate(model_config: Mapping[str, Any], learner: LearnerConfig, checkpointing: bool, budget_gb: float,

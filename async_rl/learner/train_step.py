@@ -128,7 +128,7 @@ class Trainer:
         ``critic`` is the value model (``load_sharded(..., value_model=True)``), given exactly
         when the estimator is ``gae``. ``lora``: the policy's LoRA adapters (``load_sharded(...,
         lora=)``); its reference is the policy with the adapters disabled, so no ``reference``."""
-        if (algorithm.needs_reference and lora is None) != (reference is not None):
+        if algorithm.loads_reference_model(lora) != (reference is not None):
             raise ValueError("a reference model is needed exactly when algorithm.loss.kl_coef > 0 or algorithm.kl_in_reward, "
                              "without learner.lora (with it the reference is the policy with its adapters disabled)")
         if algorithm.needs_critic != (critic is not None):

@@ -50,7 +50,7 @@ def engine_kwargs(cfg: Config, model_path: str | None = None) -> dict[str, Any]:
     kwargs: dict[str, Any] = {
         "model": model_path or cfg.learner.model_path,
         "dtype": dtype,
-        "max_model_len": v.max_model_len or cfg.data.max_prompt_length + cfg.rollout.max_response_length,
+        "max_model_len": v.max_model_len or cfg.max_sample_tokens,
         "seed": cfg.trainer.seed,
         "enforce_eager": v.enforce_eager,
         "allowed_media_domains": list(NO_MEDIA_DOMAINS),
