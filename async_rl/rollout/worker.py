@@ -141,7 +141,7 @@ class RolloutWorker:
     ):
         if not rows:
             raise ValueError("the rollout worker needs at least one training prompt (data.train_files has no usable rows)")
-        self.s = settings
+        self.settings = settings
         self.queue = queue
         self.rows = rows
         self.encode = encode
@@ -157,18 +157,18 @@ class RolloutWorker:
     def row_for(self, index: int) -> PromptRow:
         """The dataset row of global cursor ``index`` (a fresh seeded permutation per epoch)."""
         epoch, pos = divmod(index, len(self.rows))
-        if not self.s.shuffle:
+        if not self.settings.shuffle:
             return self.rows[pos]
         if epoch not in self._orders:
             order = list(range(len(self.rows)))
-            random.Random(self.s.seed * 1_000_003 + epoch).shuffle(order)
+            random.Random(self.settings.seed * 1_000_003 + epoch).shuffle(order)
             self._orders = {epoch: order}  # keep one epoch's permutation only
         return self.rows[self._orders[epoch][pos]]
 
     async def run(self, stop: asyncio.Event, max_groups: int | None = None) -> WorkerCounters:
         """Generate until ``stop`` is set (or ``max_groups`` were started); waits for groups in flight."""
         inflight: dict[asyncio.Task, Ticket] = {}
-        slots = asyncio.Semaphore(self.s.max_inflight)
+        slots = asyncio.Semaphore(self.settings.max_inflight)
         started = 0
         try:
             while not stop.is_set() and (max_groups is None or started < max_groups):
@@ -177,7 +177,7 @@ class RolloutWorker:
                     break
                 # Every slot free now is claimed in the same admission call: one round trip
                 # for a burst (a version opens admission for B groups) instead of one each.
-                room = self.s.max_inflight if max_groups is None else max_groups - started
+                room = self.settings.max_inflight if max_groups is None else max_groups - started
                 taken = [slot, *await _GenerationSlot.take_free(slots, room - 1)]
                 tickets = await self._admit(stop, len(taken))
                 for unused in taken[len(tickets):]:
@@ -201,13 +201,13 @@ class RolloutWorker:
 
     def _prompt_ids(self, row: PromptRow) -> list[int] | None:
         ids = self.encode(row.prompt, len(row.images)) if row.images else self.encode(row.prompt)
-        if len(ids) <= self.s.max_prompt_length:
+        if len(ids) <= self.settings.max_prompt_length:
             return ids
-        if self.s.overlong_prompt == "truncate":
+        if self.settings.overlong_prompt == "truncate":
             self.counters.prompts_truncated += 1
-            return ids[-self.s.max_prompt_length :]
+            return ids[-self.settings.max_prompt_length :]
         self.counters.prompts_skipped_overlong += 1
-        log.info("skipped prompt of line %d: %d tokens > data.max_prompt_length=%d", row.line, len(ids), self.s.max_prompt_length)
+        log.info("skipped prompt of line %d: %d tokens > data.max_prompt_length=%d", row.line, len(ids), self.settings.max_prompt_length)
         return None
 
     async def _admit(self, stop: asyncio.Event, limit: int) -> list[Ticket]:
@@ -216,8 +216,9 @@ class RolloutWorker:
         t0 = time.monotonic()
         try:
             while not stop.is_set():
-                owner = self.s.owner or self.s.server_id
-                claim = asyncio.ensure_future(asyncio.to_thread(self.queue.admit, self.s.batch_size, self.s.max_staleness, owner, limit))
+                owner = self.settings.owner or self.settings.server_id
+                claim = asyncio.ensure_future(asyncio.to_thread(self.queue.admit, self.settings.batch_size, self.settings.max_staleness,
+                                                                owner, limit))
                 called = time.monotonic()
                 try:
                     tickets = await asyncio.shield(claim)
@@ -230,7 +231,7 @@ class RolloutWorker:
                 self._queue_answered()
                 if tickets:
                     return tickets
-                await asyncio.sleep(self.s.admit_poll_s)
+                await asyncio.sleep(self.settings.admit_poll_s)
             return []
         finally:
             self.counters.admission_wait_s += time.monotonic() - t0
@@ -254,11 +255,11 @@ class RolloutWorker:
             while True:  # back-pressure: the group waits (never dropped) until the learner consumes or Redis answers
                 called = time.monotonic()
                 try:
-                    await asyncio.to_thread(self.queue.put, group, ticket, self.s.put_timeout_s)
+                    await asyncio.to_thread(self.queue.put, group, ticket, self.settings.put_timeout_s)
                     self._queue_answered()
                     break
                 except TimeoutError:
-                    log.warning("replay queue full for %.0f s; still holding group %s", self.s.put_timeout_s, group.group_id)
+                    log.warning("replay queue full for %.0f s; still holding group %s", self.settings.put_timeout_s, group.group_id)
                 except QueueUnavailableError as exc:  # a retried put is applied once (the ticket ends with it)
                     self._waited_for_queue(exc, called)
             enqueued = True
@@ -280,12 +281,12 @@ class RolloutWorker:
         self.counters.queue_wait_s += time.monotonic() - since
         if not self._queue_away:
             log.warning("%s: the replay queue's Redis does not answer (%s); waiting for it, holding finished groups",
-                        self.s.server_id, exc)
+                        self.settings.server_id, exc)
         self._queue_away = True
 
     def _queue_answered(self) -> None:
         if self._queue_away:
-            log.warning("%s: the replay queue's Redis answers again", self.s.server_id)
+            log.warning("%s: the replay queue's Redis answers again", self.settings.server_id)
         self._queue_away = False
 
     async def _abandon(self, ticket: Ticket, *, return_prompt: bool) -> bool:
@@ -302,7 +303,7 @@ class RolloutWorker:
         images = None
         if row.images:
             try:
-                images = await asyncio.to_thread(lambda: [load_image(ref, self.s.pixel_bounds) for ref in row.images])
+                images = await asyncio.to_thread(lambda: [load_image(ref, self.settings.pixel_bounds) for ref in row.images])
             except ImageError as exc:
                 self.counters.image_errors += 1
                 log.warning("skipped prompt of line %d: %s", row.line, exc)
@@ -310,15 +311,15 @@ class RolloutWorker:
         completions = await self._sample(prompt_ids, images)
         slot.release()
         expanded = completions[0].prompt_token_ids if completions else None
-        if expanded is not None and len(expanded) > self.s.max_prompt_length:  # image tokens counted; never truncated
+        if expanded is not None and len(expanded) > self.settings.max_prompt_length:  # image tokens counted; never truncated
             self.counters.prompts_skipped_overlong += 1
             log.info("skipped prompt of line %d: %d tokens with its image tokens > data.max_prompt_length=%d",
-                     row.line, len(expanded), self.s.max_prompt_length)
+                     row.line, len(expanded), self.settings.max_prompt_length)
             return None
         scores = await self.scorer.score(
             [{"response": c.text, "response_length": len(c.token_ids), "ground_truth": row.answer} for c in completions]
         )
-        if self.s.dynamic_sampling and not self.scorer.keep_group([s.reward for s in scores]):
+        if self.settings.dynamic_sampling and not self.scorer.keep_group([s.reward for s in scores]):
             self.counters.groups_filtered += 1
             return None
         samples = [
@@ -326,16 +327,16 @@ class RolloutWorker:
                               s.failure.signature if s.failure else None, error_kind=s.failure.kind if s.failure else None)
             for c, s in zip(completions, scores)
         ]
-        self._report(f"{self.s.run_id}:{index}", [s.failure for s in scores])
+        self._report(f"{self.settings.run_id}:{index}", [s.failure for s in scores])
         self.counters.tokens_generated += sum(len(c.token_ids) for c in completions)
         refs = await self._store_images(images) if images else None
         return RolloutGroup.from_lists(
-            run_id=self.s.run_id,
-            group_id=f"{self.s.run_id}:{index}",
+            run_id=self.settings.run_id,
+            group_id=f"{self.settings.run_id}:{index}",
             prompt_id=index,
             prompt_token_ids=expanded or prompt_ids,
             samples=samples,
-            server_id=self.s.server_id,
+            server_id=self.settings.server_id,
             generation_s=time.monotonic() - t0,
             images=refs,
         )
@@ -343,7 +344,7 @@ class RolloutWorker:
     def _report(self, group_id: str, failures: list[Failure | None]) -> None:
         """Hand the failures of a group's samples (None: the sample is fine) to ``report``."""
         now = time.time()
-        reports = [FailureReport(f, self.s.server_id, group_id, k, now) for k, f in enumerate(failures) if f is not None]
+        reports = [FailureReport(f, self.settings.server_id, group_id, k, now) for k, f in enumerate(failures) if f is not None]
         if reports and self.report is not None:
             self.report(reports)
 
@@ -351,37 +352,38 @@ class RolloutWorker:
         """Put the group's images into the queue's image store (once per content) before the
         group that refers to them; returns the references."""
         blobs = await asyncio.to_thread(lambda: [image_blob(im) for im in images])
-        await asyncio.to_thread(self.queue.put_images, [(b.sha256, b.png) for b in blobs], self.s.image_ttl_s)
+        await asyncio.to_thread(self.queue.put_images, [(b.sha256, b.png) for b in blobs], self.settings.image_ttl_s)
         return [ImageRef(b.sha256, b.width, b.height) for b in blobs]
 
     async def _episode_group(self, index: int, row: PromptRow) -> RolloutGroup | None:
         """The group of ``n`` episodes of ``row``, or None when none reached the model."""
         t0 = time.monotonic()
-        made = await self.episodes.group(row, self.s.n, self.server())  # type: ignore[union-attr]
+        made = await self.episodes.group(row, self.settings.n, self.server())  # type: ignore[union-attr]
         if made is None:
             return None
         prompt_ids, samples, failures = made  # failures[i]: sample i's records.Failure, or None
-        self._report(f"{self.s.run_id}:{index}", failures)
+        self._report(f"{self.settings.run_id}:{index}", failures)
         self.counters.tokens_generated += sum(sum(s.token_mask()) for s in samples)
         return RolloutGroup.from_lists(
-            run_id=self.s.run_id, group_id=f"{self.s.run_id}:{index}", prompt_id=index, prompt_token_ids=prompt_ids,
-            samples=samples, server_id=self.s.server_id, generation_s=time.monotonic() - t0,
+            run_id=self.settings.run_id, group_id=f"{self.settings.run_id}:{index}", prompt_id=index, prompt_token_ids=prompt_ids,
+            samples=samples, server_id=self.settings.server_id, generation_s=time.monotonic() - t0,
         )
 
     async def _sample(self, prompt_ids: list[int], images: list[Any] | None = None) -> list[Completion]:
         """``n`` completions; raises :class:`GenerationFailed` after ``generate_retries`` failures."""
         error: Exception | None = None
-        for attempt in range(1, self.s.generate_retries + 1):
+        for attempt in range(1, self.settings.generate_retries + 1):
             try:
                 generate = self.server()
-                return await (generate(prompt_ids, self.s.n, self.s.sampling, images) if images else generate(prompt_ids, self.s.n, self.s.sampling))
+                n, sampling = self.settings.n, self.settings.sampling
+                return await (generate(prompt_ids, n, sampling, images) if images else generate(prompt_ids, n, sampling))
             except Exception as exc:  # noqa: BLE001 - server died or errored: retry on a fresh handle
                 error = exc
                 self.counters.generate_failures += 1
-                log.warning("generation failed on %s (attempt %d/%d): %s", self.s.server_id, attempt, self.s.generate_retries, exc)
+                log.warning("generation failed on %s (attempt %d/%d): %s", self.settings.server_id, attempt, self.settings.generate_retries, exc)
                 await asyncio.sleep(min(2.0**attempt, 10.0))
         self.counters.groups_returned_after_failures += 1
-        raise GenerationFailed(f"{self.s.generate_retries} attempts on {self.s.server_id} failed; last: {error}")
+        raise GenerationFailed(f"{self.settings.generate_retries} attempts on {self.settings.server_id} failed; last: {error}")
 
 
 
