@@ -81,6 +81,8 @@ class Tracker:
             with metrics_path.open() as lines:
                 self._wandb_step = sum(1 for _ in lines)
         self._jsonl = HeldLines(metrics_path) if cfg.logging.jsonl else None
+        if self._jsonl is not None:
+            metrics_path.touch()  # there from the start, as the run's other files (empty: no run state)
         self._wandb = self._init_wandb(resumed) if cfg.logging.wandb.enable else None
         self._live = Live(self._table(), console=self.console, refresh_per_second=2, transient=False) if cfg.logging.console and sys.stdout.isatty() else None
         if self._live is not None:
