@@ -157,3 +157,12 @@ def test_importing_a_module_runs_its_packages_init_unless_the_importer_is_inside
     assert list(_packages_run("async_rl.rollout.worker", "async_rl.queue.replay")) == ["async_rl.queue"]
     assert list(_packages_run("async_rl.queue.replay", "async_rl.queue.keys")) == []
     assert list(_packages_run("async_rl.cli", "async_rl.config")) == []
+
+
+def test_every_module_is_in_the_architecture_docs_package_layout():
+    """docs/architecture.md's "Package layout" names every module of the package (a new module
+    is placed there with its one job, beside the layer it is in)."""
+    layout = (ROOT / "docs" / "architecture.md").read_text().split("## Package layout", 1)[1]
+    modules = sorted(p.relative_to(ROOT / PACKAGE) for p in (ROOT / PACKAGE).rglob("*.py") if p.name != "__init__.py")
+    missing = [str(m) for m in modules if f" {m.name} " not in layout]
+    assert missing == [], f"add to docs/architecture.md's package layout: {missing}"
