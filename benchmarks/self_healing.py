@@ -136,13 +136,13 @@ class FullDisk:
 
     def __init__(self, full_for_s: float = 90.0) -> None:
         self.full_for_s = full_for_s
-        self._timer: threading.Timer | None = None
 
     def __call__(self, run_dir: Path) -> str:
         filler = run_dir.parent / "filler"
         fill_disk(filler)
-        self._timer = threading.Timer(self.full_for_s, filler.unlink)
-        self._timer.start()
+        freeing = threading.Timer(self.full_for_s, filler.unlink, kwargs={"missing_ok": True})  # gone with its tmpfs if the case ended first
+        freeing.daemon = True
+        freeing.start()
         return f"the run's disk ({run_dir.parent}) filled to its last byte for {self.full_for_s:.0f} s"
 
 

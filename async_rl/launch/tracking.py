@@ -142,12 +142,14 @@ class Tracker:
     def _write_jsonl(self, line: str) -> None:
         """Append ``line`` to metrics.jsonl, whole. A write that fails (a full disk) is said once
         and counted (``disk/metrics_write_errors``); its lines are held and written, in order,
-        with the next one that goes through."""
+        with the next one that goes through (past :data:`~async_rl.appendlog.MAX_HELD_LINES` the
+        oldest go, counted in ``disk/metrics_lines_dropped``)."""
         was_failing = self._jsonl.failing  # type: ignore[union-attr]
         exc = self._jsonl.write([line])  # type: ignore[union-attr]
         if exc is None:
             return
         self.latest["disk/metrics_write_errors"] = float(self._jsonl.write_errors)  # type: ignore[union-attr]
+        self.latest["disk/metrics_lines_dropped"] = float(self._jsonl.dropped)  # type: ignore[union-attr]
         if not was_failing:
             self.console.print(f"metrics.jsonl cannot be written ({exc}): its lines are held and written once the disk "
                                "takes them again", highlight=False, soft_wrap=True)

@@ -132,7 +132,7 @@ def test_metrics_a_full_disk_refused_are_held_and_written_in_order(tmp_path, cap
     tracker.log(_step(1))
     tracker.log(_step(2))
     assert capsys.readouterr().out.count("metrics.jsonl cannot be written") == 1
-    assert tracker.latest["disk/metrics_write_errors"] == 2.0
+    assert tracker.latest["disk/metrics_write_errors"] == 2.0 and tracker.latest["disk/metrics_lines_dropped"] == 0.0
     metrics.unlink()  # space is back
     tracker.log(_step(3))
     tracker.close()
