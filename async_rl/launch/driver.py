@@ -141,8 +141,10 @@ class _Run:
         """Conditions under which the run cannot learn, said on the console (:mod:`~async_rl.launch.learning_checks`)."""
         self._last_step = time.monotonic()
         """When the learner's last step was logged (or the rollout workers started)."""
+        self._first_call_s: float | None = None
+        """The current learner group's first call (it loads and warms the model), seconds (None: not finished)."""
         self._slowest_call_s: float | None = None
-        """The slowest learner call of the current learner group so far (None: none finished), seconds."""
+        """The slowest of the current learner group's later calls (None: none finished), seconds."""
         self._restarting = False
         """A learner group is being restarted (its ledger reconciled)."""
         self._disk_low = False
@@ -412,7 +414,7 @@ class _Run:
         self._say(f"{why}; restarting the learner from its last checkpoint (restart {self.learner_restarts} of "
                   f"trainer.max_restarts={limit})")
         self._kill_learners(graceful=False)
-        self._slowest_call_s = None  # the new group loads and warms its model again
+        self._first_call_s = self._slowest_call_s = None  # the new group loads and warms its model again
         self._restarting = True  # the watchdog publishes no version while the ledger is rebuilt
         try:  # the same load path as a resume: the newest checkpoint of this run, on learner.world_size ranks
             await self._start_learners(replace(self.cfg, trainer=replace(self.cfg.trainer, resume="auto")), live=True)
@@ -549,7 +551,11 @@ class _Run:
                 call_start = time.monotonic()
                 results = await _all_ranks([a.run.remote(1, LEARNER_WAIT_S) for a in self.learners], self._learner_bound_s(),
                                            self._queue_back_at)
-                self._slowest_call_s = max(self._slowest_call_s or 0.0, time.monotonic() - call_start)
+                took = time.monotonic() - call_start
+                if self._first_call_s is None:
+                    self._first_call_s = took
+                else:
+                    self._slowest_call_s = max(self._slowest_call_s or 0.0, took)
             except _RankDied as exc:
                 self.recoveries["learner_hangs"] += isinstance(exc, _RankHung)
                 if await self._restart_learners(str(exc)):
@@ -589,11 +595,13 @@ class _Run:
         """How long one learner call may take before its silent ranks count as hung, seconds:
         ``trainer.learner_hang_timeout_s``, or 3x the slowest call so far if longer (a step with
         its weight send and checkpoint); 10x the floor before a call has finished (the first
-        loads and warms the model)."""
+        loads and warms the model). The first call counts only until a later one finished: a
+        load slowed by a busy machine (a restart on 2 cores: over 100 s) must not stretch the
+        bound of every step after it past the 60 s in which a hang is to be named."""
         floor = self.cfg.trainer.learner_hang_timeout_s
-        if self._slowest_call_s is None:
+        if self._first_call_s is None:
             return LEARNER_FIRST_CALL_FACTOR * floor
-        return max(floor, LEARNER_SLOW_FACTOR * self._slowest_call_s)
+        return max(floor, LEARNER_SLOW_FACTOR * (self._slowest_call_s if self._slowest_call_s is not None else self._first_call_s))
 
     def _say_control_drops(self, metrics: dict[str, float]) -> None:
         """Name on the console the control messages the weight sender dropped since the last

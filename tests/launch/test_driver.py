@@ -30,3 +30,18 @@ def test_a_learning_check_is_said_on_the_console_once_and_flagged_in_every_step(
     flags = [r["warn/token_budget"] for r in records]
     assert flags == [0.0] * (WINDOW_STEPS - 1) + [1.0] * (WINDOW_STEPS + 1)
     assert all(r["warn/is_weights_clipped"] == 0.0 for r in records)
+
+
+def test_the_learner_hang_bound_forgets_a_slow_first_call_once_a_later_one_finished(tmp_path):
+    """``trainer.learner_hang_timeout_s`` (50 s) is the floor; 10x it while a learner group's
+    first call (the model's load) runs; 3x that first call until a later call finished; then
+    3x the slowest later call. A load slowed to 120 s by a busy machine once stretched the bound
+    of every step after it to 360 s (CI: a SIGSTOPped rank not named within 300 s)."""
+    run = _Run(load_config(None, [f"trainer.output_dir={tmp_path}"]))
+    assert run._learner_bound_s() == 500.0
+    run._first_call_s = 120.0
+    assert run._learner_bound_s() == 360.0
+    run._slowest_call_s = 5.0
+    assert run._learner_bound_s() == 50.0
+    run._slowest_call_s = 30.0
+    assert run._learner_bound_s() == 90.0
