@@ -33,7 +33,7 @@ disable_warnings = module-not-imported, no-data-collected, module-not-measured
 EOF
 # One line, as a .pth must be: a daemon thread saving this process's data every 10 s.
 cat >"$flush" <<'EOF'
-import os; exec("import coverage, threading, time\nc = coverage.Coverage.current()\ndef _save(c=c):\n    while True:\n        time.sleep(10)\n        try: c.save()\n        except Exception: pass\nif c is not None: threading.Thread(target=_save, name='coverage-save', daemon=True).start()") if os.environ.get("COVERAGE_PROCESS_START") else None
+import os; exec("import coverage, threading, time\nc = coverage.Coverage.current()\ndef _save(c=c):\n    while True:\n        time.sleep(10)\n        try: c.save()\n        except Exception: pass\nif c is not None: threading.Thread(target=_save, name='coverage-save', daemon=True).start()", {}) if os.environ.get("COVERAGE_PROCESS_START") else None
 EOF
 trap 'rm -f "$flush"' EXIT
 started=$(date +%s)
