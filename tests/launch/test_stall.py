@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from async_rl.launch.driver import _all_ranks, _RankHung
+from async_rl.launch.learner_group import RankHung, all_ranks
 from async_rl.launch.stall import Snapshot, blame, provable_version
 
 
@@ -54,11 +54,11 @@ def test_ranks_that_answer_no_call_within_the_bound_are_declared_hung() -> None:
         await asyncio.sleep(after_s)
         return "ok"
 
-    assert asyncio.run(_all_ranks([answer(0.01), answer(0.02)], timeout_s=5.0)) == ["ok", "ok"]
-    with pytest.raises(_RankHung, match=r"learner rank 1 answered no call for 0 s .*declared hung"):
-        asyncio.run(_all_ranks([answer(0.01), answer(60)], timeout_s=0.2))
-    with pytest.raises(_RankHung, match=r"learner ranks 0, 1 answered no call"):
-        asyncio.run(_all_ranks([answer(60), answer(60)], timeout_s=0.2))
+    assert asyncio.run(all_ranks([answer(0.01), answer(0.02)], timeout_s=5.0)) == ["ok", "ok"]
+    with pytest.raises(RankHung, match=r"learner rank 1 answered no call for 0 s .*declared hung"):
+        asyncio.run(all_ranks([answer(0.01), answer(60)], timeout_s=0.2))
+    with pytest.raises(RankHung, match=r"learner ranks 0, 1 answered no call"):
+        asyncio.run(all_ranks([answer(60), answer(60)], timeout_s=0.2))
 
 
 def test_a_rank_waiting_on_a_queue_that_is_down_is_not_hung() -> None:
@@ -74,8 +74,8 @@ def test_a_rank_waiting_on_a_queue_that_is_down_is_not_hung() -> None:
         def queue_back_at() -> float:
             return min(time.monotonic(), back)
 
-        return await _all_ranks([answer(0.01), answer(answer_after_s)], timeout_s=timeout_s, queue_back_at=queue_back_at)
+        return await all_ranks([answer(0.01), answer(answer_after_s)], timeout_s=timeout_s, queue_back_at=queue_back_at)
 
     assert asyncio.run(outage(down_s=0.6, answer_after_s=0.7, timeout_s=0.3)) == ["ok", "ok"]  # 0.1 s after the queue's return
-    with pytest.raises(_RankHung, match=r"learner rank 1 answered no call for 0 s"):
+    with pytest.raises(RankHung, match=r"learner rank 1 answered no call for 0 s"):
         asyncio.run(outage(down_s=0.3, answer_after_s=60, timeout_s=0.3))
