@@ -106,7 +106,7 @@ end
 return #released
 """
 
-# KEYS: counters, inflight, returned, rollouts. ARGV: version, B, live (1/0).
+# KEYS: counters, inflight, returned, rollouts, slotted. ARGV: version, B, live (1/0).
 # Live (producers running, e.g. a restarted learner): the open tickets are theirs, so they
 # stay and count as started; else they are orphans of a killed run and their prompts return.
 _RECONCILE_LUA = """
@@ -121,7 +121,7 @@ if ARGV[3] ~= '1' then
 end
 local before = tonumber(redis.call('HGET', KEYS[1], 'groups_started') or '0')
 local queued = redis.call('XLEN', KEYS[4])
-local started = tonumber(ARGV[1]) * tonumber(ARGV[2]) + queued + redis.call('HLEN', KEYS[2])
+local started = tonumber(ARGV[1]) * tonumber(ARGV[2]) + redis.call('SCARD', KEYS[5]) + redis.call('HLEN', KEYS[2])
 redis.call('HSET', KEYS[1], 'groups_started', started, 'version', ARGV[1])
 return {#orphans, queued, before, started, redis.call('LLEN', KEYS[3])}
 """
@@ -232,11 +232,12 @@ class AdmissionLedger:
     def reconcile(self, version: int, batch_size: int, call_id: str, *, live: bool = False) -> Reconciled:
         """Rebuild the ledger after the learner resumed at ``version`` (its checkpoint's
         entries are then committed and gone from the stream): set ``version`` and
-        ``groups_started = version * B + stream length + open tickets``. At a start (no
+        ``groups_started = version * B + entries holding a slot + open tickets`` (the entries
+        put with a ticket: ``RunKeys.slotted``). At a start (no
         producer running, ``live=False``) every prompt still recorded in flight is an orphan
         and is returned first; with ``live=True`` (a learner restarted while the rollout
         workers run) the open tickets are theirs and stay."""
         if version < 0 or batch_size <= 0:
             raise ValueError("need version >= 0 and batch_size > 0")
-        found = self._reconcile([*self._claim_keys, self._keys.rollouts], [version, batch_size, int(live)], call_id)
+        found = self._reconcile([*self._claim_keys, self._keys.rollouts, self._keys.slotted], [version, batch_size, int(live)], call_id)
         return Reconciled(*(int(x) for x in found))

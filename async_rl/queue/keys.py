@@ -25,6 +25,9 @@ class RunKeys:
     - ``inflight``: hash ``prompt index -> "<ticket number> <owner>"`` of admitted groups
       not yet enqueued (``counters.tickets`` numbers the tickets).
     - ``returned``: list of prompt indices claimed but never enqueued, served first.
+    - ``slotted``: set of the ``rollouts`` entry ids that hold an admission slot (put with a
+      ticket): only their drops give a slot back, and reconciling counts only them (an
+      entry written into the stream some other way never took one).
     - ``rollout_stats``: hash of the rollout workers' cumulative counters (``groups_put``,
       ``tokens_generated``, ``reward_errors``, ...), added to by every worker host.
     - ``failures``: stream of msgspec-encoded :class:`~async_rl.records.FailureReport`
@@ -64,6 +67,10 @@ class RunKeys:
     @property
     def returned(self) -> str:
         return f"{self.run}:returned"
+
+    @property
+    def slotted(self) -> str:
+        return f"{self.run}:slotted"
 
     @property
     def rollout_stats(self) -> str:

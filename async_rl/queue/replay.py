@@ -60,7 +60,8 @@ StreamReply = list[tuple[bytes, list[RawEntry]]]  # XREADGROUP: [(stream, entrie
 
 # Check depth and append in one script, so racing producers cannot overshoot max_depth;
 # the append ends the group's ticket (KEYS[3] = inflight, ARGV[7] = its prompt index,
-# ARGV[8] = its claim; '' for a put outside admission).
+# ARGV[8] = its claim; '' for a put outside admission) and hands its admission slot to the
+# entry (KEYS[4] = slotted).
 # KEYS[2] remembers this producer's last put as "<seq> <entry id>": a put retried after
 # its reply was lost (same seq) returns the first entry id instead of appending twice.
 _PUT_LUA = """
@@ -81,30 +82,36 @@ end
 local id = redis.call('XADD', KEYS[1], '*', ARGV[3], ARGV[4])
 if ARGV[7] ~= '' then
   redis.call('HDEL', KEYS[3], ARGV[7])
+  redis.call('SADD', KEYS[4], id)
 end
 redis.call('SET', KEYS[2], ARGV[5] .. ' ' .. id, 'EX', ARGV[6])
 return id
 """
 
-# KEYS: rollouts. ARGV: consumer group, entry ids. Acknowledge and delete; how many were pending.
+# KEYS: rollouts, slotted. ARGV: consumer group, entry ids. Acknowledge and delete (a trained
+# group keeps its admission slot: groups_started counts it for good); how many were pending.
 _COMMIT_LUA = """
 local acked = 0
 for i = 2, #ARGV do
   acked = acked + redis.call('XACK', KEYS[1], ARGV[1], ARGV[i])
   redis.call('XDEL', KEYS[1], ARGV[i])
+  redis.call('SREM', KEYS[2], ARGV[i])
 end
 return acked
 """
 
-# KEYS: rollouts, dead, counters, returned. ARGV: consumer group, dead_maxlen, d = how many
-# are dead-lettered, then d x (entry id, reason, record as read), then (entry id, reason,
-# prompt index to serve again or '') of each dropped one. Acknowledges, counts, gives the
-# admission slots back (the ledger's groups_started: they will never be trained) and returns
+# KEYS: rollouts, dead, counters, returned, slotted. ARGV: consumer group, dead_maxlen, d = how
+# many are dead-lettered, then d x (entry id, reason, record as read), then (entry id, reason,
+# prompt index to serve again or '') of each dropped one. Acknowledges, counts, gives back the
+# admission slots the entries hold (the ledger's groups_started: they will never be trained;
+# an entry that never took one, e.g. written into the stream by hand, gives none) and returns
 # the prompts of future groups, together.
 _DROP_LUA = """
+local held = 0
 local function remove(id)
   redis.call('XACK', KEYS[1], ARGV[1], id)
   redis.call('XDEL', KEYS[1], id)
+  held = held + redis.call('SREM', KEYS[5], id)
 end
 local i, removed = 4, 0
 for _ = 1, tonumber(ARGV[3]) do
@@ -121,7 +128,9 @@ while i <= #ARGV do
   end
   i, removed = i + 3, removed + 1
 end
-redis.call('HINCRBY', KEYS[3], 'groups_started', -removed)
+if held > 0 then  -- Lua writes -0 as "-0", which HINCRBY refuses
+  redis.call('HINCRBY', KEYS[3], 'groups_started', -held)
+end
 return removed
 """
 
@@ -304,7 +313,7 @@ class ReplayQueue:
         """
         data = encode(group)
         deadline = time.monotonic() + timeout
-        keys = [self.keys.rollouts, self._last_put_key, self.keys.inflight]
+        keys = [self.keys.rollouts, self._last_put_key, self.keys.inflight, self.keys.slotted]
         # The dedup record only has to outlive this call's retries.
         ttl_s = int(timeout) + 60
         args: list[bytes | str | int] = [
@@ -421,7 +430,7 @@ class ReplayQueue:
         ids = list(entry_ids)
         if not ids:
             return 0
-        return int(self._once("commit", lambda call_id: self._commit([self.keys.rollouts], [CONSUMER_GROUP, *ids], call_id)))
+        return int(self._once("commit", lambda call_id: self._commit([self.keys.rollouts, self.keys.slotted], [CONSUMER_GROUP, *ids], call_id)))
 
     def recover(
         self,
@@ -530,7 +539,7 @@ class ReplayQueue:
         args = [CONSUMER_GROUP, self.dead_maxlen, len(dead), *itertools.chain.from_iterable(dead),
                 *itertools.chain.from_iterable((entry_id, drop.reason, prompt if drop.return_prompt else "")
                                                for entry_id, prompt, drop in dropped)]
-        self._drop([self.keys.rollouts, self.keys.dead, self.keys.counters, self.keys.returned], args, call_id)
+        self._drop([self.keys.rollouts, self.keys.dead, self.keys.counters, self.keys.returned, self.keys.slotted], args, call_id)
 
     # -- observability -------------------------------------------------------------
 

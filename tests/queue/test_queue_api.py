@@ -80,6 +80,40 @@ def test_undecodable_entries_are_dead_lettered(
 
 
 @pytest.mark.redis
+def test_only_an_entry_holding_an_admission_slot_gives_one_back(queue: ReplayQueue, redis_url: str, run: str) -> None:
+    """Poison entries written straight into the stream took no admission slot, so dead-lettering
+    them gives none back (it used to: 3 of them left ``groups_started - version * B`` at -3 at
+    the end of a run), nor does dropping a group put without a ticket; a dropped ticketed group
+    gives its slot back, and reconciling counts only the entries that hold one."""
+    raw = redis.Redis.from_url(redis_url)
+    batch = 2
+    tickets = queue.admit(batch, 1, "server-0", limit=3)
+    assert [t.index for t in tickets] == [0, 1, 2] and queue.stats()["groups_started"] == 3
+    for t in tickets:
+        queue.put(make_group(t.index, version=0, run=run), t)
+    for i in range(3):
+        raw.xadd(queue.keys.rollouts, {"group": b"\xc1poison %d" % i})
+    queue.put(make_group(7, version=0, run=run))  # outside admission: no slot
+
+    got = queue.get(7, timeout=0.5)
+    assert sorted(g.prompt_id for _, g in got) == [0, 1, 2, 7]
+    stats = queue.stats()
+    assert stats["dead_lettered"] == 3 and stats["groups_started"] == 3  # the poison held no slot
+
+    by_prompt = {g.prompt_id: (entry_id, g) for entry_id, g in got}
+    queue.drop([(*by_prompt[7], Drop("stale", "test")), (*by_prompt[2], Drop("stale", "test"))])
+    assert queue.stats()["groups_started"] == 2  # group 2's slot back, none for group 7
+
+    queue.commit([by_prompt[0][0]])  # trained: its slot stays counted
+    found = queue.reconcile(0, batch)
+    assert (found.queued, found.groups_started) == (1, 1)  # group 1 pending: holds a slot; the trained one is gone
+    queue.commit([by_prompt[1][0]])
+    found = queue.reconcile(1, batch)
+    assert found.groups_started == 1 * batch  # the ledger balances: groups_started - version * B - left == 0
+    raw.close()
+
+
+@pytest.mark.redis
 def test_stale_groups_are_dropped_counted_and_acknowledged(queue: ReplayQueue, run: str) -> None:
     for i, version in enumerate([5, 4, 3, 1, 0]):
         queue.put(make_group(i, version=version, run=run))
