@@ -3,8 +3,9 @@
 # pytest lanes, the `async-rl train` drivers they start, Ray's workers and actors, vLLM's
 # engine processes, spawned reward pools. coverage.py's own a1_coverage.pth starts coverage in
 # any Python process that finds COVERAGE_PROCESS_START in its environment (Ray's raylet and
-# multiprocessing pass it on); this script adds a .pth that saves each process's data every
-# 10 s, since a Ray actor ends by ray.kill / ray.shutdown without running atexit.
+# multiprocessing pass it on); each saves its data at exit, on SIGTERM and on os._exit (a
+# SIGKILLed process's is lost: the same for every run measured). A thread saving every 10 s
+# was tried and segfaulted pytest at its first save.
 #
 #   bash scripts/coverage.sh OUT_DIR [command ...]     default command: bash scripts/test.sh
 #
@@ -19,8 +20,6 @@ shift
 [ "$#" -gt 0 ] || set -- bash scripts/test.sh
 python=${PYTHON:-$(dirname "$(realpath "$0")")/../.venv/bin/python}
 "$python" -c 'import coverage' 2>/dev/null || "$python" -m pip install -q "coverage>=7.10" || exit 1
-site=$("$python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-flush=$site/zz_async_rl_coverage_flush.pth
 rm -rf "$out" && mkdir -p "$out"
 cat >"$out/coveragerc" <<EOF
 [run]
@@ -31,16 +30,10 @@ sigterm = true
 patch = fork, _exit
 disable_warnings = module-not-imported, no-data-collected, module-not-measured
 EOF
-# One line, as a .pth must be: a daemon thread saving this process's data every 10 s.
-cat >"$flush" <<'EOF'
-import os; exec("import coverage, threading, time\nc = coverage.Coverage.current()\ndef _save(c=c):\n    while True:\n        time.sleep(10)\n        try: c.save()\n        except Exception: pass\nif c is not None: threading.Thread(target=_save, name='coverage-save', daemon=True).start()", {}) if os.environ.get("COVERAGE_PROCESS_START") else None
-EOF
-trap 'rm -f "$flush"' EXIT
 started=$(date +%s)
 COVERAGE_PROCESS_START=$out/coveragerc PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} "$@"
 rc=$?
 echo "[coverage.sh] command exit $rc after $(( $(date +%s) - started )) s"
-rm -f "$flush"
 cd "$out" || exit 1
 "$python" -m coverage combine -q --rcfile=coveragerc >/dev/null
 "$python" -m coverage report --rcfile=coveragerc >report.txt
