@@ -12,6 +12,7 @@ import os
 import sysconfig
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
@@ -107,21 +108,45 @@ def load_from_file(spec: str, key: str, what: str) -> Any:
     word the errors: ``FileNotFoundError`` for a missing file, ``ImportError`` for one that is
     not a module, ``AttributeError`` for a missing name. The file's own import errors propagate.
     """
+    return load_from_module(spec, key, what, _load_module)
+
+
+def load_from_module(spec: str, key: str, what: str, load: Callable[[Path, str, str], ModuleType]) -> Any:
+    """:func:`load_from_file` with the module loaded by ``load(path, module_name, where)``
+    (e.g. a cached :func:`load_module`, so that every name of one file comes from one module)."""
     file, sep, name = spec.rpartition(":")
     if not sep or not file or not name:
         raise ValueError(f"{key}={spec!r} is not of the form {FILE_FORM}")
     path = Path(file)
     if not path.is_file():
         raise FileNotFoundError(f"{what} file {file!r} (from {key}={spec!r}) not found")
-    module_name = f"async_rl_user_{what.replace(' ', '_')}_{path.stem}"
-    module_spec = importlib.util.spec_from_file_location(module_name, path)
-    if module_spec is None or module_spec.loader is None:
-        raise ImportError(f"cannot import {file!r} (from {key}={spec!r}) as a Python module")
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
+    module = load(path, f"async_rl_user_{what.replace(' ', '_')}_{path.stem}", f"{key}={spec!r}")
     if not hasattr(module, name):
         raise AttributeError(f"{file} has no {name!r} (from {key}={spec!r})")
     return getattr(module, name)
+
+
+def _load_module(path: Path, module_name: str, where: str) -> ModuleType:
+    """A new module object of the Python file ``path`` (``where`` words the error)."""
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise ImportError(f"cannot import {str(path)!r} (from {where}) as a Python module")
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
+
+def load_module(path: Path, module_name: str, where: str) -> ModuleType:
+    """The module of the Python file ``path``, loaded once per process and file (whatever
+    ``module_name`` and ``where`` a later caller gives)."""
+    resolved = path.resolve()
+    if resolved not in _LOADED:
+        _LOADED[resolved] = _load_module(resolved, module_name, where)
+    return _LOADED[resolved]
+
+
+_LOADED: dict[Path, ModuleType] = {}
+"""The modules :func:`load_module` loaded, by resolved path."""
 
 
 Frame = tuple[str, int, str]

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from async_rl.bounds import Bound, bound_of
-from async_rl.config import Config, ConfigError, LoraConfig, LossConfig, load_config, redact_url, reference_markdown, save_resolved, shareable, to_yaml
+from async_rl.config import Config, ConfigError, LoraConfig, LossConfig, field_docs, load_config, redact_url, reference_markdown, save_resolved, shareable, to_yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
@@ -227,12 +227,21 @@ def test_algorithm_name_choices_are_exactly_the_registered_ones():
     import typing
 
     from async_rl.algos import advantages, kl, losses
+    from async_rl.algos.options import ADVANTAGE_OPTIONS
     from async_rl.config import AdvantageConfig, KLControlConfig
 
-    assert set(typing.get_args(typing.get_type_hints(AdvantageConfig)["name"])) == set(advantages.names())
-    assert set(typing.get_args(typing.get_type_hints(LossConfig)["name"])) == set(losses.names())
+    for name in advantages.names():  # the estimator and loss names are strings: a built-in or path/to/file.py:function
+        assert load_config(None, [f"algorithm.advantage.name={name}"]).algorithm.advantage.name == name
+        assert f"``{name}``" in field_docs(AdvantageConfig)["name"]
+    for name in losses.names():
+        assert load_config(None, [f"algorithm.loss.name={name}"]).algorithm.loss.name == name
+        assert f"``{name}``" in field_docs(LossConfig)["name"]
     assert set(typing.get_args(typing.get_type_hints(LossConfig)["kl_kind"])) == set(kl.names())
     assert set(typing.get_args(typing.get_type_hints(KLControlConfig)["kind"])) == set(kl.names())
+    assert ADVANTAGE_OPTIONS == tuple(f.name for f in dataclasses.fields(AdvantageConfig) if f.name != "name")
+    msg = _error(["algorithm.advantage.name=grpp"])
+    assert "algorithm.advantage.name='grpp' is not a built-in (did you mean 'grpo'?)" in msg and "path/to/file.py:name" in msg
+    assert "algorithm.loss.name='ppp' is not a built-in (did you mean 'ppo'?)" in _error(["algorithm.loss.name=ppp"])
 
 
 def test_reward_kwargs_are_a_free_mapping():

@@ -9,7 +9,8 @@ Outcome advantages are broadcast over the mask; every result is 0 on padding.
 Every estimator is registered with :func:`register` and takes
 ``(rewards, response_mask, group_index, **options)``, returning ``(advantages, returns)``, both
 ``[B, T]`` (outcome estimators return the advantages twice, as verl does). Call it through
-:func:`compute` (advantages only) or :func:`compute_with_returns`.
+:func:`compute` (advantages only) or :func:`compute_with_returns`, by its name or, for a
+user's own, by ``path/to/file.py:function`` (:func:`~async_rl.algos.options.estimator`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch import Tensor
 from async_rl.plugins import Registry
 
 from ._masked import masked_whiten
+from .options import ADVANTAGE_KEY, is_user_spec, user_algorithm
 
 Estimator = Callable[..., tuple[Tensor, Tensor]]
 
@@ -60,11 +62,24 @@ def compute_with_returns(
 
     Computed in at least float32 (float64 rewards stay float64; integer, bool and half become float32).
     """
-    estimator = _REGISTRY.get(name)
+    user = is_user_spec(name)
+    estimator = user_algorithm(name, ADVANTAGE_KEY) if user else _REGISTRY.get(name)
     _check_shapes(rewards, response_mask, group_index)
     rewards = rewards.to(torch.promote_types(rewards.dtype, torch.float32))
     with torch.no_grad():
-        return estimator(rewards, response_mask.to(rewards.dtype), group_index, **options)
+        out = estimator(rewards, response_mask.to(rewards.dtype), group_index, **options)
+    return _user_result(name, out, tuple(response_mask.shape)) if user else out
+
+
+def _user_result(name: str, out: Any, shape: tuple[int, ...]) -> tuple[Tensor, Tensor]:
+    """A user estimator's advantages, or (advantages, returns), checked to be ``[B, T]`` tensors."""
+    pair = out if isinstance(out, tuple) else (out, out)
+    if len(pair) != 2 or not all(isinstance(t, Tensor) and tuple(t.shape) == shape for t in pair):
+        got = [tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__ for t in pair] if isinstance(out, tuple) else (
+            tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__)
+        raise ValueError(f"{ADVANTAGE_KEY}={name!r} returned {got}: expected advantages [B, T] = {shape}, "
+                         "or (advantages, returns), both of that shape")
+    return pair
 
 
 def _check_shapes(rewards: Tensor, response_mask: Tensor, group_index: Tensor | None) -> None:

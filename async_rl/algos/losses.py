@@ -37,7 +37,7 @@ from async_rl.plugins import Registry
 
 from . import kl
 from ._masked import masked_mean
-from .options import AGG_MODES, LOSSES, LossOptions
+from .options import AGG_MODES, LOSS_KEY, LossOptions, is_user_spec, loss_info, user_algorithm
 
 # verl's SAFETY_BOUND: log-ratios are clamped to +-20 before exp so weights stay finite in float32.
 _LOG_RATIO_BOUND = 20.0
@@ -102,8 +102,9 @@ def compute(
         ``is_cap``), ``behav_kl``, plus ``kl_loss`` / ``entropy`` when those inputs are given.
     """
     options = LossOptions.from_any(config)
-    fn = _REGISTRY.get(name)
-    info = LOSSES[name]
+    user = is_user_spec(name)
+    fn = user_algorithm(name, LOSS_KEY) if user else _REGISTRY.get(name)
+    info = loss_info(name)
     mask = mask.to(logp.dtype)
     if info.bypass:
         prox_logp, train_logp = behav_logp, logp.detach()
@@ -118,6 +119,8 @@ def compute(
     keep = mask * rejection_mask(behav_log_ratio, mask, options.mask_level, options.mask_lower, options.mask_upper)
 
     terms = fn(logp, prox_logp, advantages, keep, options)
+    if user:
+        terms = _user_terms(name, terms, tuple(logp.shape))
     pg_loss = aggregate(terms.loss * weight * (1.0 if token_weight is None else token_weight), keep, options.agg_mode)
     metrics = {
         "pg_loss": pg_loss,
@@ -140,6 +143,17 @@ def compute(
     elif options.entropy_coef != 0:
         raise ValueError("entropy_coef != 0 needs entropy")
     return loss, {key: float(value.detach()) for key, value in metrics.items()}
+
+
+def _user_terms(name: str, terms: Any, shape: tuple[int, ...]) -> PolicyTerms:
+    """A user loss's per-token loss (nothing clipped) or :class:`PolicyTerms`, checked to be ``[B, T]``."""
+    if isinstance(terms, Tensor):
+        none = torch.zeros(shape, dtype=torch.bool, device=terms.device)
+        terms = PolicyTerms(terms, none, none)
+    if not isinstance(terms, PolicyTerms) or tuple(terms.loss.shape) != shape:
+        got = tuple(terms.loss.shape) if isinstance(terms, PolicyTerms) else type(terms).__name__
+        raise ValueError(f"{LOSS_KEY}={name!r} returned {got}: expected the per-token loss [B, T] = {shape} (a tensor or PolicyTerms)")
+    return terms
 
 
 def _correction_metrics(weight: Tensor, mask: Tensor, keep: Tensor) -> dict[str, Tensor]:

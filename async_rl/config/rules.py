@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import ipaddress
 
-from async_rl.algos.options import ESTIMATORS, LOSSES
+from async_rl.algos.options import LOSSES, algorithm_problems, estimator_info, loss_info
 from async_rl.bounds import bound_problems
 from async_rl.config.sections import LOOPBACK_NAMES, LORA_KEY, MIN_API_KEY_LENGTH, OPENAI_API_KEY_ENV, Config
 
@@ -39,7 +39,7 @@ def _key_problems(cfg: Config) -> list[str]:
             problems.append(f"{name}.betas={optim.betas} must be two numbers")
     if cfg.learner.lora is not None:
         problems += cfg.learner.lora.problems()
-    return problems
+    return problems + algorithm_problems(cfg.algorithm.advantage.name, cfg.algorithm.loss.name)
 
 
 def is_loopback(host: str) -> bool:
@@ -84,7 +84,7 @@ def _cross_field_problems(cfg: Config) -> list[str]:
     need(cfg.data.max_pixels >= cfg.data.min_pixels,
          f"data.max_pixels={cfg.data.max_pixels} must be >= data.min_pixels={cfg.data.min_pixels}")
     need(
-        not ESTIMATORS[alg.advantage.name].group or r.n > 1,
+        not estimator_info(alg.advantage.name).group or r.n > 1,
         f"algorithm.advantage.name={alg.advantage.name!r} compares samples of the same prompt and needs rollout.n > 1 (got rollout.n={r.n})",
     )
     need(
@@ -114,7 +114,7 @@ def _cross_field_problems(cfg: Config) -> list[str]:
         )
     bypass = ", ".join(repr(name) for name, info in LOSSES.items() if info.bypass)
     need(
-        alg.recompute_proximal or not LOSSES[loss.name].behaviour_weight,
+        alg.recompute_proximal or not loss_info(loss.name).behaviour_weight,
         f"algorithm.loss.name={loss.name!r} needs algorithm.recompute_proximal=true (with false, pi_prox = mu and the loss is {bypass})",
     )
     if lrn.lora is not None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
-from async_rl.algos.options import ESTIMATORS, AdvantageName, KLName, LossName, LossOptions
+from async_rl.algos.options import KLName, LossOptions, estimator_info
 from async_rl.bounds import bounded, unbounded
 
 
@@ -361,8 +361,8 @@ class LearnerConfig:
 class AdvantageConfig:
     """Advantage estimator (see docs/algorithms.md)."""
 
-    name: AdvantageName = "grpo"
-    """Estimator (``gae`` trains a critic beside the policy: ``learner.critic``)."""
+    name: str = "grpo"
+    """Estimator: ``grpo``, ``rloo``, ``reinforce_pp``, ``reinforce_pp_baseline``, ``grpo_passk``, ``opo`` or ``gae`` (which trains a critic beside the policy: ``learner.critic``), or your own as ``path/to/file.py:function`` (docs/algorithms.md)."""
     norm_by_std: bool = True
     """GRPO: divide by the group's standard deviation (false gives Dr. GRPO)."""
     eps: float = bounded(1e-6, gt=0)
@@ -380,8 +380,8 @@ class LossConfig(LossOptions):
     The options of :class:`~async_rl.algos.options.LossOptions` (``algos.losses.compute``
     reads them by name) and the loss's ``name``: one definition of each field."""
 
-    name: LossName = "decoupled_ppo"
-    """Policy loss."""
+    name: str = "decoupled_ppo"
+    """Policy loss: ``ppo``, ``decoupled_ppo``, ``tis``, ``gspo`` or ``cispo``, or your own as ``path/to/file.py:function`` (docs/algorithms.md)."""
 
     def __post_init__(self) -> None:
         """Nothing: :func:`validate` checks the options, naming their keys with every other problem."""
@@ -438,7 +438,7 @@ class AlgorithmConfig:
     @property
     def needs_critic(self) -> bool:
         """Whether the learner trains a value model (``learner.critic``): an estimator that takes values (``gae``)."""
-        return ESTIMATORS[self.advantage.name].critic
+        return estimator_info(self.advantage.name).critic
 
     @property
     def needs_reference(self) -> bool:

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from async_rl.algos.options import ESTIMATORS
+from async_rl.algos.options import estimator_info
 from async_rl.config import Config
 
 WARN_PREFIX = "warn/"
@@ -204,7 +204,7 @@ def rules_for(cfg: Config) -> list[Rule]:
     ]
     if alg.needs_critic:
         rules.append(CriticNotLearning(cfg.learner.critic.optim.lr, cfg.learner.critic.warmup_steps))
-    if ESTIMATORS[alg.advantage.name].group:
+    if estimator_info(alg.advantage.name).group:
         reward = (f"rollout.env.name={env.name}, rollout.env.reward={env.reward}" if env else f"rollout.reward.function={r.reward.function}")
         rules.append(NoLearningSignal(r.n, reward, alg.advantage.name))
     return rules

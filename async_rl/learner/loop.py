@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from async_rl.algos.options import ESTIMATORS
+from async_rl.algos.options import estimator_info
 from async_rl.appendlog import append_lines
 from async_rl.config import Config
 from async_rl.data.images import decode_blob
@@ -90,7 +90,7 @@ class LearnerLoop:
         """A vision-language policy's image processor (None for a text model)."""
         limits = Limits(lrn.max_tokens_per_microbatch, int(policy.config.get_text_config().vocab_size),
                         getattr(policy.config, "image_token_id", None) if self.process_images is not None else None,
-                        cfg.algorithm.failed_samples, 2 if ESTIMATORS[cfg.algorithm.advantage.name].group else 1, cfg.data.max_pixels)
+                        cfg.algorithm.failed_samples, 2 if estimator_info(cfg.algorithm.advantage.name).group else 1, cfg.data.max_pixels)
         self.trainer = Trainer(policy, reference, lrn, cfg.algorithm, self.info, cfg.trainer.total_steps, cfg.trainer.seed,
                                temperature=cfg.rollout.temperature, critic=critic, lora=lrn.lora)
         self.output_dir = Path(cfg.trainer.output_dir)

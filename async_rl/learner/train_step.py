@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from async_rl.algos import advantages, kl, losses, vppo
-from async_rl.algos.options import ESTIMATORS, LOSSES
+from async_rl.algos.options import estimator_info, loss_info
 from async_rl.config import AlgorithmConfig, LearnerConfig, LoraConfig, OptimConfig
 from async_rl.learner import collectives, vision
 from async_rl.learner.attention import attention_kwargs
@@ -143,7 +143,7 @@ class Trainer:
         # is the current policy, so logp.detach() of the loss pass is exactly the recomputed value.
         # LoRA dropout makes the loss pass differ from the proximal pass (in eval mode): recompute it.
         self.single_update = learner.ppo_mini_batches == 1 and learner.ppo_epochs == 1 and (lora is None or lora.dropout == 0)
-        self.recompute = algorithm.recompute_proximal and not LOSSES[algorithm.loss.name].bypass and not self.single_update
+        self.recompute = algorithm.recompute_proximal and not loss_info(algorithm.loss.name).bypass and not self.single_update
         kc = algorithm.kl_ctrl
         self.kl_ctrl: kl.FixedKLController | kl.AdaptiveKLController | None = None
         """The coefficient of the KL in the reward (``algorithm.kl_in_reward``); checkpointed by the loop."""
@@ -289,7 +289,7 @@ class Trainer:
     def _advantages(self, batch: Batch, rewards: Tensor, values: Tensor | None) -> tuple[Tensor, Tensor]:
         """``(advantages, returns)`` ``[N, T]`` on the CPU; ``values`` (gae) are the critic's."""
         cfg = self.algorithm.advantage
-        options: dict[str, object] = {name: getattr(cfg, name) for name in ESTIMATORS[cfg.name].options}
+        options: dict[str, object] = {name: getattr(cfg, name) for name in estimator_info(cfg.name).options}
         if values is not None:
             options["values"] = values.cpu()
         return advantages.compute_with_returns(cfg.name, rewards=rewards, response_mask=batch.response_mask,
