@@ -112,6 +112,14 @@ class SendResult:
 
 
 @dataclass
+class _Moved:
+    """How far one update's transfer got: the group's creation, seconds, and the bytes streamed."""
+
+    group_s: float = 0.0
+    nbytes: int = 0
+
+
+@dataclass
 class _Server:
     peer: bytes
     """ZeroMQ routing id of the server's current connection."""
@@ -358,11 +366,7 @@ class WeightSender:
         uid = self._update_id
         wanted = self._servers.keys() if servers is None else servers
         targets = {sid: self._servers[sid] for sid in wanted if sid in self._servers}
-        reports = {
-            sid: ServerReport(sid, False, "not registered")
-            for sid in wanted
-            if sid not in self._servers
-        }
+        reports = {sid: ServerReport(sid, False, "not registered") for sid in wanted if sid not in self._servers}
         buckets = plan_buckets(specs, self.bucket_bytes)
         announce = Announce(uid, version, tuple(specs), tuple(buckets), adapter)
 
@@ -372,43 +376,20 @@ class WeightSender:
         routes, sources = self._hand_offs(ready, buckets)
         local = {sid: s for sid, s in ready.items() if routes[sid] != "group"}
         members = tuple((sid, s.peer, s.num_workers) for sid, s in ready.items() if sid not in local)
-        if members and (members != self._members or self._group is None):
-            self._drop_group()
-            self._epoch += 1
-            self._key_prefix = new_key_prefix(self._epoch)
-        if members and self._store is None:
-            self._store = host_store(self._bind_host, self.timeout_s)
-        world = 1 + sum(n for _, _, n in members)
-        rv = Rendezvous(self._bind_host, self._store.port if self._store is not None else 0, self._epoch, world, self.backend, self._key_prefix)
-        offset = 1
-        for sid, peer, n in members:
-            start = Start(uid, rv, offset, max(0.0, deadline - time.monotonic()))
-            offset += n
-            if not self._send_or_report(peer, sid, start, reports):
-                # The group cannot form without it: release the others now.
-                self._abort(uid, ready, f"server {sid} unreachable")
-                for other in ready.keys() - reports.keys():
-                    reports[other] = ServerReport(other, False, f"aborted: server {sid} unreachable")
-                return self._done(version, uid, t0, time.monotonic() - t0, 0.0, 0.0, 0, reports)
+        rv = self._rendezvous(members)
+        if not self._start_members(uid, rv, members, ready, reports, deadline):
+            return self._done(version, uid, t0, time.monotonic() - t0, 0.0, 0.0, 0, reports)
         announce_s = time.monotonic() - t0
 
         t1 = time.monotonic()
-        group_s = 0.0
-        nbytes = 0
+        moved = _Moved()
         try:
-            if members and self._group is None and self._store is not None:
-                self._group = WeightGroup.join(rv, 0, self._store, deadline - time.monotonic())
-                self._members = members
-                group_s = self._group.create_s
-            writers = [(self._writer(kind), source) for kind, source in sources.items()]
-            nbytes = stream_buckets(self._group if members else None, named_tensors, specs, buckets, deadline, writers)
-            for writer, _ in writers:
-                writer.finish()
+            self._transfer(rv, members, named_tensors, specs, buckets, sources, deadline, moved)
         except GroupError as e:
             self._abort(uid, ready, f"sender: {e}")
             for sid in ready:
                 reports[sid] = ServerReport(sid, False, f"transfer failed: {e}")
-            return self._done(version, uid, t0, announce_s, group_s, time.monotonic() - t1, nbytes, reports)
+            return self._done(version, uid, t0, announce_s, moved.group_s, time.monotonic() - t1, moved.nbytes, reports)
         except BaseException as e:
             self._abort(uid, ready, f"sender raised {type(e).__name__}: {e}")
             raise
@@ -416,11 +397,54 @@ class WeightSender:
             start = Start(uid, None, 0, max(0.0, deadline - time.monotonic()), handoff=sources[routes[sid]])  # type: ignore[index]
             self._send_or_report(s.peer, sid, start, reports)
         transfer_s = time.monotonic() - t1
+        group_s, nbytes = moved.group_s, moved.nbytes
         waiting = {s.peer: sid for sid, s in ready.items() if sid not in reports}
         self._pending = PendingSend(version, uid, t0, announce_s, group_s, transfer_s, nbytes,
                                     deadline + self.control_timeout_s, reports, waiting,
                                     via={sid: routes[sid] for sid in local})  # type: ignore[misc]
         return self._pending
+
+    def _transfer(self, rv: Rendezvous, members: tuple[tuple[str, bytes, int], ...], named_tensors: Iterable[tuple[str, torch.Tensor]],
+                  specs: Sequence[TensorSpec], buckets: Sequence[Bucket], sources: dict[HandOff, ShmSource | CudaSource], deadline: float,
+                  moved: _Moved) -> None:
+        """Join the broadcast group when it is new, then stream every bucket to it and into the
+        hand-off buffers (``sources``); ``moved`` says how far it got (read after a failure too)."""
+        if members and self._group is None and self._store is not None:
+            self._group = WeightGroup.join(rv, 0, self._store, deadline - time.monotonic())
+            self._members = members
+            moved.group_s = self._group.create_s
+        writers = [(self._writer(kind), source) for kind, source in sources.items()]
+        moved.nbytes = stream_buckets(self._group if members else None, named_tensors, specs, buckets, deadline, writers)
+        for writer, _ in writers:
+            writer.finish()
+
+    def _rendezvous(self, members: tuple[tuple[str, bytes, int], ...]) -> Rendezvous:
+        """Where the broadcast group of ``members`` (server id, peer, workers) meets: the group
+        of the last update while its members are the same, else a new epoch (new store keys)."""
+        if members and (members != self._members or self._group is None):
+            self._drop_group()
+            self._epoch += 1
+            self._key_prefix = new_key_prefix(self._epoch)
+        if members and self._store is None:
+            self._store = host_store(self._bind_host, self.timeout_s)
+        world = 1 + sum(n for _, _, n in members)
+        return Rendezvous(self._bind_host, self._store.port if self._store is not None else 0, self._epoch, world, self.backend,
+                          self._key_prefix)
+
+    def _start_members(self, uid: int, rv: Rendezvous, members: tuple[tuple[str, bytes, int], ...], ready: dict[str, _Server],
+                       reports: dict[str, ServerReport], deadline: float) -> bool:
+        """Send each group member its ranks (:class:`Start`); False when one is unreachable
+        (the group cannot form without it: the others are released and reported aborted)."""
+        offset = 1
+        for sid, peer, n in members:
+            start = Start(uid, rv, offset, max(0.0, deadline - time.monotonic()))
+            offset += n
+            if not self._send_or_report(peer, sid, start, reports):
+                self._abort(uid, ready, f"server {sid} unreachable")
+                for other in ready.keys() - reports.keys():
+                    reports[other] = ServerReport(other, False, f"aborted: server {sid} unreachable")
+                return False
+        return True
 
     def complete(self, pending: PendingSend, wait: bool = True) -> SendResult | None:
         """The outcome of ``pending`` once every server acknowledged (or its deadline
