@@ -445,7 +445,6 @@ def build_vlm_assets(
         sampled_acc, pass_at_k = sample_stats(samples, [r.answer for r in val], is_exact_match)
         timings["pass_at_k"] = time.perf_counter() - t0
 
-        questions = [COLOUR_QUESTION] + ([COUNT_QUESTION] if TASK.count_share else [])
         return finish_build(
             out,
             model,
@@ -458,11 +457,17 @@ def build_vlm_assets(
             timings=timings,
             t_start=t_start,
             warm_start=cfg,
-            task={"name": "vlm", **asdict(TASK), "colours": list(COLOURS), "backgrounds": list(BACKGROUNDS), "questions": questions},
+            task=_task_record(),
             sizes={"train": N_TRAIN, "val": N_VAL},
             progress=progress,
             versions={"pillow": PIL.__version__},
         )
+
+
+def _task_record() -> dict[str, Any]:
+    """The coloured-shapes task as the manifest records it: its parameters, colours, backgrounds and questions."""
+    questions = [COLOUR_QUESTION] + ([COUNT_QUESTION] if TASK.count_share else [])
+    return {"name": "vlm", **asdict(TASK), "colours": list(COLOURS), "backgrounds": list(BACKGROUNDS), "questions": questions}
 
 
 def build_processor(model_dir: Path, train: Sequence[VisionRow]) -> ProcessorMixin:
