@@ -465,10 +465,10 @@ def test_the_longest_sample_is_one_rule_for_the_engine_the_microbatch_and_the_pl
 
 def test_a_second_reference_model_is_loaded_only_for_a_kl_term_without_lora():
     from async_rl.config import LoraConfig
-    from async_rl.learner.memory import Beside
+    from async_rl.learner.memory import RankExtras
 
     kl = load_config(None, ["algorithm.loss.kl_coef=0.01"]).algorithm
     assert kl.needs_reference and kl.loads_reference_model(None) and not kl.loads_reference_model(LoraConfig())
-    assert Beside.of(kl).reference and not Beside.of(kl, LoraConfig()).reference
+    assert RankExtras.of(kl).reference and not RankExtras.of(kl, LoraConfig()).reference
     plain = load_config(None, ["algorithm.loss.kl_coef=0", "algorithm.kl_in_reward=false"]).algorithm
     assert not plain.needs_reference and not plain.loads_reference_model(None)

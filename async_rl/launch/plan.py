@@ -16,7 +16,7 @@ from async_rl.launch.prometheus import port_error
 from async_rl.learner import attention, kernels, vision
 from async_rl.learner.memory import (
     GB,
-    Beside,
+    RankExtras,
     MemoryEstimate,
     UPDATE_BYTES_PER_PARAM,
     ModelShape,
@@ -291,7 +291,7 @@ def _check_memory(cfg: Config, plan: Plan) -> None:
         return  # an empty or missing model directory is already an error
     device_type = learner_device_type(cfg)
     share = servers_gpu_share(cfg.rollout, lrn) if device_type == "cuda" else 0.0
-    beside = Beside.of(cfg.algorithm, lrn.lora, handoff=cuda_ipc_handoff(cfg.sync, share))
+    beside = RankExtras.of(cfg.algorithm, lrn.lora, handoff=cuda_ipc_handoff(cfg.sync, share))
     if share >= 1:
         plan.errors.append(f"the inference servers on learner rank 0's GPU take all of it: {share:.0%} (rollout.vllm.gpu_memory_utilization="
                            f"{cfg.rollout.vllm.gpu_memory_utilization:g} per server, rollout.gpus_per_server={cfg.rollout.gpus_per_server:g}, "
@@ -326,7 +326,7 @@ def _check_disk(cfg: Config, plan: Plan) -> None:
 
 
 def _does_not_fit(cfg: Config, model_config: dict[str, Any], est: MemoryEstimate, device_type: str,
-                  beside: Beside) -> str:
+                  beside: RankExtras) -> str:
     """The error of a plan whose learner does not fit: the budget, and what each knob would give."""
     lrn = cfg.learner
     budget = est.budget_gb

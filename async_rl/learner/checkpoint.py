@@ -180,7 +180,7 @@ class TrainingState:
 
 
 @dataclass(frozen=True)
-class Start:
+class StartPoint:
     """Where a run starts (:func:`start`)."""
 
     path: Path | None
@@ -203,7 +203,7 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: p.name)
 
 
-def start(resume: str, output_dir: str | Path) -> Start:
+def start(resume: str, output_dir: str | Path) -> StartPoint:
     """At a start, on rank 0 before anything is saved: sweep what a killed save left
     (:func:`sweep`), resolve ``trainer.resume`` and make it the head of the line.
 
@@ -214,13 +214,13 @@ def start(resume: str, output_dir: str | Path) -> Start:
     root = Path(output_dir) / "checkpoints"
     swept = sweep(output_dir)
     if resume == "auto":
-        return Start(_head(root), swept)
+        return StartPoint(_head(root), swept)
     path = None if resume == "off" else Path(resume)
     if path is not None and not (path / _STATE).is_file():
         raise FileNotFoundError(f"trainer.resume={resume!r} is not a complete checkpoint (no {_STATE})")
     if path is not None or root.is_dir():
         _write_head(root, path)
-    return Start(path, swept)
+    return StartPoint(path, swept)
 
 
 def sweep(output_dir: str | Path) -> list[str]:

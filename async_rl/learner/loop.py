@@ -30,7 +30,7 @@ from async_rl.heap import release_freed_heap
 from async_rl.learner import checkpoint, collectives, vision
 from async_rl.learner.batching import Batch, Prepared, prepare
 from async_rl.learner.feed import BatchFeed, QueueReader, StepData, staleness_metrics, truncation_metrics
-from async_rl.learner.memory import Beside, cuda_ipc_handoff, servers_gpu_share
+from async_rl.learner.memory import RankExtras, cuda_ipc_handoff, servers_gpu_share
 from async_rl.learner.model import DistInfo, init_distributed, load_sharded
 from async_rl.learner.publish import Publication, WeightPublisher
 from async_rl.learner.screening import Limits
@@ -80,7 +80,7 @@ class LearnerLoop:
         # A LoRA policy (learner.lora) trains only its adapter; its reference is itself with the
         # adapter disabled (beside.reference is then False: no second model).
         share = servers_gpu_share(cfg.rollout, lrn)
-        beside = Beside.of(cfg.algorithm, lrn.lora, handoff=cuda_ipc_handoff(cfg.sync, share))
+        beside = RankExtras.of(cfg.algorithm, lrn.lora, handoff=cuda_ipc_handoff(cfg.sync, share))
         policy = load_sharded(lrn.model_path, lrn, self.info.device, trainable=True, beside=beside, servers_share=share, lora=lrn.lora)
         reference = load_sharded(lrn.model_path, lrn, self.info.device, trainable=False) if beside.reference else None
         critic = (load_sharded(lrn.critic.model_path or lrn.model_path, lrn, self.info.device, trainable=True, beside=beside,

@@ -51,7 +51,7 @@ one layer's) only the adapter trains, on a frozen base held in the compute dtype
 * activations: each layer also saves ``A x`` for ``B``'s gradient, ``r c`` bytes per token and
   target, and with dropout each target's dropped input and its mask, ``(c + 1) in`` bytes
   (:func:`lora_activation_bytes`);
-* reference: none (the reference is the policy with its adapters disabled, :meth:`Beside.of`);
+* reference: none (the reference is the policy with its adapters disabled, :meth:`RankExtras.of`);
 * critic (fully fine-tuned): its float32 gradients as well, ``4 P / W + (4 + c) P_layer``,
   which the adapter's small gradients no longer cover.
 
@@ -246,13 +246,13 @@ _MODEL_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_lay
 
 
 def setting_key(model_config: Mapping[str, Any], learner: LearnerConfig, checkpointing: bool, device_type: str,
-                beside: Beside | None = None) -> dict[str, Any]:
+                beside: RankExtras | None = None) -> dict[str, Any]:
     """What a measured peak depends on, as stored in :data:`CALIBRATION_PATH`: the model (the
     ``config.json`` keys of its shape; settings match when their :class:`ModelShape` does), the
     micro-batch and log-prob chunk sizes, checkpointing, the ranks, the compute dtype's bytes
     and the models beside the policy. A vision-language model is not tabled (its images' memory
     is not estimated)."""
-    beside = beside or Beside()
+    beside = beside or RankExtras()
     return {"model": {k: model_config[k] for k in _MODEL_KEYS if k in model_config}, "tokens": learner.max_tokens_per_microbatch,
             "logprob_chunk_tokens": learner.logprob_chunk_tokens, "checkpointing": checkpointing, "world_size": learner.world_size,
             "compute_bytes": compute_bytes(learner, device_type), "reference": beside.reference, "critic": beside.critic}
@@ -444,8 +444,8 @@ def checkpoint_bytes(model_config: Mapping[str, Any], learner: LearnerConfig, cr
 
 
 @dataclass(frozen=True)
-class Beside:
-    """The models a learner rank holds beside the policy it trains."""
+class RankExtras:
+    """What a learner rank holds besides the policy it trains: the reference, the critic, the weight hand-off buffer."""
 
     reference: bool = False
     """The frozen reference model (:meth:`~async_rl.config.AlgorithmConfig.loads_reference_model`)."""
@@ -457,7 +457,7 @@ class Beside:
     or ``ipc``; :mod:`async_rl.sync.cuda_ipc`)."""
 
     @classmethod
-    def of(cls, algorithm: AlgorithmConfig, lora: LoraConfig | None = None, handoff: bool = False) -> Beside:
+    def of(cls, algorithm: AlgorithmConfig, lora: LoraConfig | None = None, handoff: bool = False) -> RankExtras:
         """What ``algorithm`` needs beside the policy; with ``lora`` (``learner.lora``) no
         reference model: a LoRA run's reference is the policy with its adapters disabled.
         ``handoff``: servers share the rank's GPU and get their updates through CUDA IPC."""
@@ -465,14 +465,14 @@ class Beside:
 
 
 def estimate(model_config: Mapping[str, Any], learner: LearnerConfig, checkpointing: bool, budget_gb: float,
-             device_type: str = "cuda", beside: Beside = Beside()) -> MemoryEstimate:
+             device_type: str = "cuda", beside: RankExtras = RankExtras()) -> MemoryEstimate:
     """Peak memory of one learner rank in GB (see the module docstring for each part).
 
     ``model_config`` is the model's ``config.json`` (Qwen2/Llama keys; raises ``ValueError``
     when one is missing); ``checkpointing`` the resolved gradient checkpointing; ``budget_gb``
     what a rank may use (:func:`budget_gb`); ``device_type`` ``cuda`` or ``cpu`` (compute dtype,
     attention path, overhead); ``beside`` adds the frozen reference and the critic
-    (:meth:`Beside.of`). ``learner.lora`` estimates a LoRA run (module docstring); a target
+    (:meth:`RankExtras.of`). ``learner.lora`` estimates a LoRA run (module docstring); a target
     that is no decoder projection raises ``ValueError`` too.
     """
     shape = ModelShape.from_config(model_config)
@@ -512,7 +512,7 @@ def estimate(model_config: Mapping[str, Any], learner: LearnerConfig, checkpoint
 
 
 def max_fitting_tokens(model_config: Mapping[str, Any], learner: LearnerConfig, checkpointing: bool, budget_gb: float,
-                       device_type: str = "cuda", beside: Beside = Beside()) -> int:
+                       device_type: str = "cuda", beside: RankExtras = RankExtras()) -> int:
     """Largest ``learner.max_tokens_per_microbatch`` (a multiple of 1024) whose estimate fits
     ``budget_gb``, all else as in ``learner``; 0 if none does."""
 
@@ -572,11 +572,11 @@ def budget_gb(learner: LearnerConfig, device_type: str, servers_share: float = 0
 
 
 def resolve_gradient_checkpointing(learner: LearnerConfig, model_config: Mapping[str, Any], device_type: str,
-                                   beside: Beside = Beside(), servers_share: float = 0.0) -> bool:
+                                   beside: RankExtras = RankExtras(), servers_share: float = 0.0) -> bool:
     """Whether to checkpoint the decoder layers: ``on`` -> True, ``off`` -> False, ``auto`` ->
     True only on GPU (``device_type == "cuda"``) when the estimate without checkpointing does
     not fit :func:`budget_gb` (CPU: memory is plentiful and recomputation costs more than it saves).
-    The estimate is the LoRA one with ``learner.lora`` (pass ``beside`` from :meth:`Beside.of`
+    The estimate is the LoRA one with ``learner.lora`` (pass ``beside`` from :meth:`RankExtras.of`
     with the same lora: no reference model then)."""
     mode = learner.fsdp.gradient_checkpointing
     if mode != "auto":

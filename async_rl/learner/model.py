@@ -88,7 +88,7 @@ def compute_dtype(fsdp: FsdpConfig, device: torch.device) -> torch.dtype:
     return getattr(torch, fsdp.param_dtype)
 
 
-def load_sharded(model_path: str, learner: LearnerConfig, device: torch.device, trainable: bool, beside: memory.Beside = memory.Beside(),
+def load_sharded(model_path: str, learner: LearnerConfig, device: torch.device, trainable: bool, beside: memory.RankExtras = memory.RankExtras(),
                  servers_share: float = 0.0, value_model: bool = False, lora: LoraConfig | None = None) -> nn.Module:
     """Load a causal LM with float32 master weights and shard it: ``fully_shard`` per decoder
     layer, then at the root (embeddings, final norm, LM head).

@@ -34,8 +34,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-RECEIVER_EXTENSION = "async_rl.sync.receiver.WeightReceiverExtension"
-"""vLLM worker extension that receives weight broadcasts (see async_rl/sync/receiver.py)."""
+RECEIVER_EXTENSION = "async_rl.sync.vllm_receiver.WeightReceiverExtension"
+"""vLLM worker extension that receives weight broadcasts (see async_rl/sync/vllm_receiver.py)."""
 ENGINE_POLL_S = 1.0
 """How often a server checks that its vLLM engine lives, seconds: the longest a dead engine goes unnoticed."""
 ENGINE_PROBE_S = 5.0

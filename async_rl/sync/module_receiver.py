@@ -1,6 +1,6 @@
 """A weight-sync receiver that loads into a plain ``torch.nn.Module``: :class:`ModuleReceiver`.
 
-The same receiving protocol as a vLLM server's workers (:class:`~async_rl.sync.receiving.ReceivingWorker`,
+The same receiving protocol as a vLLM server's workers (:class:`~async_rl.sync.receiving_worker.ReceivingWorker`,
 driven by the same :class:`~async_rl.sync.server.WeightUpdateServer`), with the engine
 replaced by one in-process worker (:class:`LocalEngine`) whose load copies each tensor into
 the module's parameter or buffer of the same name. It runs where vLLM cannot (the GPU
@@ -16,7 +16,7 @@ import torch
 
 from async_rl.sync.buckets import unpack_bucket
 from async_rl.sync.control import Announce
-from async_rl.sync.receiving import ReceivingWorker
+from async_rl.sync.receiving_worker import ReceivingWorker
 
 
 class ModuleReceiver(ReceivingWorker):

@@ -1,7 +1,7 @@
 """Engine side of weight sync: the control loop of one inference server.
 
 :class:`WeightUpdateServer` talks to the sender over ZeroMQ and drives the engine's
-workers (:class:`~async_rl.sync.receiver.WeightReceiverExtension`) with
+workers (:class:`~async_rl.sync.vllm_receiver.WeightReceiverExtension`) with
 ``collective_rpc``. It works with the async engine (``vllm.v1.engine.async_llm.AsyncLLM``,
 whose methods are coroutines) and with the offline ``vllm.LLM`` (plain methods).
 

@@ -148,8 +148,8 @@ def test_the_plan_refuses_vllm_dev_mode_where_the_api_is_served(data: Path, monk
 
 
 @pytest.mark.parametrize("override, key", [
-    ("algorithm.loss.name=nonsense", "algorithm.loss.name='nonsense' is not allowed"),
-    ("algorithm.advantage.name=nonsense", "algorithm.advantage.name='nonsense' is not allowed"),
+    ("algorithm.loss.name=nonsense", "algorithm.loss.name='nonsense' is not a built-in"),
+    ("algorithm.advantage.name=nonsense", "algorithm.advantage.name='nonsense' is not a built-in"),
     ("learner.critic.cliprange_value=0", "learner.critic.cliprange_value=0.0 must be > 0"),
     ("rollout.reward.type=batched", "rollout.reward.type='batched' is not allowed (did you mean 'batch'?)"),
 ])

@@ -107,7 +107,7 @@ def test_estimate_is_at_or_above_every_measured_learner_peak(entry: int):
     dtype = {2: "bfloat16", 4: "float32"}[key["compute_bytes"]]
     lrn = _learner(f"learner.max_tokens_per_microbatch={key['tokens']}", f"learner.logprob_chunk_tokens={key['logprob_chunk_tokens']}",
                    f"learner.world_size={key['world_size']}", f"learner.fsdp.param_dtype={dtype}")
-    est = memory.estimate(key["model"], lrn, key["checkpointing"], 80.0, "cuda", memory.Beside(key["reference"], key["critic"]))
+    est = memory.estimate(key["model"], lrn, key["checkpointing"], 80.0, "cuda", memory.RankExtras(key["reference"], key["critic"]))
     assert est.measured == measured and f"last measured: {measured.peak_gb:.1f} GB" in est.summary()
     assert measured.peak_gb <= est.total_gb <= 1.25 * measured.peak_gb, est.summary()
 
@@ -124,7 +124,7 @@ def test_a_recorded_measurement_is_found_for_the_same_shape_only(tmp_path):
     assert len(memory.calibration(table)) == 1
     for other in (memory.setting_key(QWEN25_05B, lrn, True, "cuda"), memory.setting_key(QWEN25_15B, lrn, False, "cuda"),
                   memory.setting_key(QWEN25_05B, _learner("learner.max_tokens_per_microbatch=4096"), False, "cuda"),
-                  memory.setting_key(QWEN25_05B, lrn, False, "cuda", memory.Beside(reference=True))):
+                  memory.setting_key(QWEN25_05B, lrn, False, "cuda", memory.RankExtras(reference=True))):
         assert memory.last_measured(other, table) is None
 
 
@@ -140,9 +140,9 @@ def test_parts_scale_as_documented():
     assert one.logprob_chunk_gb == pytest.approx(2048 * 151936 * (2 + 8) / 1e9)
     cpu = memory.estimate(QWEN25_15B, _learner("learner.max_tokens_per_microbatch=8192"), False, 80.0, device_type="cpu")
     assert cpu.activations_gb > half.activations_gb  # float32 compute
-    with_ref = memory.estimate(QWEN25_15B, _learner(), False, 80.0, beside=memory.Beside(reference=True))
+    with_ref = memory.estimate(QWEN25_15B, _learner(), False, 80.0, beside=memory.RankExtras(reference=True))
     assert with_ref.reference_gb > with_ref.params_gb and "reference model" in with_ref.summary()
-    with_critic = memory.estimate(QWEN25_15B, _learner(), False, 80.0, beside=memory.Beside(critic=True))
+    with_critic = memory.estimate(QWEN25_15B, _learner(), False, 80.0, beside=memory.RankExtras(critic=True))
     assert with_critic.critic_gb == pytest.approx(with_critic.params_gb + with_critic.optimizer_gb + with_ref.reference_gb - with_ref.params_gb)
     assert "critic" in with_critic.summary() and with_critic.total_gb == pytest.approx(memory.estimate(QWEN25_15B, _learner(), False, 80.0).total_gb + with_critic.critic_gb)
 
@@ -291,10 +291,10 @@ def test_lora_is_below_full_fine_tuning_for_every_shape_and_sharding():
 
 def test_a_lora_run_holds_no_reference_model_but_its_critic_keeps_its_gradients():
     kl = load_config(None, ["algorithm.loss.kl_coef=0.01", "algorithm.advantage.name=gae"]).algorithm
-    assert memory.Beside.of(kl) == memory.Beside(reference=True, critic=True)
-    assert memory.Beside.of(kl, LoraConfig()) == memory.Beside(reference=False, critic=True)
+    assert memory.RankExtras.of(kl) == memory.RankExtras(reference=True, critic=True)
+    assert memory.RankExtras.of(kl, LoraConfig()) == memory.RankExtras(reference=False, critic=True)
     lrn = _learner(*LORA)
-    est = memory.estimate(QWEN25_05B, lrn, False, 80.0, beside=memory.Beside.of(kl, lrn.lora))
+    est = memory.estimate(QWEN25_05B, lrn, False, 80.0, beside=memory.RankExtras.of(kl, lrn.lora))
     p, shape = memory.parameter_count(QWEN25_05B), memory.ModelShape.from_config(QWEN25_05B)
     assert est.reference_gb == 0.0
     assert est.critic_gb == pytest.approx((16 * p + 2 * shape.root_params + 6 * shape.layer_params) / 1e9)
@@ -314,11 +314,11 @@ def test_servers_on_the_ranks_gpu_add_the_cuda_ipc_hand_off_buffer():
     updates when its servers share the GPU and get updates through CUDA IPC."""
     lrn = _learner()
     without = memory.estimate(QWEN25_05B, lrn, False, 80.0)
-    with_buffer = memory.estimate(QWEN25_05B, lrn, False, 80.0, beside=memory.Beside(handoff=True))
+    with_buffer = memory.estimate(QWEN25_05B, lrn, False, 80.0, beside=memory.RankExtras(handoff=True))
     p = memory.parameter_count(QWEN25_05B)
     assert without.handoff_gb == 0.0 and with_buffer.total_gb - without.total_gb == pytest.approx(4 * p / 1e9)
     assert "weight hand-off buffer 2.0" in with_buffer.summary()
-    lora = memory.estimate(QWEN25_05B, _learner(*LORA), False, 80.0, beside=memory.Beside(handoff=True))
+    lora = memory.estimate(QWEN25_05B, _learner(*LORA), False, 80.0, beside=memory.RankExtras(handoff=True))
     assert lora.handoff_gb == pytest.approx(4 * lora.adapter_params / 1e9)
     sync = load_config(None, []).sync
     assert memory.cuda_ipc_handoff(sync, 0.35) and not memory.cuda_ipc_handoff(sync, 0.0)

@@ -65,7 +65,7 @@ def rig(base) -> Iterator[Rig]:
     _, path = base
     llm = vllm.LLM(
         model=str(path), skip_tokenizer_init=True, dtype="float32", max_model_len=128, enforce_eager=True, seed=0,
-        worker_extension_cls="async_rl.sync.receiver.WeightReceiverExtension",
+        worker_extension_cls="async_rl.sync.vllm_receiver.WeightReceiverExtension",
         enable_lora=True, max_lora_rank=RANK, max_loras=1, max_cpu_loras=1,
     )
     llm.collective_rpc("wsync_lora_init", args=(RANK,))

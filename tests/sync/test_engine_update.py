@@ -130,7 +130,7 @@ def rig(tmp_path_factory) -> Iterator[Rig]:
     tiny_qwen2(seed=0).save_pretrained(path)
     llm = vllm.LLM(
         model=str(path), skip_tokenizer_init=True, dtype="float32", max_model_len=128,
-        enforce_eager=True, seed=0, worker_extension_cls="async_rl.sync.receiver.WeightReceiverExtension",
+        enforce_eager=True, seed=0, worker_extension_cls="async_rl.sync.vllm_receiver.WeightReceiverExtension",
     )
     loop = asyncio.new_event_loop()
     r = Rig(llm, loop)

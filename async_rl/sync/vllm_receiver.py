@@ -1,9 +1,9 @@
 """vLLM worker side of weight sync: :class:`WeightReceiverExtension`.
 
-Enable with ``LLM(..., worker_extension_cls="async_rl.sync.receiver.WeightReceiverExtension")``
+Enable with ``LLM(..., worker_extension_cls="async_rl.sync.vllm_receiver.WeightReceiverExtension")``
 (or ``AsyncEngineArgs(worker_extension_cls=...)``); vLLM mixes the class into every
 worker, and :mod:`async_rl.sync.server` drives it with ``collective_rpc``. Receiving and
-staging an update is :class:`~async_rl.sync.receiving.ReceivingWorker`'s (no vLLM there);
+staging an update is :class:`~async_rl.sync.receiving_worker.ReceivingWorker`'s (no vLLM there);
 this class adds what is vLLM's: the worker's rank, which updates the engine can take (a
 LoRA adapter or full weights) and the load itself.
 """
@@ -21,7 +21,7 @@ from async_rl.heap import release_freed_heap
 from async_rl.sync import lora
 from async_rl.sync.buckets import unpack_bucket
 from async_rl.sync.control import Announce
-from async_rl.sync.receiving import ReceivingWorker, decode_announce
+from async_rl.sync.receiving_worker import ReceivingWorker, decode_announce
 
 
 class WeightReceiverExtension(ReceivingWorker):

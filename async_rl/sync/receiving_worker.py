@@ -1,6 +1,6 @@
 """The receiving half of weight sync, apart from any engine: :class:`ReceivingWorker`.
 
-A worker (a vLLM worker through :class:`~async_rl.sync.receiver.WeightReceiverExtension`,
+A worker (a vLLM worker through :class:`~async_rl.sync.vllm_receiver.WeightReceiverExtension`,
 or a plain ``torch.nn.Module`` through :class:`~async_rl.sync.module_receiver.ModuleReceiver`)
 is driven by :class:`~async_rl.sync.server.WeightUpdateServer` through ``collective_rpc``
 calls of the methods below. It stages a whole update before anything touches the model:
