@@ -50,7 +50,7 @@ def _names(out: Path) -> list[str]:
 @pytest.mark.dist
 def test_auto_follows_the_line_and_retention_keeps_other_lines(trainer: Trainer, tiny_model: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    assert checkpoint.start("auto", out) == checkpoint.Start(None, [])
+    assert checkpoint.start("auto", out) == checkpoint.StartPoint(None, [])
     for version in (1, 2, 3, 4):  # line 1
         _save(trainer, tiny_model, out, version, version - 1 if version > 1 else None, line=1)
     assert checkpoint.start("auto", out).path == checkpoint.checkpoint_dir(out, 4)
