@@ -3,11 +3,9 @@
 # pytest lanes, the `async-rl train` drivers they start, Ray's workers and actors, vLLM's
 # engine processes, spawned reward pools. coverage.py's own a1_coverage.pth starts coverage in
 # any Python process that finds COVERAGE_PROCESS_START in its environment (Ray's raylet and
-# multiprocessing pass it on); each saves its data at exit, on SIGTERM and on os._exit. A
-# SIGKILLed process's data is lost, and the tests SIGKILL drivers on purpose (the live run,
-# the SIGKILL-and-resume run) after they healed a full disk or a hung rank: so this script adds
-# a .pth that makes an `async-rl train` driver save every 10 s, in its main thread (a thread
-# asks with a real-time signal; a save from the thread itself segfaulted at its first save).
+# multiprocessing pass it on); each saves its data at exit, on SIGTERM and on os._exit (a
+# SIGKILLed process's is lost: the same for every run measured). A thread saving every 10 s
+# was tried and segfaulted pytest at its first save.
 #
 #   bash scripts/coverage.sh OUT_DIR [command ...]     default command: bash scripts/test.sh
 #
@@ -23,14 +21,6 @@ shift
 python=${PYTHON:-$(dirname "$(realpath "$0")")/../.venv/bin/python}
 "$python" -c 'import coverage' 2>/dev/null || "$python" -m pip install -q "coverage>=7.10" || exit 1
 rm -rf "$out" && mkdir -p "$out"
-site=$("$python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-saver=$site/zz_async_rl_coverage_driver_save.pth
-# One line, as a .pth must be. Only a driver: its main thread runs an event loop that a signal
-# may interrupt (PEP 475 retries the wait); a Ray worker's main thread waits in C++.
-cat >"$saver" <<'PTH'
-import os; exec("import coverage, signal, threading, time\nc = coverage.Coverage.current()\ncmd = open('/proc/self/cmdline', 'rb').read().split(b'\\0')\nif c is not None and b'train' in cmd and any(a.endswith((b'async_rl.cli', b'async-rl', b'cli.py')) for a in cmd):\n    sig = signal.SIGRTMIN + 3\n    def save(*_):\n        try:\n            c.save()\n        except Exception:\n            pass\n    signal.signal(sig, save)\n    main = threading.main_thread().ident\n    def ask():\n        while True:\n            time.sleep(10)\n            signal.pthread_kill(main, sig)\n    threading.Thread(target=ask, name='coverage-save', daemon=True).start()", {}) if os.environ.get("COVERAGE_PROCESS_START") else None
-PTH
-trap 'rm -f "$saver"' EXIT
 cat >"$out/coveragerc" <<EOF
 [run]
 source = async_rl
@@ -44,7 +34,6 @@ started=$(date +%s)
 COVERAGE_PROCESS_START=$out/coveragerc PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} "$@"
 rc=$?
 echo "[coverage.sh] command exit $rc after $(( $(date +%s) - started )) s"
-rm -f "$saver"
 cd "$out" || exit 1
 "$python" -m coverage combine -q --rcfile=coveragerc >/dev/null
 "$python" -m coverage report --rcfile=coveragerc >report.txt
