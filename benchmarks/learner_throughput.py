@@ -12,7 +12,7 @@
 2. Publishing: gathering full parameters from the FSDP shards bucket by bucket
    (``iter_full_parameters``), packing and broadcasting the buckets on a
    ``sync.group.WeightGroup`` to a receiving process exactly as ``WeightSender`` does
-   (``sync.sender.stream_buckets``: packing overlaps the previous bucket's transfer), against a
+   (``sync.streaming.stream_buckets``: packing overlaps the previous bucket's transfer), against a
    raw broadcast of the same bytes in the same bucket sizes on the same group
    (``sync_ratio_vs_raw``; target >= 0.8), on a 29 M-parameter model (118 MB per update;
    ``small_model_sync_ratio_vs_raw`` is the same on the 5.2 M training model, where the
@@ -70,7 +70,7 @@ from async_rl.learner.train_step import Trainer  # noqa: E402
 from async_rl.records import RolloutGroup, Sample, decode, encode  # noqa: E402
 from async_rl.sync.buckets import plan_buckets, tensor_specs  # noqa: E402
 from async_rl.sync.group import Rendezvous, WeightGroup, connect_store, host_store, new_key_prefix  # noqa: E402
-from async_rl.sync.sender import stream_buckets  # noqa: E402
+from async_rl.sync.streaming import stream_buckets  # noqa: E402
 
 VOCAB, MAX_TOKENS = 4096, 2048
 
