@@ -17,11 +17,17 @@ from vllm.model_executor.model_loader.reload import (
     initialize_layerwise_reload,
 )
 
-from async_rl.heap import release_freed_heap
+from async_rl.heap import EveryNth, release_freed_heap
 from async_rl.sync import lora
 from async_rl.sync.buckets import unpack_bucket
 from async_rl.sync.control import Announce
 from async_rl.sync.receiving_worker import ReceivingWorker, decode_announce
+
+
+RELOADS_PER_TRIM = 8
+"""A full reload returns the freed heap (:func:`~async_rl.heap.release_freed_heap`) once in this many."""
+_TRIM_DUE = EveryNth(RELOADS_PER_TRIM)
+"""This vLLM worker process's count of full reloads."""
 
 
 class WeightReceiverExtension(ReceivingWorker):
@@ -74,6 +80,9 @@ class WeightReceiverExtension(ReceivingWorker):
                 model.load_weights(unpack_bucket(bucket, specs, buf))
             finalize_layerwise_reload(model, self.vllm_config.model_config)  # type: ignore[attr-defined]
         # The reload freed and reallocated every weight (and the CPU backend's packed copies)
-        # between generation's allocations: without this a vLLM worker of the tiny quickstart
-        # model grew 70-90 MB per 1,000 updates (benchmarks/soak.py); about 5 ms on its heap.
-        release_freed_heap()
+        # between generation's allocations: never trimmed, a vLLM worker of the tiny quickstart
+        # model grew 70-90 MB per 1,000 updates (benchmarks/soak.py). Trimmed after every load,
+        # the next load faulted the handed-back pages in again: 118 MB loads took 20-40 ms longer
+        # (benchmarks/weight_sync.py). So one load in RELOADS_PER_TRIM trims.
+        if _TRIM_DUE():
+            release_freed_heap()
