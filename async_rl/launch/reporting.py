@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 from collections import deque
 from typing import Any
@@ -189,7 +190,10 @@ class Reporter:
         learners = [{"rank": rank, "pid": pid} for rank, pid in enumerate(run.learners.pids)]
         doc = {"prometheus_url": prometheus.url if prometheus is not None else None, "servers": servers, "learners": learners,
                "weight_sync_address": run.learners.sender_address}
-        (run.run_dir / "servers.json").write_text(json.dumps(doc, indent=1) + "\n")
+        path = run.run_dir / "servers.json"
+        tmp = path.with_name(f".{path.name}.tmp")  # renamed into place: a reader never sees half a file
+        tmp.write_text(json.dumps(doc, indent=1) + "\n")
+        os.replace(tmp, path)
 
 
 class RateMeter:

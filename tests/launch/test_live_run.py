@@ -96,6 +96,17 @@ def _scrape_while_running(servers: dict) -> None:
     assert any(f.name.startswith("vllm:") for f in text_string_to_metric_families(vllm))
 
 
+def _listed_servers(proc, run_dir: Path, timeout_s: float = 300) -> dict:
+    """``servers.json`` once it lists a started server. A resumed run may step on the groups its
+    queue kept before its first server started (and only then is it listed): on a loaded
+    machine the steps came first."""
+    deadline = time.monotonic() + timeout_s
+    while not (servers := json.loads((run_dir / "servers.json").read_text()))["servers"]:
+        assert proc.poll() is None and time.monotonic() < deadline, f"no server listed: {servers}\n{proc.output()[-3000:]}"
+        time.sleep(0.5)
+    return servers
+
+
 def _pause_embedded_redis(run_dir: Path, seconds: float) -> None:
     """``CLIENT PAUSE`` (every command of every client) on the run's embedded Redis."""
     conf = dict(line.split(" ", 1) for line in (run_dir / "redis" / "redis.conf").read_text().splitlines() if " " in line)
@@ -172,7 +183,7 @@ def _kill_during_a_drain(proc, run_dir: Path, procs: RunProcesses) -> list[str]:
 
 def _sigterm_while_redis_is_paused(proc, run_dir: Path) -> str:
     """Phase 4: a SIGTERM 12 s into a :data:`PAUSE_S` Redis pause; the run's output."""
-    _scrape_while_running(json.loads((run_dir / "servers.json").read_text()))
+    _scrape_while_running(_listed_servers(proc, run_dir))
     printed = len(proc.output())
     _pause_embedded_redis(run_dir, PAUSE_S)
     paused = time.monotonic()
