@@ -17,8 +17,12 @@ Per update, from the sender's ``SendResult`` and the server's report (medians ov
 
     python benchmarks/weight_sync.py --json benchmarks/results/weight_sync.json
 
-Targets: ``ipc_transfer_s`` at most 1/3 of ``gloo_transfer_s``, ``ipc_update_s`` below
-``gloo_update_s``, ``ipc_pause_s`` at most 1.1 x ``gloo_pause_s``; exits 1 if missed.
+Medians hide the one load in ``RELOADS_PER_TRIM`` that returns the freed heap to the kernel
+(the next load faults those pages in again): ``*_update_mean_s`` includes it.
+
+Targets: ``ipc_transfer_s`` at most 1/3 of ``gloo_transfer_s``, ``ipc_update_s`` at most
+1/1.5 of ``gloo_update_s`` (issue 45), ``ipc_pause_s`` at most 1.1 x ``gloo_pause_s``; exits 1
+if missed.
 
 ``--lora-rank R`` compares, on each backend, full updates with LoRA adapter updates (rank
 ``R`` on the seven projections of every layer, float32 as the learner's master copy): a LoRA
@@ -52,7 +56,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from _report import report  # noqa: E402
 
-TRANSFER_TARGET, PAUSE_TARGET = 1 / 3, 1.1
+TRANSFER_TARGET, UPDATE_TARGET, PAUSE_TARGET = 1 / 3, 1.5, 1.1
 LORA_BYTES_TARGET, LORA_SPEEDUP_TARGET = 0.03, 5.0
 BACKENDS = ("gloo", "ipc")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -156,6 +160,7 @@ def main() -> int:
         result[f"{key(c)}_bytes"] = runs[key(c)][0]["bytes"]
         for k in KEYS:
             result[f"{key(c)}_{k}"] = statistics.median(r[k] for r in runs[key(c)])
+        result[f"{key(c)}_update_mean_s"] = statistics.mean(r["update_s"] for r in runs[key(c)])
     med = result.__getitem__
     if lora:
         ok = True
@@ -168,7 +173,7 @@ def main() -> int:
     else:
         result["ipc_transfer_speedup"] = med("gloo_transfer_s") / med("ipc_transfer_s")
         result["ipc_update_speedup"] = med("gloo_update_s") / med("ipc_update_s")
-        ok = (med("ipc_transfer_s") <= TRANSFER_TARGET * med("gloo_transfer_s") and med("ipc_update_s") < med("gloo_update_s")
+        ok = (med("ipc_transfer_s") <= TRANSFER_TARGET * med("gloo_transfer_s") and med("ipc_update_speedup") >= UPDATE_TARGET
               and med("ipc_pause_s") <= PAUSE_TARGET * med("gloo_pause_s"))
     result["machine"] = f"{platform.machine()}, {os.cpu_count()} cores, cpu"
     result["targets_met"] = ok
