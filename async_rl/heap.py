@@ -19,20 +19,3 @@ def release_freed_heap() -> None:
     """Hand the free pages of this process's heaps back to the kernel (a no-op without glibc)."""
     if _MALLOC_TRIM is not None:
         _MALLOC_TRIM(0)
-
-
-class EveryNth:
-    """Counts calls and says yes to every ``n``-th (the first included): for a trim whose cost
-    lands on the next bulk reallocation (the pages it handed back fault in again), so that
-    only one update in ``n`` pays it while the heap still cannot creep."""
-
-    def __init__(self, n: int) -> None:
-        if n < 1:
-            raise ValueError(f"EveryNth needs n >= 1, got {n}")
-        self.n = n
-        self.calls = 0
-
-    def __call__(self) -> bool:
-        due = self.calls % self.n == 0
-        self.calls += 1
-        return due

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from async_rl.config import Config
+from async_rl.queue.client import QueueUnavailableError
 
 if TYPE_CHECKING:
     from async_rl.launch.learner_group import LearnerGroup
@@ -72,5 +73,13 @@ class RunContext:
 
     async def redis(self, call: Callable[..., T], *args: Any) -> T:
         """``call(*args)``, a queue call, in a thread: it may retry for ``queue.timeout_s``, and
-        the event loop must stay free to take a signal meanwhile."""
-        return await asyncio.to_thread(call, *args)
+        the event loop must stay free to take a signal meanwhile. While the embedded Redis waits
+        for disk space (:meth:`Outages.space_returned`, bounded there) the call is tried again
+        once it is back: a full disk pauses the driver's reads instead of ending the run.
+        Raises :class:`~async_rl.queue.QueueUnavailableError` otherwise, or once the run stops."""
+        while True:
+            try:
+                return await asyncio.to_thread(call, *args)
+            except QueueUnavailableError:
+                if not (self.outages.waiting_for_disk and await self.outages.space_returned()):
+                    raise

@@ -117,9 +117,9 @@ class Supervisor:
             await asyncio.sleep(period_s)
             try:
                 rollout = await run.redis(run.queue.rollout_stats)
-            except QueueUnavailableError as exc:  # Redis stayed down for queue.timeout_s: nothing can go on
-                if run.outages.waiting_for_disk:
-                    continue  # its restart waits for disk space, within its own bound (it ends the run past it)
+            except QueueUnavailableError as exc:  # Redis stayed down for queue.timeout_s (a full disk is waited out in run.redis)
+                if run.stop.is_set():
+                    return  # the run stopped while Redis waited for disk space (past its bound, or a signal)
                 run.fail(f"the queue's Redis did not answer for queue.timeout_s={cfg.queue.timeout_s:g} s: {exc}")
                 return
             version = run.version

@@ -10,6 +10,8 @@ LoRA adapter or full weights) and the load itself.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from vllm.config import set_current_vllm_config
 from vllm.model_executor.model_loader.reload import (
@@ -17,7 +19,7 @@ from vllm.model_executor.model_loader.reload import (
     initialize_layerwise_reload,
 )
 
-from async_rl.heap import EveryNth, release_freed_heap
+from async_rl.heap import release_freed_heap
 from async_rl.sync import lora
 from async_rl.sync.buckets import unpack_bucket
 from async_rl.sync.control import Announce
@@ -26,8 +28,8 @@ from async_rl.sync.receiving_worker import ReceivingWorker, decode_announce
 
 RELOADS_PER_TRIM = 8
 """A full reload returns the freed heap (:func:`~async_rl.heap.release_freed_heap`) once in this many."""
-_TRIM_DUE = EveryNth(RELOADS_PER_TRIM)
-"""This vLLM worker process's count of full reloads."""
+_RELOADS = itertools.count()
+"""This vLLM worker process's full reloads so far (the first one trims)."""
 
 
 class WeightReceiverExtension(ReceivingWorker):
@@ -84,5 +86,5 @@ class WeightReceiverExtension(ReceivingWorker):
         # model grew 70-90 MB per 1,000 updates (benchmarks/soak.py). Trimmed after every load,
         # the next load faulted the handed-back pages in again: 118 MB loads took 20-40 ms longer
         # (benchmarks/weight_sync.py). So one load in RELOADS_PER_TRIM trims.
-        if _TRIM_DUE():
+        if next(_RELOADS) % RELOADS_PER_TRIM == 0:
             release_freed_heap()
