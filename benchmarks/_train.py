@@ -18,13 +18,18 @@ STARTED = "rollout workers started"
 """The driver's console line when the rollout workers start (the end of start-up)."""
 
 
-def quickstart_command(assets: Path, run_dir: Path, run_name: str, *overrides: str) -> list[str]:
-    """``async-rl train configs/quickstart.yaml`` on the tiny ``assets`` into ``run_dir``
-    (a fresh run: ``trainer.resume=off``; console on, W&B and plots off), then ``overrides``."""
+QUICKSTART = ROOT / "configs" / "quickstart.yaml"
+
+
+def quickstart_command(assets: Path, run_dir: Path, run_name: str, *overrides: str, config: Path = QUICKSTART,
+                       val_file: str = "val.jsonl") -> list[str]:
+    """``async-rl train CONFIG`` (default configs/quickstart.yaml) on the tiny ``assets``
+    (validating on their ``data/<val_file>``) into ``run_dir`` (a fresh run:
+    ``trainer.resume=off``; console on, W&B and plots off), then ``overrides``."""
     assets = assets.resolve()
-    return [sys.executable, "-m", "async_rl.cli", "train", str(ROOT / "configs" / "quickstart.yaml"),
+    return [sys.executable, "-m", "async_rl.cli", "train", str(config),
             f"learner.model_path={assets / 'model'}", f"data.train_files={assets / 'data' / 'train.jsonl'}",
-            f"data.val_files={assets / 'data' / 'val.jsonl'}", f"trainer.output_dir={run_dir}", f"trainer.run_name={run_name}",
+            f"data.val_files={assets / 'data' / val_file}", f"trainer.output_dir={run_dir}", f"trainer.run_name={run_name}",
             "trainer.resume=off", "logging.wandb.enable=false", "logging.console=true", "logging.plots=false", *overrides]
 
 

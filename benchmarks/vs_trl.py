@@ -52,6 +52,7 @@ from pathlib import Path
 
 from _report import plot_curves, report, report_json
 from _train import (
+    QUICKSTART,
     ROOT,
     STARTED,
     ConsoleRun,
@@ -166,12 +167,14 @@ def side_result(val: list[dict], t0: float, launched: float, samples: int, targe
     }
 
 
-def async_rl_command(args) -> list[str]:
-    """``async-rl train`` on the quickstart config, the tiny assets, ``--steps`` and ``--val-every``
-    (``trainer.val_n`` = 1: the least sampled validation it allows), then ``--set``."""
-    return quickstart_command(args.assets, (args.out / "async-rl").resolve(), f"vs-trl-{os.getpid()}", "trainer.val_n=1",
+def async_rl_command(args, side: str = "async-rl", *overrides: str) -> list[str]:
+    """``async-rl train`` on ``--config`` (the quickstart's), the tiny assets and their ``--val-file``,
+    ``--steps`` and ``--val-every`` (``trainer.val_n`` = 1: the least sampled validation it allows),
+    then ``--set`` and ``overrides``, into ``--out``/``side``."""
+    return quickstart_command(args.assets, (args.out / side).resolve(), f"{side}-{os.getpid()}", "trainer.val_n=1",
                               f"trainer.total_steps={args.steps}", f"trainer.save_every={args.steps}",
-                              f"trainer.val_every={args.val_every}", *args.set)
+                              f"trainer.val_every={args.val_every}", *args.set, *overrides, config=args.config.resolve(),
+                              val_file=args.val_file)
 
 
 def run_async_rl(args, cmd: list[str], cfg) -> tuple[dict, str]:
@@ -229,12 +232,37 @@ def run_trl(args, cfg) -> tuple[dict, dict, str]:
     return {**side, "eval_s": round(res["eval_s"], 1), "versions": res["versions"]}, grpo, " ".join(cmd)
 
 
+def add_task_args(ap: argparse.ArgumentParser, config: Path, task: str) -> None:
+    """``--config``, ``--task`` (the tiny task its assets are built for), ``--assets`` and ``--val-file``."""
+    ap.add_argument("--config", type=Path, default=config, help=f"async-rl config of every side (default: {config.relative_to(ROOT)})")
+    ap.add_argument("--task", default=task, help=f"tiny task of the assets when they are built (default: {task})")
+    assets = Path("runs/bench/assets" if task == "addition" else f"runs/bench/{task}-assets")
+    ap.add_argument("--assets", type=Path, default=assets, help=f"tiny assets dir (built if absent; default {assets})")
+    ap.add_argument("--val-file", default="val.jsonl", help="validation file in the assets' data/ (val_N.jsonl: a larger split)")
+
+
+def ensure_assets(assets: Path, task: str, val_file: str) -> None:
+    """Build ``task``'s tiny assets into ``assets`` when absent, and ``data/<val_file>`` when it
+    is a ``val_N.jsonl`` split the build does not write (``async-rl assets val-split``)."""
+    from async_rl.tiny import build_tiny_assets
+    from async_rl.tiny.text import write_validation_split
+
+    if not (assets / "assets.json").is_file():
+        build_tiny_assets(assets, seed=0, task=task)
+    val = assets / "data" / val_file
+    if not val.is_file():
+        rows = val_file.removeprefix("val_").removesuffix(".jsonl")
+        if not rows.isdigit():
+            raise SystemExit(f"--val-file {val_file}: not in {val.parent}, and not a val_N.jsonl split to write")
+        write_validation_split(assets, int(rows))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trl-python", type=Path, default=Path(os.environ.get("TRL_PYTHON", ROOT / "runs" / "trl-venv" / "bin" / "python")),
                     help="python of TRL's venv (default: env TRL_PYTHON, else runs/trl-venv's, where benchmarks/vs_trl_env.sh makes it)")
     ap.add_argument("--trl-threads", type=int, default=os.cpu_count(), help="torch threads of the TRL process (default: every core)")
-    ap.add_argument("--assets", type=Path, default=Path("runs/bench/assets"), help="tiny assets dir (built if absent)")
+    add_task_args(ap, QUICKSTART, "addition")
     ap.add_argument("--out", type=Path, default=Path("runs/bench/vs-trl"), help="run directories (emptied first)")
     ap.add_argument("--steps", type=int, default=200, help="optimizer steps per side")
     ap.add_argument("--val-every", type=int, default=20, help="steps between validations")
@@ -251,10 +279,8 @@ def main() -> None:
         raise SystemExit(f"--trl-python {args.trl_python}: not found; make TRL's venv with benchmarks/vs_trl_env.sh")
 
     from async_rl.config import load_config
-    from async_rl.tiny import build_tiny_assets
 
-    if not (args.assets / "assets.json").is_file():
-        build_tiny_assets(args.assets, seed=0, task="addition")
+    ensure_assets(args.assets, args.task, args.val_file)
     command = async_rl_command(args)
     cfg = load_config(Path(command[4]), command[5:])  # async-rl's config, from which TRL's is derived
     grpo_config(cfg, args.out)  # refuse a config TRL cannot match before either side runs
@@ -291,7 +317,7 @@ def main() -> None:
         plot_curves({labels[k]: [(v["t_s"], v["greedy"]) for v in result[k]["val"]] for k in ran}, args.plot,
                     marks={labels[k]: result[k]["time_to_target_s"] for k in ran},
                     xlabel="wall time since the first training step (s); validation included",
-                    title="quickstart task: async-rl vs TRL, same model, rows, n, B, lr (2 CPU cores)")
+                    title=f"{args.config.stem}: async-rl vs TRL, same model, rows, n, B, lr ({os.cpu_count()} CPU cores)")
 
 
 if __name__ == "__main__":

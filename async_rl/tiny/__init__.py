@@ -3,7 +3,8 @@ a task's train/validation data, built deterministically on a CPU in about a minu
 
 ``build_tiny_assets(out_dir, task=...)`` (``async-rl assets tiny --task``) picks the build:
 ``addition`` and ``multiturn`` (:mod:`async_rl.tiny.text`, a Qwen2 on the addition task of
-:mod:`async_rl.tiny.addition`), ``vlm`` (:mod:`async_rl.tiny.vlm`, an Idefics3 on coloured
+:mod:`async_rl.tiny.addition`), ``running_sum`` (:mod:`async_rl.tiny.running_sum`, long written-out
+responses), ``vlm`` (:mod:`async_rl.tiny.vlm`, an Idefics3 on coloured
 shapes); every build writes the layout and report of :mod:`async_rl.tiny.build`.
 
 Only the CLI, the tests and the benchmarks import this package; the training path never does.
@@ -15,10 +16,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from async_rl.tiny.build import TinyAssetsReport, WarmStart
+from async_rl.tiny.running_sum import build_running_sum_assets
 from async_rl.tiny.text import build_text_assets
 from async_rl.tiny.vlm import build_vlm_assets
 
-TASKS = ("addition", "multiturn", "vlm")
+TASKS = ("addition", "multiturn", "running_sum", "vlm")
 """What ``build_tiny_assets`` can build (``async-rl assets tiny --task``)."""
 
 
@@ -36,4 +38,6 @@ def build_tiny_assets(
         raise ValueError(f"unknown tiny task {task!r}; choose one of {', '.join(TASKS)}")
     if task == "vlm":
         return build_vlm_assets(out_dir, seed, progress, warm_start)
+    if task == "running_sum":
+        return build_running_sum_assets(out_dir, seed, progress, warm_start)
     return build_text_assets(out_dir, seed, progress, warm_start, multiturn=task == "multiturn")

@@ -195,12 +195,13 @@ def write_tokenizer(
     corpus: Sequence[str],
     special_tokens: Sequence[str],
     chat_template: str,
+    max_len: int = MAX_MODEL_LEN,
 ) -> PreTrainedTokenizerBase:
     """Train a byte-level BPE (Qwen2's digit-splitting pre-tokenizer, at most ``VOCAB_CAP``
     tokens) on ``corpus``, with ``special_tokens`` first (ids 0, 1, ...; the first is the pad
     token, the third the eos), save it into ``model_dir`` as a HF tokenizer with
     ``chat_template`` (written by hand so the files load in transformers 4.x and 5.x alike)
-    and load it back."""
+    and ``max_len`` (the model's context, tokens), and load it back."""
     if len(special_tokens) < 3:
         raise ValueError(f"need at least pad, start and eos special tokens, got {list(special_tokens)}")
     tok = Tokenizer(models.BPE())
@@ -225,7 +226,7 @@ def write_tokenizer(
         "eos_token": special_tokens[2],
         "pad_token": special_tokens[0],
         "chat_template": chat_template,
-        "model_max_length": MAX_MODEL_LEN,
+        "model_max_length": max_len,
         "clean_up_tokenization_spaces": False,
     }
     (model_dir / "tokenizer_config.json").write_text(
