@@ -57,7 +57,7 @@ class AdditionTask:
 def make_splits(
     task: AdditionTask, seed: int, n_train: int, n_val: int
 ) -> tuple[list[Row], list[Row]]:
-    """Draw ``n_train + n_val`` distinct problems with ``random.Random(seed)``; the
+    """(Any task with ``sample(rng) -> Row`` and ``num_problems``: the running sum's too.) Draw ``n_train + n_val`` distinct problems with ``random.Random(seed)``; the
     first ``n_train`` are train, the rest validation, so the splits are disjoint. A larger
     ``n_val`` with the same seed and ``n_train`` extends the validation split: the same rows
     first, then new ones."""

@@ -34,7 +34,7 @@ import torch
 from transformers import PreTrainedTokenizerBase, Qwen2Config, Qwen2ForCausalLM
 
 from async_rl.rewards.builtin import last_boxed
-from async_rl.tiny.addition import Row, write_jsonl
+from async_rl.tiny.addition import Row, make_splits, write_jsonl
 from async_rl.tiny.build import (
     ENDOFTEXT,
     IM_END,
@@ -82,6 +82,11 @@ class RunningSumTask:
         digits = [rng.randint(1, 9) for _ in range(min(self.max_addends, max(self.min_addends, count)))]
         return Row(problem=problem_text(digits), answer=str(sum(digits)))
 
+    @property
+    def num_problems(self) -> int:
+        """Number of distinct problems the task can produce (9 digits per addend)."""
+        return sum(9**k for k in range(self.min_addends, self.max_addends + 1))
+
 
 def problem_text(digits: Sequence[int]) -> str:
     """``Add:`` then one ``<key><digit>`` line per addend."""
@@ -112,18 +117,6 @@ def is_correct(completion: str, answer: str) -> bool:
     """The last ``\\boxed{}`` of the completion holds the answer (as the ``math`` reward judges)."""
     boxed = last_boxed(completion)
     return boxed is not None and boxed.strip() == answer.strip()
-
-
-def make_splits(task: RunningSumTask, seed: int, n_train: int, n_val: int) -> tuple[list[Row], list[Row]]:
-    """``n_train + n_val`` distinct problems drawn with ``random.Random(seed)``; the first
-    ``n_train`` train, the rest validation (disjoint)."""
-    rng, seen, rows = random.Random(seed), set(), []
-    while len(rows) < n_train + n_val:
-        row = task.sample(rng)
-        if row.problem not in seen:
-            seen.add(row.problem)
-            rows.append(row)
-    return rows[:n_train], rows[n_train:]
 
 
 def build_running_sum_assets(
