@@ -57,10 +57,11 @@ class AdditionTask:
 def make_splits(
     task: AdditionTask, seed: int, n_train: int, n_val: int
 ) -> tuple[list[Row], list[Row]]:
-    """(Any task with ``sample(rng) -> Row`` and ``num_problems``: the running sum's too.) Draw ``n_train + n_val`` distinct problems with ``random.Random(seed)``; the
+    """Draw ``n_train + n_val`` distinct problems with ``random.Random(seed)``; the
     first ``n_train`` are train, the rest validation, so the splits are disjoint. A larger
     ``n_val`` with the same seed and ``n_train`` extends the validation split: the same rows
-    first, then new ones."""
+    first, then new ones. ``task`` is any task with ``sample(rng) -> Row`` and
+    ``num_problems`` (the running sum's too)."""
     if n_train + n_val > task.num_problems:
         raise ValueError(
             f"{n_train + n_val} problems requested; {task} has only {task.num_problems}"

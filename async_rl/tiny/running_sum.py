@@ -46,12 +46,11 @@ from async_rl.tiny.build import (
     finish_build,
     make_layout,
     sample_stats,
-    sft_batch,
     sft_until_band,
     text_model_sizes,
     write_tokenizer,
 )
-from async_rl.tiny.text import CHAT_TEMPLATE, generate_completions, prompt_ids
+from async_rl.tiny.text import CHAT_TEMPLATE, generate_completions, prompt_ids, sft_loss
 
 KEYS = string.ascii_lowercase + string.ascii_uppercase
 """The addends' names, in order: one token each, so a key in the response matches its prompt line."""
@@ -159,7 +158,7 @@ def build_running_sum_assets(
         eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
         steps, base_acc = sft_until_band(
             model, len(examples),
-            lambda batch: model(**_as_kwargs(sft_batch([examples[i] for i in batch], eos, pad))).loss,
+            lambda batch: sft_loss(model, [examples[i] for i in batch], eos, pad),
             lambda: greedy_accuracy(model, tokenizer, val),
             seed, progress, warm_start,
         )
@@ -196,8 +195,3 @@ def budget(tokenizer: PreTrainedTokenizerBase, rows: Sequence[Row]) -> int:
     never does: without the bound every evaluation ran to 640 tokens."""
     longest = max(len(tokenizer.encode(solution(r.problem), add_special_tokens=False)) for r in rows)
     return min(MAX_NEW_TOKENS, longest + 1 + BUDGET_MARGIN)
-
-
-def _as_kwargs(batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
-    input_ids, attention_mask, labels = batch
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}

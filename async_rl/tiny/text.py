@@ -295,7 +295,7 @@ def _warm_start(
     return sft_until_band(
         model,
         len(examples),
-        lambda batch: _sft_loss(model, [examples[i] for i in batch], eos, pad),
+        lambda batch: sft_loss(model, [examples[i] for i in batch], eos, pad),
         (lambda: greedy_episode_success(model, tokenizer, val)) if multiturn else (lambda: greedy_accuracy(model, tokenizer, val)),
         seed,
         progress,
@@ -303,7 +303,7 @@ def _warm_start(
     )
 
 
-def _sft_loss(
+def sft_loss(
     model: Qwen2ForCausalLM, batch: Sequence[tuple[list[int], list[int]]], eos: int, pad: int
 ) -> torch.Tensor:
     """Mean next-token cross-entropy over completion tokens (answer + eos) of a batch."""
