@@ -119,8 +119,10 @@ def test_resume_after_sigkill_equals_an_uninterrupted_run(straight_two_ranks: Tr
     lines = [json.loads(line) for line in (out / "learner_steps.jsonl").read_text().splitlines()]
     assert [s["version"] for s in lines] == [1, 2, 3, 3, 4]  # step 3 ran twice: killed, then redone
     assert [s["metrics"]["reward/kl_coef"] for s in lines[3:]] == pytest.approx(coefs[2:], rel=1e-12)  # restored, not reset
-    for key in ("critic/vf_loss", "critic/lr", "actor/lr"):  # the critic, its optimizer and schedule; the policy's schedule
-        assert [s["metrics"][key] for s in lines[3:]] == pytest.approx([s["metrics"][key] for s in steps_straight[2:]], abs=1e-6), key
+    # The critic, its optimizer and schedule; the policy's schedule. The losses relative to their size:
+    # the same 2 ranks still round float32 sums differently (a value loss of 336 differed by 8.6e-6 in CI, 2.6e-8 of it).
+    for key in ("critic/vf_loss", "critic/lr", "actor/lr"):
+        assert [s["metrics"][key] for s in lines[3:]] == pytest.approx([s["metrics"][key] for s in steps_straight[2:]], rel=1e-6, abs=1e-6), key
     critic = AutoModelForTokenClassification.from_pretrained(export_hf(list_checkpoints(out)[-1], out / "critic", critic=True))
     assert critic.config.num_labels == 1 and critic(input_ids=torch.tensor([[5, 6, 7]])).logits.shape == (1, 3, 1)
     lineage = _positions(lines, ids)
