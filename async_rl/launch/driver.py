@@ -276,6 +276,16 @@ class _Run:
             log.error("%d admission tickets are still open after the workers stopped; the next start returns their prompts", open_tickets)
 
     async def _drive_learner(self) -> None:
+        """Step the learner to ``trainer.total_steps`` (:meth:`_step_learner`); a fault in that
+        supervision itself ends the run with its cause on the console, not as an exception no
+        one retrieves while the servers wait for weights that never come."""
+        try:
+            await self._step_learner()
+        except Exception as exc:  # noqa: BLE001 - reported, the run ends
+            log.exception("the learner's supervision failed")
+            self.run.fail(f"the learner's supervision failed: {cause(exc)} (traceback in the driver's log)")
+
+    async def _step_learner(self) -> None:
         run, outages = self.run, self.run.outages
         while run.version < self.cfg.trainer.total_steps and not run.stop.is_set():
             try:

@@ -70,7 +70,7 @@ class Supervisor:
             run.fail(f"{why}; not restarted: trainer.max_restarts={limit} restarts spent")
             return False
         run.learner_restarts += 1
-        before = run.version
+        before, sender_before = run.version, self.sync_endpoint()
         run.say(f"{why}; restarting the learner from its last checkpoint (restart {run.learner_restarts} of "
                 f"trainer.max_restarts={limit})")
         run.learners.kill(graceful=False)
@@ -82,12 +82,12 @@ class Supervisor:
             return False
         finally:
             self.restarting = False
-        pool = run.pool
-        if pool.spec.sync != (sync := self.sync_endpoint()):  # rank 0 landed on another node: servers must re-register
+        # On rank 0's node the new sender binds the old one's port and the servers re-register
+        # by themselves. Compared with the sender before, not with the pool's: a server still in
+        # its first start has none yet (the CI failure of 2026-12-03: every server "replaced").
+        if (sync := self.sync_endpoint()) is not None and sync != sender_before:
             run.say(f"the weight sender moved to {run.learners.sender_address}: replacing the servers")
-            pool.spec.sync = sync
-            for i in pool.indices:
-                await pool.restart(i, pool.handle(i))
+            await run.pool.move_sender(sync, "registered with the old weight sender")
         self.reporter.write_servers()
         redone = f"steps {run.version + 1}-{before} are redone" if before > run.version else "no step is redone"
         run.say(f"learner restarted at version {run.version} (it was at {before}); {redone}")

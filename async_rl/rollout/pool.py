@@ -193,7 +193,9 @@ class ServerPool:
         try:  # this call owns the actor until the slot holds it: a start that fails or hangs kills it
             if sync is not None:  # the engine builds while the weight sender starts
                 await self._start_on(i, handle, None)
-                self.spec.sync = await sync
+                endpoint = await sync
+                if self.spec.sync is None:  # else the sender moved meanwhile (move_sender): the newer one
+                    self.spec.sync = endpoint
             health = await self._start_on(i, handle, self.spec.sync)
             slot.started = health
             if health.openai_url is not None:
@@ -304,7 +306,7 @@ class ServerPool:
         (``on_lost``), start a new one. ``reason`` completes "server-i ..." in the line reported
         to the user."""
         slot = self._slots.get(i)
-        if slot is None:
+        if slot is None or dead is None:  # None: in its first start, whose call owns the actor
             return
         async with slot.lock:
             if slot.handle is not dead or self._slots.get(i) is not slot:
@@ -317,6 +319,15 @@ class ServerPool:
             await self._release(slot, i)
             await self._launch(i)
             self.restarts += 1
+
+    async def move_sender(self, sync: SyncEndpoint, reason: str) -> None:
+        """The weight sender moved (a restarted learner's rank 0 is on another node): servers
+        register with ``sync`` from now on. Each running server is replaced (its new process
+        registers there; ``reason`` completes "server-i ..."); one still in its first start
+        registers there when it gets to it."""
+        self.spec.sync = sync
+        for i, slot in self._items():
+            await self.restart(i, slot.handle, reason)
 
     async def add(self, workers: bool = True) -> int:
         """Start one more server (the next index); returns its index once it serves (its

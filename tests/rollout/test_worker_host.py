@@ -304,3 +304,39 @@ def test_servers_start_before_their_weight_sender_is_known_and_die_if_it_never_i
     while any(os.path.exists(f"/proc/{pid}") for pid in pids):  # their actors were killed
         assert time.monotonic() < deadline, pids
         time.sleep(0.1)
+
+
+def test_a_moved_weight_sender_reaches_starting_servers_and_replaces_running_ones(ray_local, tmp_path):
+    """``move_sender`` (a restarted learner's rank 0 on another node): a server still in its
+    first start has no process of the pool's to replace (the CI failure of 2026-12-03 was
+    ``ray.kill(None)`` there) and registers with the new sender when it gets to it, although
+    the driver's awaitable still gives the old one; a running server is replaced and its new
+    process registers with the newest."""
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the actor class lives in this test module
+    secret = RunSecret.generate()
+    old, new, newer = (SyncEndpoint(f"tcp://127.0.0.1:{port}", secret) for port in (40123, 40124, 40125))
+    marker = tmp_path / "registered"
+
+    async def run() -> None:
+        pool = ServerPool(ServerSpec({"tokens_per_s": 2000.0, "marker": str(marker)}, num_cpus=0, server_cls=StartRecords), 2)
+        known: asyncio.Future = asyncio.get_running_loop().create_future()
+        starting = asyncio.create_task(pool.start(workers=False, sync=known))
+        try:
+            while len(_starts(marker)) < 2:  # both in their first start, without a sender
+                await asyncio.sleep(0.1)
+            await pool.move_sender(new, "registered with the old weight sender")
+            assert pool.restarts == 0
+            known.set_result(old)
+            await starting
+            assert pool.spec.sync == new
+            await pool.move_sender(newer, "registered with the old weight sender")
+            assert pool.restarts == 2 and pool.spec.sync == newer
+        finally:
+            await pool.shutdown()
+
+    asyncio.run(run())
+    starts = _starts(marker)
+    assert sorted(starts) == ["server-0", "server-1"]
+    for calls in starts.values():
+        assert [address for _, address in calls] == [None, new.address, newer.address], calls
+        assert calls[0][0] == calls[1][0] != calls[2][0], calls  # the first process registered with new, a second one with newer
