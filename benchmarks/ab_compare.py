@@ -9,6 +9,8 @@ The base revision is checked out into a temporary git worktree. Each round runs
 ``python SCRIPT ARGS --json FILE`` once from each tree (the script of that tree, its
 ``async_rl`` first on ``PYTHONPATH``, so Ray and vLLM processes import it too), base first in
 even rounds and new first in odd ones, so the machine's drift falls on both sides alike.
+``--script-from-new`` runs this tree's script on both sides (its helpers from this tree's
+``benchmarks/``, ``async_rl`` from each side's tree): for a benchmark the base does not have.
 The table compares the medians of every numeric top-level key of the scripts' JSON (or only
 ``--keys``) and gives each side's spread, ``max / min - 1`` over its rounds: a difference
 inside the spread is noise. Relative paths in ARGS are taken from this tree.
@@ -29,11 +31,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_once(tree: Path, script: str, args: list[str], out: Path) -> dict[str, float]:
-    """One run of ``script`` from ``tree``; its numeric top-level JSON values."""
+def run_once(tree: Path, script: Path, args: list[str], out: Path) -> dict[str, float]:
+    """One run of ``script`` with ``tree``'s ``async_rl``, from ``tree``; its numeric top-level JSON values."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))}
     started = time.monotonic()
-    subprocess.run([sys.executable, str(tree / script), *args, "--json", str(out)], cwd=tree, env=env, check=True)
+    subprocess.run([sys.executable, str(script), *args, "--json", str(out)], cwd=tree, env=env, check=True)
     values = json.loads(out.read_text())
     numbers = {k: float(v) for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     numbers["ab/run_s"] = time.monotonic() - started
@@ -52,6 +54,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="runs of each side")
     parser.add_argument("--keys", default="", help="comma-separated JSON keys to compare (default: every numeric one)")
     parser.add_argument("--json", type=Path, required=True, help="write the runs and the comparison here")
+    parser.add_argument("--script-from-new", action="store_true",
+                        help="run this tree's script on both sides (a benchmark the base does not have; only async_rl differs)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- SCRIPT [ARGS...] (relative to the repository root)")
     args = parser.parse_args()
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -72,7 +76,8 @@ def main() -> None:
                 for side in (("base", "new") if round_ % 2 == 0 else ("new", "base")):
                     tree = base_tree if side == "base" else ROOT
                     print(f"[ab] round {round_ + 1}/{args.rounds}: {side} ({tree})", flush=True)
-                    runs[side].append(run_once(tree, script, script_args, Path(tmp) / f"{side}-{round_}.json"))
+                    script_path = (ROOT if args.script_from_new else tree) / script
+                    runs[side].append(run_once(tree, script_path, script_args, Path(tmp) / f"{side}-{round_}.json"))
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(base_tree)], cwd=ROOT, check=False, capture_output=True)
     keys = [k for k in args.keys.split(",") if k] or sorted(set(runs["base"][0]) & set(runs["new"][0]))
@@ -92,7 +97,7 @@ def main() -> None:
     for row in [header, *rows]:
         print("  ".join(f"{str(cell):<{w}}" for cell, w in zip(row, widths)))
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"script": script, "args": command[1:], "base": base_rev, "new": new_rev, "new_dirty": dirty,
+    args.json.write_text(json.dumps({"script": script, "script_from_new": args.script_from_new, "args": command[1:], "base": base_rev, "new": new_rev, "new_dirty": dirty,
                                      "rounds": args.rounds, "summary": summary, "runs": runs}, indent=2) + "\n")
 
 
