@@ -8,8 +8,8 @@ learning rate, reward and float32:
 - ``sync``: the same with ``algorithm.max_staleness=0``: generation and training alternate,
   same code;
 - ``trl``: TRL's ``GRPOTrainer`` in its own venv, as ``benchmarks/vs_trl.py`` runs it (its own
-  generation with ``transformers``); with ``--task slow_tool`` it has no arm here (see
-  ``differences`` in the JSON: TRL's trainer cannot run our environment's episodes).
+  generation with ``transformers``); with ``--task slow_tool`` it has no arm yet (``differences``
+  in the JSON: TRL's environments are tool calls; its ``rollout_func`` could play our episodes).
 
 Tasks: ``running_sum`` (``configs/running_sum_quickstart.yaml``: responses of ~130 tokens on
 average, a long tail to ~560) and ``slow_tool`` (``configs/slow_tool.yaml``: the multi-turn game
@@ -55,9 +55,12 @@ TASKS = {
 """Task -> (config, tiny task of its assets)."""
 SPEEDUP_VS_TRL, BOUND_FRACTION, EQUAL_SAMPLES_POINTS, EPISODES_SPEEDUP = 1.3, 0.85, 3.0, 2.0
 NO_TRL_ENV = (
-    "no TRL arm on the slow-tool task: TRL's GRPOTrainer generates one completion per prompt with its own "
-    "generate call and scores it with reward functions; it has no environment step between turns, so the "
-    "same episodes (a tool answer before each next turn) cannot be played by it"
+    "no TRL arm on the slow-tool task yet. TRL 1.13's GRPOTrainer plays environments through environment_factory, "
+    "whose methods the model calls as tools in a tool-calling chat template; our game answers each wrong answer "
+    "with a user turn ('Higher.'/'Lower.') and the tiny model's template has no tool calls, so that path does not "
+    "play the same episodes. Its experimental rollout_func (the user's own generation loop returning prompt and "
+    "completion ids and log-probs) could: an episode loop around transformers' generate, the feedback tokens "
+    "masked out of the loss, the same lognormal sleeps; not written"
 )
 
 
