@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import secrets
 import signal
 import subprocess
@@ -20,10 +21,12 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
+import redis
 from ray_nodes import start_node, stop_nodes, wait_for_log
 from run_helpers import ROOT, start_train, step_versions, wait_for_version, write_config
 
 from async_rl.queue import EmbeddedRedis
+from async_rl.queue.keys import RunKeys
 
 pytestmark = [pytest.mark.integration, pytest.mark.redis, pytest.mark.ray, pytest.mark.vllm, pytest.mark.dist, pytest.mark.assets, pytest.mark.slow]
 
@@ -76,6 +79,28 @@ def _actor_nodes(address: str) -> dict[str, set[str]]:
     return nodes
 
 
+def _wait_for_a_group_of(proc, redis_url: str, run_name: str, owner: str, timeout_s: float = 300) -> None:
+    """Block until a ticket of ``owner`` (a server's host: ``server-1#1``) is seen in the run's
+    in-flight hash and then leaves it: the group was put (a worker returns its tickets only
+    when it stops, which nothing here asks for)."""
+    client = redis.Redis.from_url(redis_url)
+    inflight = RunKeys(run_name).inflight
+    deadline, held = time.monotonic() + timeout_s, None
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise AssertionError(f"the run ended (exit {proc.returncode}):\n{proc.output()[-3000:]}")
+            tickets = {k: v.decode() for k, v in client.hgetall(inflight).items()}
+            if held is None:
+                held = next(((k, v) for k, v in tickets.items() if v.split()[1].startswith(owner)), None)
+            elif tickets.get(held[0]) != held[1]:
+                return
+            time.sleep(0.2)
+        raise AssertionError(f"{owner} put no group within {timeout_s} s (ticket seen: {held})")
+    finally:
+        client.close()
+
+
 def test_quickstart_trains_on_two_raylets_and_a_raylet_that_joins_later_gets_a_server(tiny_assets, tmp_path: Path, two_raylets: Cluster) -> None:
     """The run starts on two raylets (the server on one, the learner rank on the other); a
     third raylet joins the cluster mid-run and `async-rl scale --servers 2` puts the new
@@ -98,6 +123,9 @@ def test_quickstart_trains_on_two_raylets_and_a_raylet_that_joins_later_gets_a_s
             up = subprocess.run([sys.executable, "-m", "async_rl.cli", "scale", str(run_dir), "--servers", "2", "--redis-url", redis_url],
                                 cwd=ROOT, capture_output=True, text=True, timeout=900)
             assert up.returncode == 0 and "server-1 added" in up.stdout, up.stdout + up.stderr
+            # Two learner steps may pass before the new server's first group (CI, 2026-12-05: its
+            # core shared with the other test lane): wait for one of its groups to be put.
+            _wait_for_a_group_of(proc, redis_url, f"e2e-{os.getpid()}", "server-1#")
             wait_for_version(proc, run_dir, max(step_versions(run_dir)) + 2)
             down_at = time.time()
             down = subprocess.run([sys.executable, "-m", "async_rl.cli", "scale", str(run_dir), "--servers", "1", "--redis-url", redis_url],
