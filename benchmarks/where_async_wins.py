@@ -24,10 +24,15 @@ batch). From the sync arm's learner metrics: G (its median wait for a batch: the
 T (the rest of its step), the overlap bound ``(G + T) / max(G, T)``, and the async arm's speedup
 (sync wall / async wall) as a fraction of it.
 
-    python benchmarks/where_async_wins.py --task running_sum --json benchmarks/results/where_async_wins_long.json \\
-        --plot benchmarks/results/where_async_wins_long.png
+    python benchmarks/where_async_wins.py --task running_sum --steps 100 --target-points 5 --keep \\
+        --json benchmarks/results/where_async_wins_long.json --plot benchmarks/results/where_async_wins_long.png
     python benchmarks/where_async_wins.py --task slow_tool --json benchmarks/results/where_async_wins_tool.json \\
         --plot benchmarks/results/where_async_wins_tool.png
+
+On the running sum X = 5 points, fixed before its first three-arm run, from the
+quickstart's curve at this learning rate (+6 by step 20, +8.5 at most in 200 steps on 200 rows:
+10 points is not reachable by every arm), and 100 steps per arm (TRL's generation of up to 640
+tokens with ``transformers`` is the slow arm).
 
 Targets (issue 44, fixed before any run): long responses: async reaches the target at least
 1.3x sooner than TRL, its speedup over sync at least 0.85 of the overlap bound, its accuracy at
@@ -89,6 +94,9 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override for every arm")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--plot", type=Path, default=None)
+    ap.add_argument("--keep", action="store_true",
+                    help="reuse the arms already in --json when it was written with the same settings (the JSON is "
+                         "written after every arm, so a long benchmark cut short goes on from its last finished arm)")
     args = ap.parse_args()
     config, tiny_task = TASKS[args.task]
     args.config = args.config or config
@@ -109,8 +117,11 @@ def main() -> None:
     cfg = load_config(Path(commands["async"][4]), commands["async"][5:])
     if "trl" in arms:
         grpo_config(cfg, args.out)  # refuse what TRL cannot match before any arm runs
-    result: dict = {"task": args.task, "arms": {}, "commands": {}}
+    result = kept_arms(args) if args.keep else {"task": args.task, "arms": {}, "commands": {}, "settings": settings(args)}
     for arm in arms:
+        if arm in result["arms"]:
+            print(f"[where_async_wins] arm {arm}: kept from {args.json}", flush=True)
+            continue
         if arm == "trl":
             side, result["grpo_config"], result["commands"][arm] = run_trl(args, cfg)
         else:
@@ -119,6 +130,8 @@ def main() -> None:
             if arm == "sync":
                 result["sync_stages"] = generation_and_training(read_metrics(Path(arm_cfg.trainer.output_dir)))
         result["arms"][arm] = side
+        if args.json:
+            report_json(result, args.json)
     summarize(result, args)
     flat = {f"{arm}.{k}": v for arm, side in result["arms"].items() for k, v in side.items() if k != "val"}
     report({**flat, **{k: v for k, v in result.items() if k not in ("arms", "commands", "differences", "settings")}}, None)
@@ -130,6 +143,26 @@ def main() -> None:
                     xlabel="wall time since the first training step (s); validation included",
                     title=f"{args.task}: async-rl async vs sync vs TRL ({os.cpu_count()} CPU cores)")
     return 0 if result.get("targets_met", True) else 1
+
+
+def settings(args) -> dict:
+    """What makes two invocations' arms comparable (``--keep`` reuses arms only when these match)."""
+    return {"task": args.task, "config": str(args.config.resolve().relative_to(ROOT)), "steps": args.steps,
+            "val_every": args.val_every, "val_file": args.val_file, "overrides": args.set,
+            "target_points": args.target_points}
+
+
+def kept_arms(args) -> dict:
+    """The result so far from ``--json`` when it was written with this invocation's settings,
+    else a fresh one (saying why the file's arms are not reused)."""
+    fresh = {"task": args.task, "arms": {}, "commands": {}, "settings": settings(args)}
+    if not args.json or not args.json.is_file():
+        return fresh
+    old = json.loads(args.json.read_text())
+    if old.get("settings") != fresh["settings"]:
+        print(f"[where_async_wins] --keep: {args.json} has other settings ({old.get('settings')}); running every arm", flush=True)
+        return fresh
+    return old
 
 
 def summarize(result: dict, args) -> None:
@@ -153,8 +186,7 @@ def summarize(result: dict, args) -> None:
         checks["target_1.3x_sooner_than_trl"] = ours is not None and (theirs is None or theirs / ours >= SPEEDUP_VS_TRL)
     result.update(checks=checks, targets_met=all(checks.values()) if checks else None,
                   target=f"+{args.target_points:g} points over each arm's base (fixed before the run)",
-                  settings={"config": str(args.config.relative_to(ROOT)), "steps": args.steps, "val_every": args.val_every,
-                            "val_file": args.val_file, "overrides": args.set},
+                  settings=settings(args),
                   differences=[*DIFFERENCES, *([NO_TRL_ENV] if args.task == "slow_tool" else [])],
                   machine=f"{os.cpu_count()} cores, cpu")
 
