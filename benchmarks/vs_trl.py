@@ -88,12 +88,16 @@ def grpo_config(cfg, out_dir: Path) -> dict:
         f"algorithm.loss.entropy_coef={alg.loss.entropy_coef} (compared at 0)": alg.loss.entropy_coef != 0,
         f"learner.optim.scheduler={optim.scheduler} (compared constant)": optim.scheduler != "constant",
         "learner.lora (compared with full fine-tuning)": lrn.lora is not None,
+        f"rollout.vllm.dtype={r.vllm.dtype} beside learner.fsdp.param_dtype={lrn.fsdp.param_dtype} (compared with both "
+        "float32 or both bfloat16)": cpu_dtype(r.vllm.dtype) != cpu_dtype(lrn.fsdp.param_dtype),
     }
     if any(unmatched.values()):
         raise UnmatchedSettingError("no TRL counterpart for: " + "; ".join(text for text, bad in unmatched.items() if bad))
     return {
         "output_dir": str(out_dir), "max_steps": cfg.trainer.total_steps, "seed": cfg.trainer.seed,
-        "use_cpu": True, "bf16": False, "fp16": False, "use_vllm": False, "model_init_kwargs": {"dtype": "float32"},
+        # weights kept in float32 on both sides; bfloat16 compute is FSDP2's mixed precision on one, autocast on the other
+        "use_cpu": True, "bf16": cpu_dtype(lrn.fsdp.param_dtype) == "bfloat16", "fp16": False, "use_vllm": False,
+        "model_init_kwargs": {"dtype": "float32"},
         # TRL turns it on by default; async-rl's "auto" leaves it off on CPU
         "gradient_checkpointing": lrn.fsdp.gradient_checkpointing == "on",
         # one generation of B prompts x n completions per optimizer step, trained on once
@@ -108,6 +112,11 @@ def grpo_config(cfg, out_dir: Path) -> dict:
         "top_k": 0 if r.top_k == -1 else r.top_k,  # 0 and -1: no top-k
         "logging_steps": 10, "report_to": "none", "save_strategy": "no", "disable_tqdm": True, "dataloader_num_workers": 0,
     }
+
+
+def cpu_dtype(name: str) -> str:
+    """A dtype setting as it resolves on CPU (``auto`` is float32 there)."""
+    return "float32" if name == "auto" else name
 
 
 DIFFERENCES = [
@@ -141,7 +150,9 @@ DIFFERENCES = [
         "trainer.val_n >= 1), a point's version is the oldest weights its tokens used; TRL between steps with "
         "model.generate, greedy only, on exactly the step's weights. Both included in the wall time"
     ),
-    "learner: FSDP2 (one rank) over packed micro-batches vs the HF Trainer over a padded batch; float32 on both",
+    "learner: FSDP2 (one rank) over packed micro-batches vs the HF Trainer over a padded batch; float32 on both, or (the "
+    "bfloat16 row: --set learner.fsdp.param_dtype=bfloat16 --set rollout.vllm.dtype=bfloat16) float32 weights with bfloat16 "
+    "compute on both: FSDP2's mixed precision vs the Trainer's autocast (bf16=True), vLLM generating in bfloat16",
     "data order: the same train rows, each side's own seeded shuffle (async-rl's per-epoch permutation, TRL's RepeatSampler)",
     "reward: the same function (async-rl's, by name); async-rl runs it in its guarded process pool, TRL in-process",
     "start-up: async-rl starts Ray, Redis and the vLLM server; TRL loads the model (reported as startup_s, not in the curves)",
