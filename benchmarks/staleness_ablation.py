@@ -1,7 +1,8 @@
 """Staleness ablation: final greedy accuracy against max_staleness (eta) for three losses.
 
-The quickstart task (tiny model, configs/quickstart.yaml) trained for the same number of steps
-(``--steps`` x ``learner.batch_size`` groups) in every cell of eta x loss x seed:
+A tiny task (``--task``: the quickstart's addition, configs/quickstart.yaml, or issue 44's
+long-response running sum, configs/running_sum_quickstart.yaml) trained for the same number of
+steps (``--steps`` x ``learner.batch_size`` groups) in every cell of eta x loss x seed:
 
 * ``naive``: PPO with the behaviour policy as proximal (``algorithm.loss.name=ppo``,
   ``algorithm.recompute_proximal=false``: the ratio is ``pi_theta / mu``, clipped; no weight);
@@ -15,8 +16,10 @@ the learner waits until admission's whole window is generated before each step, 
 on groups exactly eta versions old (fewer in the first eta steps) however fast it is, and
 ``queue.max_depth`` is raised to hold (eta + 1) x B groups. Generation and learning then take
 turns in every cell, so wall times compare across eta. Validation runs on
-``data/val_1500.jsonl`` (``async-rl assets val-split``; a seed's standard error about 1.3
-points) at version 0 and at the end, greedy.
+``data/val_1500.jsonl`` (addition: ``async-rl assets val-split``; a seed's standard error about
+1.3 points) or ``data/val_1000.jsonl`` (the running sum's, about 1.4 points) at version 0 and at
+the end, greedy. With ``--keep`` the cells already in ``--json`` (written after every cell) are
+reused when its settings match, so an ablation longer than one sitting runs in parts.
 
 Cells share one redis-server (started here; a run name per cell). Each cell starts its own
 Ray, learner and vLLM server (``async-rl train`` in a subprocess): every cell must begin
@@ -26,10 +29,13 @@ vLLM to their own cores (``launch.cores.cpu_layout``), as in ``async_vs_sync.py`
     python benchmarks/staleness_ablation.py --json benchmarks/results/staleness_ablation.json \\
         --plot benchmarks/results/staleness_ablation.png            # the full run (~90 min on 2 cores)
     python benchmarks/staleness_ablation.py --seeds 1 --etas 0,4 --losses decoupled --steps 20   # a smoke
+    python benchmarks/staleness_ablation.py --task running_sum --seeds 5 --steps N --keep \\
+        --json benchmarks/results/staleness_ablation_long.json   # issue 44 item 4, in parts
 
 JSON keys: ``cells`` (per cell: eta, loss, seed, final_acc, base_acc, gain_points,
-staleness_mean, staleness_max, is_weight_mean, is_weight_max, is_clipped_fraction (weights cut at
-is_cap), pg_clipfrac, masked_fraction,
+staleness_mean, staleness_max, is_weight_mean, is_weight_max, is_ess (the weights' effective
+sample size fraction, their spread), is_clipped_fraction (weights cut at is_cap), pg_clipfrac,
+masked_fraction,
 behav_kl, groups, wall_s, train_s, run_dir), ``summary`` (per eta and loss: the mean over
 seeds of final_acc and gain_points with the 95 % interval half-width, ``*_ci95``, and the
 mean staleness), ``target`` (decoupled at eta = max against eta = 0: the gap in points and
@@ -53,17 +59,18 @@ from typing import Any
 from _report import new_plot, report, report_json, save_plot
 from _train import ROOT, quickstart_command
 
+TASKS: dict[str, tuple[Path, str, int]] = {
+    "addition": (ROOT / "configs" / "quickstart.yaml", "runs/bench/assets", 1500),
+    "running_sum": (ROOT / "configs" / "running_sum_quickstart.yaml", "runs/bench/running_sum-assets", 1000),
+}
+"""Tiny task -> (its config, the default assets dir, validation rows: the largest split disjoint
+from training that its builder writes or ``val-split`` can draw)."""
 LOSSES: dict[str, tuple[str, ...]] = {
     "naive": ("algorithm.loss.name=ppo", "algorithm.recompute_proximal=false"),
     "decoupled": ("algorithm.loss.name=decoupled_ppo",),
     "tis": ("algorithm.loss.name=ppo", "algorithm.loss.is_level=sequence"),
 }
 """Each loss of the ablation: its overrides of the quickstart config (the module docstring)."""
-BATCH = 16
-"""``learner.batch_size`` of configs/quickstart.yaml: B in the staleness rule."""
-QUICKSTART_DEPTH = 64
-"""``queue.max_depth`` of configs/quickstart.yaml; raised per cell to (eta + 1) x B when larger."""
-VAL_ROWS = 1500
 TARGET_POINTS = 3.0
 """Target: decoupled at the largest eta within this many points of eta = 0 (mean over seeds)."""
 T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
@@ -72,8 +79,11 @@ T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--assets", type=Path, default=Path("runs/bench/assets"), help="tiny assets dir (built if absent)")
-    ap.add_argument("--out", type=Path, default=Path("runs/bench/staleness"), help="run directories (emptied first)")
+    ap.add_argument("--task", choices=sorted(TASKS), default="addition",
+                    help="tiny task: addition (configs/quickstart.yaml) or running_sum (long responses, issue 44)")
+    ap.add_argument("--assets", type=Path, default=None, help="tiny assets dir (built if absent; default by --task)")
+    ap.add_argument("--out", type=Path, default=None, help="run directories (default runs/bench/staleness[-TASK]; emptied first "
+                                                           "unless --keep)")
     ap.add_argument("--seeds", type=int, default=3, help="seeds per (eta, loss): trainer.seed = 1..N")
     ap.add_argument("--etas", default="0,1,2,4,8", help="comma-separated max_staleness values")
     ap.add_argument("--losses", default=",".join(LOSSES), help=f"comma-separated, of {', '.join(LOSSES)}")
@@ -81,6 +91,9 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--plot", type=Path, default=None)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override for every cell (repeatable)")
+    ap.add_argument("--keep", action="store_true",
+                    help="reuse the cells already in --json when it was written with the same settings (written after "
+                         "every cell): an ablation longer than one sitting runs in parts")
     args = ap.parse_args()
     etas = [int(e) for e in args.etas.split(",")]
     losses = args.losses.split(",")
@@ -88,36 +101,46 @@ def main() -> None:
     if unknown:
         ap.error(f"unknown loss(es) {unknown}; choose from {', '.join(LOSSES)}")
 
+    from async_rl.config import load_config
     from async_rl.queue import EmbeddedRedis
     from async_rl.tiny import build_tiny_assets
     from async_rl.tiny.text import write_validation_split
 
-    assets = (ROOT / args.assets).resolve()
+    config, default_assets, val_rows = TASKS[args.task]
+    base = load_config(config, [*args.set])
+    batch, depth = base.learner.batch_size, base.queue.max_depth  # B of the staleness rule; the config's queue depth
+    assets = (ROOT / (args.assets or Path(default_assets))).resolve()
     if not (assets / "assets.json").is_file():
-        build_tiny_assets(assets, seed=0)
-    val = assets / "data" / f"val_{VAL_ROWS}.jsonl"
+        build_tiny_assets(assets, seed=0, task=args.task)
+    val = assets / "data" / f"val_{val_rows}.jsonl"
     if not val.is_file():
-        write_validation_split(assets, VAL_ROWS)
-    out = (ROOT / args.out).resolve()
-    shutil.rmtree(out, ignore_errors=True)
+        write_validation_split(assets, val_rows)
+    out = (ROOT / (args.out or Path("runs/bench/staleness" + ("" if args.task == "addition" else f"-{args.task}")))).resolve()
     plan = [(eta, loss, seed) for eta in etas for loss in losses for seed in range(1, args.seeds + 1)]
-    settings = {"steps": args.steps, "batch_size": BATCH, "groups_per_cell": args.steps * BATCH, "val_rows": VAL_ROWS,
+    settings = {"task": args.task, "config": str(config.relative_to(ROOT)), "steps": args.steps, "batch_size": batch,
+                "groups_per_cell": args.steps * batch, "val_rows": val_rows,
                 "etas": etas, "losses": {name: list(LOSSES[name]) for name in losses}, "seeds": args.seeds, "overrides": args.set,
                 "machine": f"{os.cpu_count()} cores, cpu"}
-    cells: list[dict[str, Any]] = []
+    cells = kept_cells(args.json, settings) if args.keep else []
+    if not cells:
+        shutil.rmtree(out, ignore_errors=True)
+    done = {(c["eta"], c["loss"], c["seed"]) for c in cells}
+    todo = [cell for cell in plan if cell not in done]
     started = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis(Path(tmp) / "redis") as url:
-        for i, (eta, loss, seed) in enumerate(plan, 1):
-            cell = run_cell(assets, val, out, url, eta, loss, seed, args.steps, args.set)
+        for i, (eta, loss, seed) in enumerate(todo, 1):
+            cell = run_cell(config, assets, val, out, url, eta, loss, seed, args.steps, [f"queue.max_depth={max(depth, (eta + 1) * batch)}", *args.set])
             cells.append(cell)
             spent = time.monotonic() - started
-            print(f"cell {i}/{len(plan)} eta={eta} {loss} seed={seed}: greedy {cell['final_acc']:.1%} ({cell['gain_points']:+.1f} points), "
+            print(f"cell {len(cells)}/{len(plan)} eta={eta} {loss} seed={seed}: greedy {cell['final_acc']:.1%} ({cell['gain_points']:+.1f} points), "
                   f"staleness mean {cell['staleness_mean']:.2f} max {cell['staleness_max']:.0f}, IS weight mean {cell['is_weight_mean']:.3f} "
-                  f"max {cell['is_weight_max']:.2f}, {cell['wall_s']:.0f} s; ETA {spent / i * (len(plan) - i) / 60:.1f} min", flush=True)
+                  f"max {cell['is_weight_max']:.2f}, behav_kl {cell['behav_kl']:.4f}, {cell['wall_s']:.0f} s; "
+                  f"ETA {spent / i * (len(todo) - i) / 60:.1f} min", flush=True)
             if args.json:  # after every cell: a run cut short keeps what it measured
                 report_json({"cells": cells, **settings}, args.json)
+    cells.sort(key=lambda c: plan.index((c["eta"], c["loss"], c["seed"])))  # parts in plan order
     summary = summarize(cells)
-    result = {"total_wall_s": time.monotonic() - started, "target": target(summary, etas), **settings, "summary": summary, "cells": cells}
+    result = {"total_wall_s": sum(c["wall_s"] for c in cells), "target": target(summary, etas), **settings, "summary": summary, "cells": cells}
     for row in summary:
         print(f"eta={row['eta']} {row['loss']:<9} greedy {row['final_acc']:.1%} +- {row['final_acc_ci95']:.1%} "
               f"(gain {row['gain_points']:+.1f}), staleness {row['staleness_mean']:.2f}")
@@ -128,16 +151,31 @@ def main() -> None:
         plot(cells, summary, args.plot)
 
 
-def run_cell(assets: Path, val: Path, out: Path, redis_url: str, eta: int, loss: str, seed: int, steps: int,
+def kept_cells(json_path: Path | None, settings: dict[str, Any]) -> list[dict[str, Any]]:
+    """The cells of ``json_path`` when it was written with ``settings`` (``--keep``), else none."""
+    if json_path is None or not json_path.is_file():
+        return []
+    old = json.loads(json_path.read_text())
+    mine = {k: v for k, v in old.items() if k in settings}
+    if mine != settings:
+        print(f"--keep: {json_path} was written with other settings ({mine}); running every cell", flush=True)
+        return []
+    print(f"--keep: {len(old['cells'])} cells kept from {json_path}", flush=True)
+    return old["cells"]
+
+
+def run_cell(config: Path, assets: Path, val: Path, out: Path, redis_url: str, eta: int, loss: str, seed: int, steps: int,
              extra: list[str]) -> dict[str, Any]:
     """Train one cell with ``async-rl train`` on the shared Redis; its figures from metrics.jsonl."""
     name = f"eta{eta}-{loss}-s{seed}"
     run_dir = out / name
+    shutil.rmtree(run_dir, ignore_errors=True)  # a cell cut short in an earlier part
     command = quickstart_command(
         assets, run_dir, f"ablation-{name}-{os.getpid()}", *LOSSES[loss],
-        f"data.val_files={val}", f"queue.redis_url={redis_url}", f"queue.max_depth={max(QUICKSTART_DEPTH, (eta + 1) * BATCH)}",
+        f"data.val_files={val}", f"queue.redis_url={redis_url}",
         f"algorithm.max_staleness={eta}", "learner.fill_staleness_window=true", f"trainer.seed={seed}",
-        f"trainer.total_steps={steps}", f"trainer.val_every={steps}", f"trainer.save_every={steps}", "trainer.val_n=1", *extra)
+        f"trainer.total_steps={steps}", f"trainer.val_every={steps}", f"trainer.save_every={steps}", "trainer.val_n=1", *extra,
+        config=config)
     run_dir.mkdir(parents=True)
     t0 = time.monotonic()
     with open(run_dir.with_suffix(".log"), "w") as log:
@@ -171,6 +209,7 @@ def read_cell(run_dir: Path) -> dict[str, float]:
         "staleness_max": max(r["staleness/max"] for r in steps),
         "is_weight_mean": mean("actor/is_weight_mean"),
         "is_weight_max": max(r["actor/is_weight_max"] for r in steps),
+        "is_ess": mean("actor/is_ess"),
         "is_clipped_fraction": mean("actor/is_clipped_fraction"),
         "pg_clipfrac": mean("actor/pg_clipfrac"),
         "masked_fraction": mean("actor/masked_fraction"),

@@ -234,6 +234,7 @@ class _Run:
             if run.stop.is_set():
                 return
             await pool.start_workers()
+            run.workers_started = True
             requests = asyncio.create_task(serve_scale_requests(run, self.reporter.write_servers))
             started = run.last_step = time.monotonic()
             r = self.cfg.rollout

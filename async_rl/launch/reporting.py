@@ -122,7 +122,8 @@ class Reporter:
         run, cfg = self.run, self.run.cfg
         stats = await run.redis(run.queue.stats) if stats is None else stats
         return Snapshot(run.version, stats["version"], stats["groups_started"], cfg.algorithm.max_staleness, cfg.learner.batch_size,
-                        stats["depth"], stats["inflight"], [h if isinstance(h, str) else (h.server_id, h.version) for h in healths])
+                        stats["depth"], stats["inflight"], [h if isinstance(h, str) else (h.server_id, h.version) for h in healths],
+                        run.workers_started)
 
     async def diagnose(self) -> str:
         """What each side of a stalled run waits for, in one paragraph, and the component to blame."""

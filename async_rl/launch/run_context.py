@@ -45,6 +45,8 @@ class RunContext:
     """The learner's version (its steps taken)."""
     last_step: float = field(default_factory=time.monotonic)
     """When the learner's last step was logged (or the rollout workers started), monotonic seconds."""
+    workers_started: bool = False
+    """The rollout workers were started (after the first validation)."""
     recoveries: Counter[str] = field(default_factory=Counter)
     """What the driver recovered from without a restart (``recoveries/*``)."""
     learner_restarts: int = 0

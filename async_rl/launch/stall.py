@@ -31,6 +31,8 @@ class Snapshot:
     """Groups admitted and not yet put or abandoned."""
     servers: Sequence[tuple[str, int] | str]
     """Each server's ``(id, version it acknowledged)``, or the error text of one that is not healthy."""
+    workers_started: bool = True
+    """False while the first validation runs: the rollout workers start after it."""
 
     @property
     def limit(self) -> int:
@@ -53,6 +55,9 @@ def blame(snap: Snapshot) -> str:
     broken = [s for s in snap.servers if isinstance(s, str)]
     if broken:
         return f"the inference servers: {'; '.join(broken)}"
+    if not snap.workers_started:
+        return ("the first validation: the starting weights are validated before the rollout workers start (verl's "
+                "val_before_train; trainer.val_every=0 turns validation off, this one with it), so no group is generated until it ends")
     if snap.depth >= snap.batch_size:
         return (f"the learner: {snap.depth} groups are queued for it ({snap.batch_size} make a step) and it takes no step "
                 "(a slow or hung rank: see trainer.learner_hang_timeout_s)")
