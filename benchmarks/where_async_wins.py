@@ -70,12 +70,17 @@ NO_TRL_ENV = (
 
 
 def generation_and_training(rows: list[dict]) -> dict:
-    """G and T of a synchronous run, seconds per step (medians over its steps): G its wait for
-    the batch (generation, scoring and the weight update before it), T the rest of its step."""
-    steps = [r for r in rows if "time/step" in r and "time/wait" in r][1:]  # the first waits on start-up too
-    g = statistics.median(r["time/wait"] for r in steps)
-    t = statistics.median(r["time/step"] - r["time/wait"] for r in steps)
-    return {"G_s": round(g, 4), "T_s": round(t, 4), "overlap_bound": round((g + t) / max(g, t), 3)}
+    """G and T of a synchronous run, seconds per step (medians over its steps after the first,
+    which waits on start-up too): T the learner's part of a step (its step less its wait for the
+    batch), G the rest of the interval between two steps (generation, scoring and the weight
+    update). From the intervals, not ``time/wait``: before 2026-12-06 a wait longer than the
+    driver's bounded learner call was cut to its last call (``time/wait`` 1.0 s of a 6.3 s
+    interval in the running sum's sync arm)."""
+    steps = [r for r in rows if "time/step" in r and "time/wait" in r]
+    interval = statistics.median(b["time/elapsed_s"] - a["time/elapsed_s"] for a, b in zip(steps, steps[1:]))
+    t = statistics.median(r["time/step"] - r["time/wait"] for r in steps[1:])
+    g = interval - t
+    return {"G_s": round(g, 4), "T_s": round(t, 4), "step_interval_s": round(interval, 4), "overlap_bound": round((g + t) / max(g, t), 3)}
 
 
 def main() -> None:
@@ -127,11 +132,12 @@ def main() -> None:
         else:
             arm_cfg = load_config(Path(commands[arm][4]), commands[arm][5:])
             side, result["commands"][arm] = run_async_rl(args, commands[arm], arm_cfg)
-            if arm == "sync":
-                result["sync_stages"] = generation_and_training(read_metrics(Path(arm_cfg.trainer.output_dir)))
         result["arms"][arm] = side
         if args.json:
             report_json(result, args.json)
+    sync_metrics = Path(load_config(Path(commands["sync"][4]), commands["sync"][5:]).trainer.output_dir) / "metrics.jsonl"
+    if "sync" in result["arms"] and sync_metrics.is_file():  # also for a kept arm: the rule may have changed since
+        result["sync_stages"] = generation_and_training(read_metrics(sync_metrics.parent))
     summarize(result, args)
     flat = {f"{arm}.{k}": v for arm, side in result["arms"].items() for k, v in side.items() if k != "val"}
     report({**flat, **{k: v for k, v in result.items() if k not in ("arms", "commands", "differences", "settings")}}, None)

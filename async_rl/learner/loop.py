@@ -105,6 +105,9 @@ class LearnerLoop:
                   if self.queue is not None else None)
         self.feed = BatchFeed(self.info.rank, self.info.device, limits, reader)
         self.version = 0
+        self._waiting_since: float | None = None
+        """When the wait for the next batch began (``perf_counter``), across calls of :meth:`run`
+        that returned without a batch (the driver's bounded waits): None while stepping."""
         self.uncommitted: list[str] = []
         self.counters: Counter[str] = Counter()
         self.head: Path | None = None
@@ -195,10 +198,12 @@ class LearnerLoop:
     # -- one step -----------------------------------------------------------------
 
     def _step(self, deadline: float | None = None) -> dict[str, float] | None:
-        start = time.perf_counter()
+        if self._waiting_since is None:
+            self._waiting_since = time.perf_counter()
         data = self.feed.next(self.cfg.learner.batch_size, self.version, self.publication, deadline)
         if data is None:
-            return None
+            return None  # the wait goes on in the next call: time/wait counts it from its start
+        start, self._waiting_since = self._waiting_since, None
         wait_s = time.perf_counter() - start
         prepared = prepare(data.groups)
         self.counters.update({**{f"dropped/{k}": v for k, v in prepared.dropped.items()}, "groups_consumed": len(data.fed)})

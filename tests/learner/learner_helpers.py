@@ -99,7 +99,8 @@ def gather_main(rank: int, world_size: int, port: int, model_dir: str, bucket_by
 
 def bounded_wait_main(port: int, cfg: Config, redis_url: str, out: str) -> None:
     """One rank: a bounded wait on an empty queue returns without a step and keeps the groups
-    read so far; once the batch is complete a step runs; ``finish`` checkpoints and commits."""
+    read so far; once the batch is complete a step runs (its ``time/wait`` counting the first
+    call's wait too); ``finish`` checkpoints and commits."""
     from async_rl.learner.loop import LearnerLoop
     from async_rl.queue import ReplayQueue
 
@@ -114,7 +115,9 @@ def bounded_wait_main(port: int, cfg: Config, redis_url: str, out: str) -> None:
         report["held"] = len(loop.feed.reader.backlog)
         for g in groups[1:]:
             q.put(g)
-        report["version"] = loop.run(max_steps=1, wait_s=30.0).version
+        summary = loop.run(max_steps=1, wait_s=30.0)
+        report["version"] = summary.version
+        report["step_wait_s"], report["step_s"] = summary.steps[0]["time/wait"], summary.steps[0]["time/step"]
         report["finished"] = loop.finish()
         report["pending_after_finish"] = q.stats()["pending"]
     loop.close()
