@@ -35,6 +35,9 @@ def test_a_plain_store_would_listen_everywhere():
 
 
 def test_the_store_owns_its_socket():
+    # torch opens a pipe pair once per process with its first store and keeps it: warm up first,
+    # or the test fails when it is the first store of its process (alone, or on an xdist worker)
+    master_store("127.0.0.1", 0, 10.0)  # dropped at once: this store is not the one tested
     before = set(os.listdir("/proc/self/fd"))
     store = master_store("127.0.0.1", 0, 10.0)
     port = store.port
