@@ -28,6 +28,20 @@ def report_json(result: dict[str, Any], json_path: Path) -> None:
     partial.replace(json_path)
 
 
+def kept_result(json_path: Path | None, settings: dict[str, Any], written_with: Any) -> dict[str, Any] | None:
+    """A benchmark's ``--keep``: the result in ``json_path`` (written after each arm or cell)
+    when ``written_with(result)``, the settings it was written with, equals ``settings``; None
+    when there is none or its settings differ (said on the console: everything runs again)."""
+    if json_path is None or not json_path.is_file():
+        return None
+    old = json.loads(json_path.read_text())
+    if written_with(old) != settings:
+        print(f"--keep: {json_path} was written with other settings ({written_with(old)}); running everything", flush=True)
+        return None
+    print(f"--keep: reusing what {json_path} holds", flush=True)
+    return old
+
+
 def new_plot() -> tuple[Any, Any]:
     """A 6 x 4 inch figure and its axes, drawn without a display (matplotlib's Agg backend)."""
     import matplotlib

@@ -56,7 +56,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _report import new_plot, report, report_json, save_plot
+from _report import kept_result, new_plot, report, report_json, save_plot
 from _train import ROOT, quickstart_command
 
 TASKS: dict[str, tuple[Path, str, int]] = {
@@ -153,15 +153,8 @@ def main() -> None:
 
 def kept_cells(json_path: Path | None, settings: dict[str, Any]) -> list[dict[str, Any]]:
     """The cells of ``json_path`` when it was written with ``settings`` (``--keep``), else none."""
-    if json_path is None or not json_path.is_file():
-        return []
-    old = json.loads(json_path.read_text())
-    mine = {k: v for k, v in old.items() if k in settings}
-    if mine != settings:
-        print(f"--keep: {json_path} was written with other settings ({mine}); running every cell", flush=True)
-        return []
-    print(f"--keep: {len(old['cells'])} cells kept from {json_path}", flush=True)
-    return old["cells"]
+    old = kept_result(json_path, settings, lambda result: {k: v for k, v in result.items() if k in settings})
+    return old["cells"] if old else []
 
 
 def run_cell(config: Path, assets: Path, val: Path, out: Path, redis_url: str, eta: int, loss: str, seed: int, steps: int,

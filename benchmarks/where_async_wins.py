@@ -43,13 +43,12 @@ accuracy at equal episodes within 3 points. Exits 1 when a target is missed.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 from pathlib import Path
 
-from _report import plot_curves, report, report_json
+from _report import kept_result, plot_curves, report, report_json
 from _train import ROOT, read_metrics
 from vs_trl import DIFFERENCES, async_rl_command, ensure_assets, grpo_config, run_async_rl, run_trl
 
@@ -162,13 +161,7 @@ def kept_arms(args) -> dict:
     """The result so far from ``--json`` when it was written with this invocation's settings,
     else a fresh one (saying why the file's arms are not reused)."""
     fresh = {"task": args.task, "arms": {}, "commands": {}, "settings": settings(args)}
-    if not args.json or not args.json.is_file():
-        return fresh
-    old = json.loads(args.json.read_text())
-    if old.get("settings") != fresh["settings"]:
-        print(f"[where_async_wins] --keep: {args.json} has other settings ({old.get('settings')}); running every arm", flush=True)
-        return fresh
-    return old
+    return kept_result(args.json, fresh["settings"], lambda old: old.get("settings")) or fresh
 
 
 def summarize(result: dict, args) -> None:
