@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import safetensors.torch
 import tokenizers
@@ -51,6 +51,7 @@ MAX_MODEL_LEN = 512  # max_position_embeddings; prompts are ~17 tokens, answers 
 # spinning OpenMP threads slow down many-fold on a shared 2-core machine.
 NUM_THREADS = 1
 PASS_AT_K = 8  # samples per validation problem for the headroom estimate
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,13 @@ class WarmStart:
     band: tuple[float, float] = (0.10, 0.60)  # accepted greedy val accuracy
     target: float = 0.25  # stop at the first evaluation at or above this
     max_steps: int = 3000
+    eval_rows: int | None = None
+    """Validation rows each evaluation and the pass@k estimate decode (None: all of the
+    builder's). Short test builds set a few: an untrained model decodes to its budget."""
+
+    def evaluated(self, rows: Sequence[T]) -> Sequence[T]:
+        """The first :attr:`eval_rows` of ``rows`` (all when unset)."""
+        return rows if self.eval_rows is None else rows[: self.eval_rows]
 
 
 WARM_START = WarmStart()

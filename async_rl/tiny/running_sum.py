@@ -159,13 +159,13 @@ def build_running_sum_assets(
         steps, base_acc = sft_until_band(
             model, len(examples),
             lambda batch: sft_loss(model, [examples[i] for i in batch], eos, pad),
-            lambda: greedy_accuracy(model, tokenizer, val),
+            lambda: greedy_accuracy(model, tokenizer, warm_start.evaluated(val)),
             seed, progress, warm_start,
         )
         timings["warm_start"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        rows = val[:PASS_ROWS]
+        rows = warm_start.evaluated(val)[:PASS_ROWS]
         samples = generate_completions(model, tokenizer, [r.problem for r in rows], num_samples=PASS_AT_K,
                                        max_new_tokens=budget(tokenizer, rows))
         sampled_acc, pass_at_k = sample_stats(samples, [r.answer for r in rows], is_correct)

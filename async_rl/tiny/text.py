@@ -115,14 +115,15 @@ def build_text_assets(
 
         t0 = time.perf_counter()
         examples = _examples(tokenizer, train, seed if multiturn else None)
-        steps, base_acc = _warm_start(model, tokenizer, examples, val, seed, progress, warm_start, multiturn)
+        evaluated = warm_start.evaluated(val)
+        steps, base_acc = _warm_start(model, tokenizer, examples, evaluated, seed, progress, warm_start, multiturn)
         timings["warm_start"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
         samples = generate_completions(
-            model, tokenizer, [r.problem for r in val], num_samples=PASS_AT_K
+            model, tokenizer, [r.problem for r in evaluated], num_samples=PASS_AT_K
         )
-        sampled_acc, pass_at_k = sample_stats(samples, [r.answer for r in val], is_correct)
+        sampled_acc, pass_at_k = sample_stats(samples, [r.answer for r in evaluated], is_correct)
         timings["pass_at_k"] = time.perf_counter() - t0
 
         return finish_build(

@@ -416,7 +416,8 @@ def build_vlm_assets(
         progress(f"[assets] model: Idefics3, {num_params / 1e6:.2f}M parameters")
 
         t0 = time.perf_counter()
-        train_ex, val_ex = vision_examples(processor, train), vision_examples(processor, val)
+        evaluated = cfg.evaluated(val)
+        train_ex, val_ex = vision_examples(processor, train), vision_examples(processor, evaluated)
         eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
         for step, loss in sft_steps(
             model,
@@ -426,13 +427,13 @@ def build_vlm_assets(
             replace(cfg, max_steps=format_steps),
         ):
             if step == format_steps:
-                acc = vlm_greedy_accuracy(model, tokenizer, val_ex, val)
+                acc = vlm_greedy_accuracy(model, tokenizer, val_ex, evaluated)
                 progress(f"[assets] answer-format SFT step {step}: loss {loss.item():.3f}, greedy val acc {acc:.1%}")
         steps, base_acc = sft_until_band(
             model,
             len(train),
             lambda batch: _sft_loss(model, train_ex, batch, eos, pad),
-            lambda: vlm_greedy_accuracy(model, tokenizer, val_ex, val),
+            lambda: vlm_greedy_accuracy(model, tokenizer, val_ex, evaluated),
             seed,
             progress,
             cfg,
@@ -442,7 +443,7 @@ def build_vlm_assets(
 
         t0 = time.perf_counter()
         samples = generate_vlm_completions(model, tokenizer, val_ex, num_samples=PASS_AT_K)
-        sampled_acc, pass_at_k = sample_stats(samples, [r.answer for r in val], is_exact_match)
+        sampled_acc, pass_at_k = sample_stats(samples, [r.answer for r in evaluated], is_exact_match)
         timings["pass_at_k"] = time.perf_counter() - t0
 
         return finish_build(

@@ -72,7 +72,7 @@ def test_running_sum_assets_build_and_train_three_steps(tmp_path) -> None:
     and the learner. It starts a run of its own: no shared stack serves the running-sum model."""
     assets = tmp_path / "assets"
     report = build_tiny_assets(assets, task="running_sum", progress=lambda _: None,
-                               warm_start=WarmStart(warmup_steps=5, eval_every=10, band=(0.0, 1.0), target=0.0, max_steps=10))
+                               warm_start=WarmStart(warmup_steps=5, eval_every=10, band=(0.0, 1.0), target=0.0, max_steps=10, eval_rows=16))
     manifest = json.loads(report.manifest_path.read_text())
     assert manifest["task"]["name"] == "running_sum" and manifest["sft_steps"] == 10
     assert manifest["task"]["response_tokens"]["mean"] >= 128

@@ -84,7 +84,7 @@ def test_a_larger_validation_split_extends_val_and_stays_out_of_train(tiny_asset
 def test_same_seed_rebuilds_identical_assets(tiny_assets: TinyAssetsReport, tmp_path: Path) -> None:
     # Two builds with a 10-step warm start (the full one takes a minute): every stage runs, and
     # determinism of each step is determinism of the whole schedule.
-    short = WarmStart(warmup_steps=5, eval_every=10, band=(0.0, 1.0), target=0.0, max_steps=10)
+    short = WarmStart(warmup_steps=5, eval_every=10, band=(0.0, 1.0), target=0.0, max_steps=10, eval_rows=16)
     threads = torch.get_num_threads()
     first = build_tiny_assets(tmp_path / "a", seed=0, progress=lambda _: None, warm_start=short)
     again = build_tiny_assets(tmp_path / "b", seed=0, progress=lambda _: None, warm_start=short)
@@ -95,14 +95,15 @@ def test_same_seed_rebuilds_identical_assets(tiny_assets: TinyAssetsReport, tmp_
     for split in ("train.jsonl", "val.jsonl"):
         assert (again.data_dir / split).read_bytes() == (tiny_assets.data_dir / split).read_bytes()
     assert (again.base_accuracy, again.sft_steps) == (first.base_accuracy, first.sft_steps) and again.sft_steps == 10
-    assert json.loads(again.manifest_path.read_text())["warm_start"]["max_steps"] == 10
+    recorded = json.loads(again.manifest_path.read_text())["warm_start"]
+    assert (recorded["max_steps"], recorded["eval_rows"]) == (10, 16)
 
 
 @pytest.mark.assets
 def test_multiturn_assets_know_the_feedback_and_warm_start_on_second_turns(tiny_assets: TinyAssetsReport, tmp_path: Path) -> None:
     from async_rl.tiny.text import _examples
 
-    short = WarmStart(warmup_steps=5, eval_every=10, band=(0.0, 1.0), target=0.0, max_steps=10)
+    short = WarmStart(warmup_steps=5, eval_every=10, band=(0.0, 1.0), target=0.0, max_steps=10, eval_rows=16)
     report = build_tiny_assets(tmp_path, seed=0, progress=lambda _: None, warm_start=short, task="multiturn")
     assert json.loads(report.manifest_path.read_text())["task"]["name"] == "multiturn"
     assert (report.data_dir / "train.jsonl").read_bytes() == (tiny_assets.data_dir / "train.jsonl").read_bytes()

@@ -231,7 +231,7 @@ def test_base_accuracy_in_band(tiny_vlm_assets: TinyAssetsReport) -> None:
 def test_same_seed_rebuilds_identical_assets(tiny_vlm_assets: TinyAssetsReport, tmp_path: Path) -> None:
     # Two builds with a 5 + 10-step warm start: every stage runs, and determinism of each
     # step is determinism of the whole schedule.
-    short = VisionWarmStart(warmup_steps=5, eval_every=10, band=(0.0, 1.0), target=0.0, max_steps=10, format_steps=5)
+    short = VisionWarmStart(warmup_steps=5, eval_every=10, band=(0.0, 1.0), target=0.0, max_steps=10, format_steps=5, eval_rows=16)
     threads = torch.get_num_threads()
     first = build_tiny_assets(tmp_path / "a", seed=0, progress=lambda _: None, warm_start=short, task="vlm")
     again = build_tiny_assets(tmp_path / "b", seed=0, progress=lambda _: None, warm_start=short, task="vlm")
