@@ -134,6 +134,8 @@ class MaskSpan(msgspec.Struct, array_like=True, frozen=True):
 
 def _run_lengths(values: Sequence[int]) -> list[tuple[int, int]]:
     """``(value, count)`` of each run of equal consecutive values."""
+    if values and values.count(values[0]) == len(values):  # one run, the usual case: a scan in C, not per token in Python
+        return [(values[0], len(values))]
     runs: list[tuple[int, int]] = []
     start = 0
     for i in range(1, len(values) + 1):
