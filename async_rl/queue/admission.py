@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import redis
 
 from async_rl.queue.client import OnceScript
-from async_rl.queue.keys import RunKeys
+from async_rl.queue.keys import VERSIONS_MAXLEN, RunKeys
 
 __all__ = ["AdmissionLedger", "Reconciled", "Ticket"]
 
@@ -160,14 +160,20 @@ def admission_limit(version: int, max_staleness: int, batch_size: int) -> int:
     return (version + max_staleness + 1) * batch_size
 
 
-# KEYS: counters. ARGV: version. Raises the published version, never lowers it (idempotent: safe to retry).
-_RAISE_VERSION_LUA = """
+# KEYS: counters, versions. ARGV: version, versions kept. Sets the published version and, when
+# it rose, appends it to the versions stream (what waiting producers block on). With
+# ARGV[3] = 1 it only raises (the driver's watchdog); a retry changes nothing either way.
+_PUBLISH_VERSION_LUA = """
 local current = tonumber(redis.call('HGET', KEYS[1], 'version') or '0')
-if tonumber(ARGV[1]) > current then
-  redis.call('HSET', KEYS[1], 'version', ARGV[1])
-  return 1
+local version = tonumber(ARGV[1])
+if version == current or (ARGV[3] == '1' and version < current) then
+  return 0
 end
-return 0
+redis.call('HSET', KEYS[1], 'version', ARGV[1])
+if version > current then
+  redis.call('XADD', KEYS[2], 'MAXLEN', ARGV[2], '*', 'version', ARGV[1])
+end
+return 1
 """
 
 
@@ -182,22 +188,31 @@ class AdmissionLedger:
         self._admit, self._abandon, self._release_owner, self._reconcile = (
             OnceScript(client, body, keys.reply, reply_ttl_s) for body in (_ADMIT_LUA, _ABANDON_LUA, _RELEASE_OWNER_LUA, _RECONCILE_LUA)
         )
-        self._raise_version = client.register_script(_RAISE_VERSION_LUA)
+        self._publish_version = client.register_script(_PUBLISH_VERSION_LUA)
 
     @property
     def _claim_keys(self) -> list[str]:
         return [self._keys.counters, self._keys.inflight, self._keys.returned]
 
     def publish_version(self, version: int) -> None:
-        """Record ``version`` as the policy version whose weights reached every server."""
+        """Record ``version`` as the policy version whose weights reached every server (a
+        rise wakes the producers waiting in :meth:`wait_for_version`)."""
         if version < 0:
             raise ValueError(f"policy version must be >= 0, got {version}")
-        self._client.hset(self._keys.counters, "version", version)
+        self._publish_version(keys=[self._keys.counters, self._keys.versions], args=[version, VERSIONS_MAXLEN, 0])
 
     def raise_version(self, version: int) -> bool:
         """Publish ``version`` only if it is newer than the published one (the driver's
         watchdog, racing the learner's own announcements); True if it was."""
-        return bool(self._raise_version(keys=[self._keys.counters], args=[version]))
+        return bool(self._publish_version(keys=[self._keys.counters, self._keys.versions], args=[version, VERSIONS_MAXLEN, 1]))
+
+    def wait_for_version(self, after: str, timeout_s: float) -> str:
+        """Block until a version is published after stream id ``after`` (``"0-0"``: any the
+        stream holds) or ``timeout_s`` passes; returns the newest id seen (``after`` when
+        none came). A producer keeps the id it got and passes it back, so a version
+        published between its closed admission and this call still wakes it at once."""
+        reply = self._client.xread({self._keys.versions: after}, count=VERSIONS_MAXLEN, block=max(1, round(timeout_s * 1000)))
+        return reply[0][1][-1][0].decode() if reply else after
 
     def admit(self, batch_size: int, max_staleness: int, owner: str, call_id: str, limit: int = 1) -> list[Ticket]:
         """Up to ``limit`` :class:`Ticket` s, as many as AReaL's rule lets start (none: empty).

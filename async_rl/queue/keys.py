@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["CONSUMER_GROUP", "FAILURES_MAXLEN", "FAILURE_FIELD", "PAYLOAD_FIELD", "RunKeys"]
+__all__ = ["CONSUMER_GROUP", "FAILURES_MAXLEN", "FAILURE_FIELD", "PAYLOAD_FIELD", "VERSIONS_MAXLEN", "RunKeys"]
 
 CONSUMER_GROUP = "learner"
 PAYLOAD_FIELD = b"group"  # stream entry field holding the msgspec-encoded RolloutGroup
 FAILURE_FIELD = b"report"  # failures stream entry field holding a msgspec-encoded FailureReport
 FAILURES_MAXLEN = 10_000
 """Failure reports the queue keeps (the driver appends each to a file within about a second)."""
+VERSIONS_MAXLEN = 16
+"""Published versions the ``versions`` stream keeps (a waiter needs only the newest)."""
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,9 @@ class RunKeys:
     - ``slotted``: set of the ``rollouts`` entry ids that hold an admission slot (put with a
       ticket): only their drops give a slot back, and reconciling counts only them (an
       entry written into the stream some other way never took one).
+    - ``versions``: stream of the published versions (field ``version``; the newest
+      :data:`VERSIONS_MAXLEN` kept), appended whenever the published version rises: rollout
+      workers waiting on a closed admission block on it (``XREAD BLOCK``) instead of polling.
     - ``rollout_stats``: hash of the rollout workers' cumulative counters (``groups_put``,
       ``tokens_generated``, ``reward_errors``, ...), added to by every worker host.
     - ``failures``: stream of msgspec-encoded :class:`~async_rl.records.FailureReport`
@@ -71,6 +76,10 @@ class RunKeys:
     @property
     def slotted(self) -> str:
         return f"{self.run}:slotted"
+
+    @property
+    def versions(self) -> str:
+        return f"{self.run}:versions"
 
     @property
     def rollout_stats(self) -> str:

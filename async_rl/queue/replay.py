@@ -371,6 +371,11 @@ class ReplayQueue:
         """Publish ``version`` if it is newer than the published one (:meth:`AdmissionLedger.raise_version`)."""
         return self._call("raise_version", lambda: self._ledger.raise_version(version))
 
+    def wait_for_version(self, after: str, timeout_s: float) -> str:
+        """Block until a version is published after stream id ``after``, or ``timeout_s``
+        (:meth:`AdmissionLedger.wait_for_version`); the newest id seen."""
+        return self._call("wait_for_version", lambda: self._ledger.wait_for_version(after, timeout_s))
+
     def admit(self, batch_size: int, max_staleness: int, owner: str, limit: int = 1) -> list[Ticket]:
         """AReaL admission and prompt claims (:meth:`AdmissionLedger.admit`): up to ``limit``
         tickets, each to end with :meth:`put` or :meth:`abandon`; none while the rule holds

@@ -78,8 +78,12 @@ class WorkerSettings:
     seed: int = 1
     put_timeout_s: float = 60.0
     """How long ``put`` may block on a full queue before the group is retried."""
-    admit_poll_s: float = 0.02
-    """Polling interval while admission is closed, seconds."""
+    admit_wait_s: float = 1.0
+    """Longest a worker waits on a closed admission before asking again, seconds. A published
+    version wakes it at once (it blocks on the queue's ``versions`` stream); the wait bounds
+    how late it sees slots given back without one (the learner's drops). Polling every 20 ms
+    instead cost Redis a call per worker every 20 ms: at 1,024 servers, a core
+    (benchmarks/scale_sim.py)."""
     generate_retries: int = 3
     """Attempts per group when the server fails (a restarted server gets the retries)."""
     owner: str = ""
@@ -153,6 +157,8 @@ class RolloutWorker:
         self._orders: dict[int, list[int]] = {}
         self._queue_away = False
         """A queue call found Redis unreachable and none has succeeded since (said once per outage)."""
+        self._version_seen = "0-0"
+        """Id of the newest entry of the queue's ``versions`` stream this worker has seen."""
 
     def row_for(self, index: int) -> PromptRow:
         """The dataset row of global cursor ``index`` (a fresh seeded permutation per epoch)."""
@@ -211,8 +217,8 @@ class RolloutWorker:
         return None
 
     async def _admit(self, stop: asyncio.Event, limit: int) -> list[Ticket]:
-        """Up to ``limit`` tickets once admission lets any start (polling every
-        ``admit_poll_s``); none once ``stop`` is set."""
+        """Up to ``limit`` tickets once admission lets any start (asking again when a version
+        is published, or after ``admit_wait_s``); none once ``stop`` is set."""
         t0 = time.monotonic()
         try:
             while not stop.is_set():
@@ -231,7 +237,7 @@ class RolloutWorker:
                 self._queue_answered()
                 if tickets:
                     return tickets
-                await asyncio.sleep(self.settings.admit_poll_s)
+                await self._wait_for_version(stop)
             return []
         finally:
             self.counters.admission_wait_s += time.monotonic() - t0
@@ -274,6 +280,23 @@ class RolloutWorker:
             if not enqueued and not await self._abandon(ticket, return_prompt=return_prompt):
                 enqueued = True
             self.counters.groups_put += enqueued
+
+    async def _wait_for_version(self, stop: asyncio.Event) -> None:
+        """Until a version newer than the last one seen is published, ``admit_wait_s`` passes
+        or ``stop`` is set (the blocked read then ends on its own, in its thread)."""
+        read = asyncio.ensure_future(asyncio.to_thread(self.queue.wait_for_version, self._version_seen, self.settings.admit_wait_s))
+        stopped = asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait({read, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+        if read.done():
+            try:
+                self._version_seen = read.result()
+            except QueueUnavailableError as exc:  # the admission call that follows waits for Redis and says so
+                log.debug("waiting for a version: %s", exc)
+        else:
+            read.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no "never retrieved" warning
 
     def _waited_for_queue(self, exc: QueueUnavailableError, since: float) -> None:
         """A queue call found Redis unreachable for its whole timeout, from ``since``: count

@@ -178,6 +178,27 @@ def test_raise_version_never_lowers_the_published_version(queue: ReplayQueue) ->
 
 
 @pytest.mark.redis
+def test_a_waiting_producer_wakes_on_a_published_version_and_only_on_a_rise(queue: ReplayQueue) -> None:
+    """Producers on a closed admission block on the versions stream (no 20 ms polling): a rise,
+    by the learner or the watchdog, wakes them at once; the same or a lower version does not;
+    a version published before the wait began still wakes a waiter that passes its last id."""
+    start = time.monotonic()
+    assert queue.wait_for_version("0-0", 0.3) == "0-0" and time.monotonic() - start >= 0.3  # none published: the timeout
+    queue.publish_version(1)
+    seen = queue.wait_for_version("0-0", 5.0)
+    assert seen != "0-0"
+    for same_or_lower in (lambda: queue.publish_version(1), lambda: queue.publish_version(0), lambda: queue.raise_version(0)):
+        same_or_lower()
+        assert queue.wait_for_version(seen, 0.2) == seen
+    queue.publish_version(3)  # before the wait: its id is newer than the waiter's
+    start = time.monotonic()
+    newer = queue.wait_for_version(seen, 5.0)
+    assert newer != seen and time.monotonic() - start < 1.0
+    assert queue.raise_version(4) and queue.wait_for_version(newer, 5.0) != newer
+    assert queue.client.xlen(queue.keys.versions) == 3
+
+
+@pytest.mark.redis
 def test_one_call_admits_as_many_as_the_rule_allows_returned_prompts_first(queue: ReplayQueue) -> None:
     first = queue.admit(5, 0, "server-0#0", limit=3)
     assert [t.index for t in first] == [0, 1, 2] and len({t.claim for t in first}) == 3

@@ -114,6 +114,49 @@ def test_free_slots_are_claimed_in_one_admission_call() -> None:
         assert queue.stats()["groups_started"] == 12 and queue.stats()["inflight"] == 0
 
 
+def test_a_closed_admission_is_waited_on_not_polled_and_a_published_version_opens_it_at_once() -> None:
+    """At the default ``admit_wait_s`` (1 s): while the staleness bound holds a worker back it
+    asks Redis about once a second (it polled every 20 ms, a core of Redis at 1,024 servers:
+    benchmarks/scale_sim.py), and a version published by the learner starts its next groups
+    within a fraction of that second, as polling did; a stop ends its wait at once."""
+    rows = [PromptRow(i + 1, f"{i}+1", str(i + 1)) for i in range(50)]
+    with EmbeddedRedis() as url, ReplayQueue(url, run="wait", max_depth=10_000) as queue, \
+            RewardPool(RewardConfig(num_workers=1)) as rewards:
+        settings = WorkerSettings(run_id="wait", server_id="server-0", n=2, sampling=Sampling(max_tokens=4),
+                                  batch_size=2, max_staleness=0, max_inflight=4, shuffle=False)
+        calls: list[tuple[float, int]] = []  # (when, tickets) of every admission call
+        admit = queue.admit
+
+        def spy(batch_size: int, max_staleness: int, owner: str, limit: int = 1) -> list:
+            tickets = admit(batch_size, max_staleness, owner, limit)
+            calls.append((time.monotonic(), len(tickets)))
+            return tickets
+
+        queue.admit = spy  # type: ignore[method-assign]
+
+        async def run() -> tuple[float, float]:
+            worker = RolloutWorker(settings, queue, rows, lambda text: [1, 2, 3], RewardScorer(rewards, rewards.cfg, 4), lambda: _generate)
+            stop = asyncio.Event()
+            task = asyncio.create_task(worker.run(stop))
+            await asyncio.sleep(2.5)  # version 0's 2 groups, then the bound holds
+            published = time.monotonic()
+            await asyncio.to_thread(queue.publish_version, 1)
+            while queue.stats()["groups_started"] < 4:
+                await asyncio.sleep(0.01)
+            opened = next(t for t, got in calls if got and t > published) - published
+            await asyncio.sleep(0.3)
+            stopping = time.monotonic()
+            stop.set()
+            await task
+            return opened, time.monotonic() - stopping
+
+        opened, stopped = asyncio.run(run())
+        closed = [t for t, got in calls if not got]
+        assert 1 <= len(closed) <= 5, len(closed)  # about one a second while held back, not 50
+        assert opened < 0.5 and stopped < 0.5, (opened, stopped)
+        assert queue.stats()["inflight"] == 0 and queue.stats()["groups_started"] == 4
+
+
 def test_a_stop_while_redis_is_paused_never_blocks_the_event_loop() -> None:
     """The worker runs on its server's event loop: ending its tickets while Redis does not
     answer (``CLIENT PAUSE``) happens off the loop, which keeps serving every few ms; once
