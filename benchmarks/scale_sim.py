@@ -121,6 +121,14 @@ def offered_groups_per_s(load: Load, servers: int, batch: int) -> float:
     return ideal * step_s / (step_s + load.update_pause_s)
 
 
+def fair_share(servers: int, batch: int, max_staleness: int) -> int:
+    """Groups in flight a server may hold so that the staleness window, ``(eta + 1) x B``
+    groups, is spread over every server: with more, the first servers to see a version take
+    every slot it opens and the others wait (at 32 and 128 servers with 8 a server, 0.67-0.72
+    of the offered load was delivered; with this share, all of it)."""
+    return max(1, math.ceil((max_staleness + 1) * batch / servers))
+
+
 def real_run_loads(load: Load, gpus: tuple[int, ...] = (64, 256, 1024)) -> list[dict[str, Any]]:
     """The offered load of a 7B GRPO run on each GPU count (every GPU generating: a run that
     trains on some of them offers less), groups/s and payload MB/s into Redis (8 bytes a token:
@@ -325,7 +333,9 @@ class SimHost:
 
     async def add(self, indices: list[int]) -> None:
         if self.version_watch is None:  # on the actor's loop
-            asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(64))
+            # A thread per server at least: each waits in its own (XREAD BLOCK, up to 1 s), as in
+            # a server process of its own; a smaller pool queues the others' calls behind them.
+            asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(4096))
             self.version_watch = asyncio.create_task(self._watch_versions())
         for i in indices:
             self._start(i, 0)
@@ -530,7 +540,8 @@ async def measure(servers: int, args: argparse.Namespace, load: Load) -> dict[st
         queue = ReplayQueue(url, RUN, max_depth=1_000_000)
         client = queue.client
         rows = max(100_000, servers * 200)
-        spec = HostSpec(url, load, args.token_scale, batch, args.max_staleness, args.max_inflight, rows)
+        inflight = args.max_inflight or fair_share(servers, batch, args.max_staleness)
+        spec = HostSpec(url, load, args.token_scale, batch, args.max_staleness, inflight, rows)
         hosts = [SimHost.remote(spec) for _ in range(args.hosts)]
         learner = LearnerStandIn.remote(url, batch, args.max_staleness)
         pids = {"hosts": ray.get([h.pid.remote() for h in hosts]), "learner": ray.get(learner.pid.remote())}
@@ -558,7 +569,7 @@ async def measure(servers: int, args: argparse.Namespace, load: Load) -> dict[st
         latencies = [x for h in hosts for x in await h.take_latencies.remote()]
         driver_s = (driver1.user + driver1.system) - (driver0.user + driver0.system)
         point: dict[str, Any] = {
-            "servers": servers, "batch": batch, "start_s": started_s,
+            "servers": servers, "batch": batch, "max_inflight": inflight, "start_s": started_s,
             "offered_groups_per_s": offered_groups_per_s(load, servers, batch),
             "groups_per_s": groups / window,
             "driver_cores": driver_s / window, "driver_cpu_ms_per_group": 1000 * driver_s / max(groups, 1),
@@ -667,7 +678,8 @@ def main() -> int:
     parser.add_argument("--hosts", type=int, default=2, help="SimHost processes (one per core)")
     parser.add_argument("--batch", type=int, default=None, help="groups per learner step (default: N, one a server)")
     parser.add_argument("--max-staleness", type=int, default=2)
-    parser.add_argument("--max-inflight", type=int, default=8, help="groups in flight per server")
+    parser.add_argument("--max-inflight", type=int, default=0,
+                        help="groups in flight per server (0: the fair share, ceil((eta + 1) x B / N); docs/scaling.md)")
     parser.add_argument("--token-scale", type=int, default=16, help="a response carries 1/this of its tokens")
     parser.add_argument("--warmup", type=float, default=30.0, help="seconds before the measured window")
     parser.add_argument("--seconds", type=float, default=60.0, help="measured window, seconds")
@@ -681,7 +693,7 @@ def main() -> int:
         "machine": f"{os.uname().machine}, {os.cpu_count()} cores", "load": asdict(load),
         "mean_response_tokens": load.mean_tokens(), "groups_per_s_per_server": load.groups_per_s(),
         "token_scale": args.token_scale, "hosts": args.hosts, "max_staleness": args.max_staleness,
-        "max_inflight": args.max_inflight, "warmup_s": args.warmup, "window_s": args.seconds,
+        "max_inflight_arg": args.max_inflight, "warmup_s": args.warmup, "window_s": args.seconds,
         "health_period_s": HEALTH_PERIOD_S, "stats_period_s": STATS_PERIOD_S, "byte_cost": costs,
         "real_runs": real_run_loads(load), "weight_path": {"assumptions": asdict(WeightPath()), "rows": WeightPath().table()},
         "points": [],
