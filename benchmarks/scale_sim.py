@@ -59,6 +59,7 @@ from typing import Any
 import psutil
 import ray
 
+from async_rl.config import RolloutConfig
 from async_rl.data.prompts import PromptRow
 from async_rl.launch.ray_cluster import init_ray
 from async_rl.launch.supervision import HEALTH_PERIOD_S
@@ -119,14 +120,6 @@ def offered_groups_per_s(load: Load, servers: int, batch: int) -> float:
     ideal = servers * load.groups_per_s()
     step_s = batch / ideal
     return ideal * step_s / (step_s + load.update_pause_s)
-
-
-def fair_share(servers: int, batch: int, max_staleness: int) -> int:
-    """Groups in flight a server may hold so that the staleness window, ``(eta + 1) x B``
-    groups, is spread over every server: with more, the first servers to see a version take
-    every slot it opens and the others wait (at 32 and 128 servers with 8 a server, 0.67-0.72
-    of the offered load was delivered; with this share, all of it)."""
-    return max(1, math.ceil((max_staleness + 1) * batch / servers))
 
 
 def real_run_loads(load: Load, gpus: tuple[int, ...] = (64, 256, 1024)) -> list[dict[str, Any]]:
@@ -463,15 +456,18 @@ class Driver:
         by_host: dict[int, list[int]] = {}
         for i in indices:
             by_host.setdefault(i % len(self.hosts), []).append(i)
-        await asyncio.gather(*(self.hosts[h].add.remote(ix) for h, ix in by_host.items()))
         for i in indices:
             self.placed[i] = self.host_of(i)
+        await asyncio.to_thread(self.queue.set_producers, len(self.placed))  # before they admit, as the pool does
+        await asyncio.gather(*(self.hosts[h].add.remote(ix) for h, ix in by_host.items()))
+        for i in indices:
             self.watches[i] = asyncio.create_task(self._watch(i, 0))
 
     async def remove(self, indices: list[int]) -> float:
         for i in indices:
             self.watches.pop(i).cancel()
             self.placed.pop(i)
+        await asyncio.to_thread(self.queue.set_producers, len(self.placed))
         by_host: dict[int, list[int]] = {}
         for i in indices:
             by_host.setdefault(i % len(self.hosts), []).append(i)
@@ -540,7 +536,7 @@ async def measure(servers: int, args: argparse.Namespace, load: Load) -> dict[st
         queue = ReplayQueue(url, RUN, max_depth=1_000_000)
         client = queue.client
         rows = max(100_000, servers * 200)
-        inflight = args.max_inflight or fair_share(servers, batch, args.max_staleness)
+        inflight = args.max_inflight
         spec = HostSpec(url, load, args.token_scale, batch, args.max_staleness, inflight, rows)
         hosts = [SimHost.remote(spec) for _ in range(args.hosts)]
         learner = LearnerStandIn.remote(url, batch, args.max_staleness)
@@ -678,8 +674,8 @@ def main() -> int:
     parser.add_argument("--hosts", type=int, default=2, help="SimHost processes (one per core)")
     parser.add_argument("--batch", type=int, default=None, help="groups per learner step (default: N, one a server)")
     parser.add_argument("--max-staleness", type=int, default=2)
-    parser.add_argument("--max-inflight", type=int, default=0,
-                        help="groups in flight per server (0: the fair share, ceil((eta + 1) x B / N); docs/scaling.md)")
+    parser.add_argument("--max-inflight", type=int, default=RolloutConfig().max_inflight,
+                        help="groups in flight per server (rollout.max_inflight; default its default)")
     parser.add_argument("--token-scale", type=int, default=16, help="a response carries 1/this of its tokens")
     parser.add_argument("--warmup", type=float, default=30.0, help="seconds before the measured window")
     parser.add_argument("--seconds", type=float, default=60.0, help="measured window, seconds")
@@ -693,7 +689,7 @@ def main() -> int:
         "machine": f"{os.uname().machine}, {os.cpu_count()} cores", "load": asdict(load),
         "mean_response_tokens": load.mean_tokens(), "groups_per_s_per_server": load.groups_per_s(),
         "token_scale": args.token_scale, "hosts": args.hosts, "max_staleness": args.max_staleness,
-        "max_inflight_arg": args.max_inflight, "warmup_s": args.warmup, "window_s": args.seconds,
+        "max_inflight": args.max_inflight, "warmup_s": args.warmup, "window_s": args.seconds,
         "health_period_s": HEALTH_PERIOD_S, "stats_period_s": STATS_PERIOD_S, "byte_cost": costs,
         "real_runs": real_run_loads(load), "weight_path": {"assumptions": asdict(WeightPath()), "rows": WeightPath().table()},
         "points": [],

@@ -164,7 +164,7 @@ class _Run:
         run.pool = ServerPool(spec, cfg.rollout.num_servers, on_start=self.supervisor.on_server_start,
                               env_per_server=[{"VLLM_CPU_OMP_THREADS_BIND": cores} for cores in layout.servers] if layout else None,
                               workers=WorkerHostSpec.from_config(cfg, redis_url), rows=ray.put(self.inputs.rows),
-                              on_lost=run.queue.release_owner, report=run.say)
+                              on_lost=run.queue.release_owner, report=run.say, on_resize=run.queue.set_producers)
         stack.push_async_callback(run.pool.shutdown)
         self._sync_known: asyncio.Future = asyncio.get_running_loop().create_future()
         """The weight sender's endpoint, once the learner started and the driver is ready for the servers."""

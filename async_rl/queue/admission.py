@@ -40,7 +40,10 @@ from async_rl.queue.keys import VERSIONS_MAXLEN, RunKeys
 __all__ = ["AdmissionLedger", "Reconciled", "Ticket"]
 
 # KEYS: counters, inflight, returned. ARGV: B, eta, owner, limit.
-# AReaL's rule: start a group only while groups_started < (v + eta + 1) * B. Checking,
+# AReaL's rule: start a group only while groups_started < (v + eta + 1) * B. At most
+# ceil(B / producers) a call when the driver recorded how many worker loops admit
+# (``producers``): a version opens B slots, and each loop gets its share instead of the first
+# to ask taking every slot for its free ones (benchmarks/scale_sim.py). Checking,
 # counting and claiming in one script makes it exact however many producers race, and
 # leaves no moment where a slot is counted without its prompt being recorded. Up to
 # ``limit`` groups in one call (a worker with many free slots claims them in one round
@@ -50,6 +53,10 @@ local v = tonumber(redis.call('HGET', KEYS[1], 'version') or '0')
 local started = tonumber(redis.call('HGET', KEYS[1], 'groups_started') or '0')
 local open = (v + tonumber(ARGV[2]) + 1) * tonumber(ARGV[1]) - started
 local n = math.min(open, tonumber(ARGV[4]))
+local producers = tonumber(redis.call('HGET', KEYS[1], 'producers') or '0')
+if producers > 0 then
+  n = math.min(n, math.ceil(tonumber(ARGV[1]) / producers))
+end
 if n <= 0 then
   return false
 end
@@ -205,6 +212,13 @@ class AdmissionLedger:
         """Publish ``version`` only if it is newer than the published one (the driver's
         watchdog, racing the learner's own announcements); True if it was."""
         return bool(self._publish_version(keys=[self._keys.counters, self._keys.versions], args=[version, VERSIONS_MAXLEN, 1]))
+
+    def set_producers(self, producers: int) -> None:
+        """Record how many rollout worker loops admit groups now (the driver, whenever its
+        pool's size changes): an admission call then gets at most ``ceil(B / producers)``."""
+        if producers < 1:
+            raise ValueError(f"need at least 1 producer, got {producers}")
+        self._client.hset(self._keys.counters, "producers", producers)
 
     def wait_for_version(self, after: str, timeout_s: float) -> str:
         """Block until a version is published after stream id ``after`` (``"0-0"``: any the

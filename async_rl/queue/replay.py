@@ -371,6 +371,10 @@ class ReplayQueue:
         """Publish ``version`` if it is newer than the published one (:meth:`AdmissionLedger.raise_version`)."""
         return self._call("raise_version", lambda: self._ledger.raise_version(version))
 
+    def set_producers(self, producers: int) -> None:
+        """Record the worker loops that admit now (:meth:`AdmissionLedger.set_producers`)."""
+        self._call("set_producers", lambda: self._ledger.set_producers(producers))
+
     def wait_for_version(self, after: str, timeout_s: float) -> str:
         """Block until a version is published after stream id ``after``, or ``timeout_s``
         (:meth:`AdmissionLedger.wait_for_version`); the newest id seen."""

@@ -109,6 +109,7 @@ class ServerPool:
         rows: Any = None,
         on_lost: Callable[[str], int] | None = None,
         report: Callable[[str], None] | None = None,
+        on_resize: Callable[[int], None] | None = None,
     ):
         """``env_per_server[i]`` adds to ``spec.env_vars`` for server ``i`` (e.g. its CPU
         cores); a server added later takes ``env_per_server[i % len(env_per_server)]`` (it
@@ -116,11 +117,13 @@ class ServerPool:
         (the prompt rows, best a ``ray.put`` reference: stored once, fetched once per server),
         and ``on_lost(owner)`` (``ReplayQueue.release_owner``) ends the tickets of a replaced
         one. ``report(line)`` tells the user why a server is replaced (the driver's console;
-        default: a warning in the log)."""
+        default: a warning in the log). ``on_resize(producers)`` (``ReplayQueue.set_producers``)
+        hears how many worker loops admit whenever a server's workers start or a server leaves."""
         self.spec = spec
         self.workers = workers
         self.rows = rows
         self.on_lost = on_lost
+        self.on_resize = on_resize
         self.env_per_server = env_per_server or [{}]
         self.version = version
         self.on_start = on_start
@@ -247,8 +250,17 @@ class ServerPool:
         except Exception as exc:  # noqa: BLE001 - heal() finds the server broken and tries again
             self.report(f"server-{i}: replacement failed ({type(exc).__name__}: {exc}); the next health check tries again")
 
+    async def _resized(self) -> None:
+        """Tell ``on_resize`` the worker loops of the servers in the pool now."""
+        if self.on_resize is not None and self.workers is not None:
+            try:
+                await asyncio.to_thread(self.on_resize, max(1, self.num_servers * self.workers.workers))
+            except Exception as exc:  # noqa: BLE001 - a fairness hint: admission is correct without it
+                log.warning("the admission share of %d servers was not recorded: %s", self.num_servers, exc)
+
     async def _start_workers(self, i: int, handle: Any) -> None:
         if self.workers is not None:
+            await self._resized()
             slot = self._slots[i]
             owner = f"server-{i}#{slot.starts}"
             slot.starts += 1
@@ -348,6 +360,7 @@ class ServerPool:
         slot = self._slots[i]
         async with slot.lock:  # after a replacement in progress; heal() skips it from here on
             del self._slots[i]
+            await self._resized()
             if (watcher := slot.watcher) is not None:
                 watcher.cancel()
                 slot.watcher = None

@@ -288,15 +288,14 @@ class RolloutWorker:
         stopped = asyncio.ensure_future(stop.wait())
         try:
             await asyncio.wait({read, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
+        finally:  # also when cancelled: a read still blocked ends in its thread, its error retrieved (no warning)
             stopped.cancel()
+            read.add_done_callback(lambda f: f.cancelled() or f.exception())
         if read.done():
             try:
                 self._version_seen = read.result()
             except QueueUnavailableError as exc:  # the admission call that follows waits for Redis and says so
                 log.debug("waiting for a version: %s", exc)
-        else:
-            read.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no "never retrieved" warning
 
     def _waited_for_queue(self, exc: QueueUnavailableError, since: float) -> None:
         """A queue call found Redis unreachable for its whole timeout, from ``since``: count

@@ -170,6 +170,23 @@ def test_the_admission_limit_is_the_scripts_bound(queue: ReplayQueue) -> None:
 
 
 @pytest.mark.redis
+def test_a_call_gets_at_most_its_producers_share_of_a_batch(queue: ReplayQueue) -> None:
+    """With the producers recorded (the driver's pool: servers x worker loops), one admission
+    call gets at most ceil(B / producers): a version opens B slots and each loop gets its
+    share, rather than the first to ask taking them all for its free slots; the rule's bound
+    is unchanged, and a loop asks again for more."""
+    assert len(queue.admit(8, 0, "a", limit=8)) == 8  # none recorded: as many as the rule allows
+    queue.publish_version(1)
+    queue.set_producers(3)
+    assert [len(queue.admit(8, 0, owner, limit=8)) for owner in "abcd"] == [3, 3, 2, 0]  # ceil(8 / 3), then what is left
+    queue.publish_version(2)
+    queue.set_producers(16)
+    assert len(queue.admit(8, 0, "a", limit=8)) == 1
+    with pytest.raises(ValueError, match="at least 1 producer"):
+        queue.set_producers(0)
+
+
+@pytest.mark.redis
 def test_raise_version_never_lowers_the_published_version(queue: ReplayQueue) -> None:
     """The driver's watchdog races the learner's announcements: it may only raise the version."""
     queue.publish_version(5)

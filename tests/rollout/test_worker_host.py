@@ -123,8 +123,14 @@ def test_the_pool_scales_up_and_down_while_it_produces_and_loses_no_prompt(ray_l
     finish; every prompt started is queued or returned exactly once, no ticket stays open."""
     rows = [PromptRow(i + 1, f"question {i}", str(i % 10)) for i in range(10_000)]
     with EmbeddedRedis(tmp_path / "redis") as url, ReplayQueue(url, RUN, max_depth=100_000) as queue:
+        producers: list[int] = []  # what the pool recorded for admission's share, in order
+
+        def resized(n: int) -> None:
+            producers.append(n)
+            queue.set_producers(n)
+
         pool = ServerPool(ServerSpec({"tokens_per_s": 2000.0}, num_cpus=0, server_cls=FakeServer), 1,
-                          workers=_spec(url), rows=ray.put(rows), on_lost=queue.release_owner)
+                          workers=_spec(url), rows=ray.put(rows), on_lost=queue.release_owner, on_resize=resized)
 
         def queued_by() -> set[str]:
             return {decode(fields[b"group"]).server_id for _, fields in queue._client.xrange(queue.keys.rollouts)}
@@ -155,6 +161,9 @@ def test_the_pool_scales_up_and_down_while_it_produces_and_loses_no_prompt(ray_l
             return up, down, leaving
 
         up, down, leaving = asyncio.run(go())
+        loops = _spec(url).workers  # worker loops a server
+        assert producers[0] == loops and 3 * loops in producers and producers[-1] == loops, producers
+        assert int(queue._client.hget(queue.keys.counters, "producers")) == loops
         assert up == ["server-1 added", "server-2 added"]
         assert [line.split(" (")[0] for line in down] == ["server-2 drained and stopped", "server-1 drained and stopped"]
         assert not any(os.path.exists(f"/proc/{pid}") for pid in leaving)  # their processes are gone
