@@ -361,10 +361,16 @@ class SimHost:
         return "killed"
 
     async def kill(self, i: int) -> float:
+        killed_at = time.time()
         server = self.servers[i]
         server.kill()
+        # A dead process's calls reached Redis before it died or never: its task ends (a claim
+        # in flight in its thread returns first) before the driver hears of the death and
+        # ends its tickets. Without this wait, a thread's late admission could open a ticket
+        # after release_owner ran (one was left open at 512 servers on 2026-12-06).
+        await asyncio.gather(server.task, return_exceptions=True)
         self.died[(i, server.start_no)].set()
-        return time.time()
+        return killed_at
 
     async def restart(self, i: int) -> int:
         start_no = self.servers[i].start_no + 1

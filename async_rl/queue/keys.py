@@ -22,7 +22,8 @@ class RunKeys:
     - ``rollouts``: stream of unacknowledged encoded groups (acked entries are deleted).
     - ``dead``: stream of undecodable entries (fields ``id``, ``reason``, ``raw``).
     - ``counters``: hash of integers shared by every process: ``version``,
-      ``groups_started``, ``prompt_cursor``, ``dropped_stale``, ``dead_lettered``,
+      ``groups_started``, ``prompt_cursor``, ``producers`` (worker loops admitting, set by
+      the driver: admission's per-call share), ``dropped_stale``, ``dead_lettered``,
       ``dropped_<reason>`` (groups the learner read but would not train).
     - ``inflight``: hash ``prompt index -> "<ticket number> <owner>"`` of admitted groups
       not yet enqueued (``counters.tickets`` numbers the tickets).
