@@ -114,6 +114,10 @@ def bound_problems(obj: Any, prefix: str = "") -> list[str]:
         if dataclasses.is_dataclass(value):
             problems.extend(bound_problems(value, key + "."))
             continue
+        if isinstance(value, dict) and all(dataclasses.is_dataclass(v) for v in value.values()):  # sections by name
+            for name, section in value.items():
+                problems.extend(bound_problems(section, f"{key}.{name}."))
+            continue
         bound = bound_of(f)
         if bound is None or value is None:
             continue

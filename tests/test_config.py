@@ -303,6 +303,8 @@ def _numeric_keys(cls: type = Config, prefix: str = "") -> Iterator[tuple[str, d
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         tp, key = hints[f.name], prefix + f.name
+        if typing.get_origin(tp) is dict:  # sections by name (models.<name>): one name stands for all
+            key += ".judge"
         sections = [a for a in (tp, *typing.get_args(tp)) if isinstance(a, type) and dataclasses.is_dataclass(a)]
         if sections:  # a section, or an optional one (learner.lora: setting one key creates it)
             yield from _numeric_keys(sections[0], key + ".")
@@ -472,3 +474,22 @@ def test_a_second_reference_model_is_loaded_only_for_a_kl_term_without_lora():
     assert RankExtras.of(kl).reference and not RankExtras.of(kl, LoraConfig()).reference
     plain = load_config(None, ["algorithm.loss.kl_coef=0", "algorithm.kl_in_reward=false"]).algorithm
     assert not plain.needs_reference and not plain.loads_reference_model(None)
+
+
+def test_served_models_are_sections_by_name(tmp_path: Path):
+    """``models.<name>``: set by YAML or by dotted overrides (one key creates the model with its
+    defaults), every key checked as in any section, the name and the model path required."""
+    yaml_file = tmp_path / "c.yaml"
+    yaml_file.write_text("models:\n  judge:\n    model_path: /m/judge\n    vllm: {dtype: float32}\n")
+    cfg = load_config(yaml_file, ["models.judge.num_servers=2", "models.teacher.model_path=/m/teacher"])
+    assert sorted(cfg.models) == ["judge", "teacher"]
+    assert (cfg.models["judge"].model_path, cfg.models["judge"].num_servers, cfg.models["judge"].vllm.dtype) == ("/m/judge", 2, "float32")
+    assert cfg.models["teacher"].max_attempts == 3 and load_config().models == {}
+    assert load_config(None, [f"models={{}}"]).models == {}
+    msg = _error(["models.judge.num_sevrers=2"])
+    assert "did you mean models.judge.num_servers?" in msg
+    msg = _error(["models.Judge.model_path=/m", "models.judge.num_servers=0"])
+    assert "models.Judge: a served model's name must match" in msg
+    assert "models.judge.num_servers=0 must be >= 1" in msg and "models.judge.model_path is required" in msg
+    assert "models.judge.vllm.dtype='int8' is not allowed" in _error(["models.judge.model_path=/m", "models.judge.vllm.dtype=int8"])
+    assert "## `models.<name>`" in reference_markdown() and "`models.<name>.request_timeout_s`" in reference_markdown()

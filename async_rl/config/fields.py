@@ -22,7 +22,7 @@ def type_name(tp: Any) -> str:
     if origin is list:
         return f"list[{type_name(args[0])}]"
     if origin is dict:
-        return "mapping"
+        return f"mapping of name to {args[1].__name__}" if is_dataclass_type(args[1]) else "mapping"
     if is_dataclass_type(tp):
         return "section"
     return getattr(tp, "__name__", str(tp))
@@ -44,6 +44,15 @@ def section_type(tp: Any) -> type | None:
     if typing.get_origin(tp) in (Union, types.UnionType):
         sections = [a for a in typing.get_args(tp) if is_dataclass_type(a)]
         return sections[0] if sections else None
+    return None
+
+
+def named_sections(tp: Any) -> type | None:
+    """The section a field of type ``tp`` holds one of per name (``dict[str, X]``, e.g.
+    ``models``: ``X``); None for any other type."""
+    if typing.get_origin(tp) is dict:
+        value = typing.get_args(tp)[1]
+        return value if is_dataclass_type(value) else None
     return None
 
 

@@ -16,7 +16,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from async_rl.config.fields import field_types, is_dataclass_type, section_type, type_name
+from async_rl.config.fields import field_types, is_dataclass_type, named_sections, section_type, type_name
 from async_rl.config.render import REDACTED, SECRET_KEYS, to_dict
 from async_rl.config.rules import ConfigError, validate
 from async_rl.config.sections import OPENAI_API_KEY_ENV, Config
@@ -69,12 +69,17 @@ def _check_path(dotted: str) -> None:
     one of its keys, which creates it with its defaults."""
     cls: Any = Config
     parts = dotted.split(".")
-    for i, part in enumerate(parts):
+    i = 0
+    while i < len(parts):
+        part = parts[i]
         fields = {f.name: f for f in dataclasses.fields(cls)}
         if part not in fields:
             _unknown_key(".".join(parts[:i]), part, list(fields))
         ftype = field_types(cls)[part]
-        if typing.get_origin(ftype) is dict:  # free-form mapping: any key below it
+        if (entry := named_sections(ftype)) is not None and i + 2 < len(parts):  # models.NAME.key: into the section
+            cls, i = entry, i + 2
+            continue
+        if typing.get_origin(ftype) is dict:  # free-form mapping (or a named section set whole): any key below it
             return
         section = section_type(ftype)
         if section is None:
@@ -84,6 +89,7 @@ def _check_path(dotted: str) -> None:
         if i == len(parts) - 1 and section is not ftype:
             return  # an optional section as a whole: null, or a mapping of its keys
         cls = section
+        i += 1
     raise ConfigError(f"{dotted} is a section; set one of its keys, e.g. {dotted}.{dataclasses.fields(cls)[0].name}=...")
 
 
@@ -133,6 +139,8 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
     if origin is dict:
         if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
             _wrong_type(key, value, "mapping with string keys")
+        if (entry := named_sections(tp)) is not None:  # models: NAME -> section
+            return {name: from_dict(entry, item, f"{key}.{name}") for name, item in value.items()}
         return dict(value)
     if origin is list:
         if not isinstance(value, (list, tuple)):

@@ -12,7 +12,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 import yaml
 
 from async_rl.bounds import bound_of
-from async_rl.config.fields import field_docs, field_types, section_type, type_name
+from async_rl.config.fields import field_docs, field_types, named_sections, section_type, type_name
 from async_rl.config.sections import Config
 
 
@@ -80,6 +80,8 @@ def reference_markdown() -> str:
         for f in dataclasses.fields(cls):
             tp = hints[f.name]
             sub = section_type(tp)
+            if (entry := named_sections(tp)) is not None:  # its own section, one per name; the field gets a row too
+                nested.append((entry, f"{prefix}.{f.name}.<name>" if prefix else f"{f.name}.<name>"))
             if sub is not None:
                 nested.append((sub, f"{prefix}.{f.name}"))
                 if sub is tp:
@@ -95,5 +97,9 @@ def reference_markdown() -> str:
             section(sub, sub_prefix)
 
     for f in dataclasses.fields(Config):
-        section(field_types(Config)[f.name], f.name)
+        tp = field_types(Config)[f.name]
+        if (entry := named_sections(tp)) is not None:
+            section(entry, f"{f.name}.<name>")
+        else:
+            section(tp, f.name)
     return "\n".join(lines)

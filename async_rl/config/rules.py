@@ -4,10 +4,11 @@ rules that relate keys; :class:`ConfigError` names every key involved."""
 from __future__ import annotations
 
 import ipaddress
+import re
 
 from async_rl.algos.options import LOSSES, algorithm_problems, estimator_info, loss_info
 from async_rl.bounds import bound_problems
-from async_rl.config.sections import LOOPBACK_NAMES, LORA_KEY, MIN_API_KEY_LENGTH, OPENAI_API_KEY_ENV, Config
+from async_rl.config.sections import LOOPBACK_NAMES, LORA_KEY, MIN_API_KEY_LENGTH, MODEL_NAME_PATTERN, OPENAI_API_KEY_ENV, Config
 
 
 class ConfigError(ValueError):
@@ -39,6 +40,12 @@ def _key_problems(cfg: Config) -> list[str]:
             problems.append(f"{name}.betas={optim.betas} must be two numbers")
     if cfg.learner.lora is not None:
         problems += cfg.learner.lora.problems()
+    for name, model in cfg.models.items():
+        if not re.fullmatch(MODEL_NAME_PATTERN, name):
+            problems.append(f"models.{name}: a served model's name must match {MODEL_NAME_PATTERN} (lower case, digits, _; "
+                            "it names its servers and metrics), e.g. models.judge")
+        if not model.model_path:
+            problems.append(f"models.{name}.model_path is required: the model directory to serve")
     return problems + algorithm_problems(cfg.algorithm.advantage.name, cfg.algorithm.loss.name)
 
 

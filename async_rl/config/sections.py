@@ -468,6 +468,33 @@ class SyncConfig:
     """A server that has not held the learner's current version for this long (seconds) is restarted and caught up."""
 
 
+MODEL_NAME_PATTERN = r"[a-z][a-z0-9_]{0,31}"
+"""What a served model's name (the key under ``models``) may be: it names its servers
+(``NAME-<i>``), its metrics (``models/NAME/...``) and its Ray actor."""
+
+
+@dataclass
+class ServedModelConfig:
+    """A model served beside the policy (``models.<name>``): a judge, a reward model or a
+    teacher on vLLM servers of its own, started, healed and resized by the run like the
+    inference servers, never updated with the policy's weights."""
+
+    model_path: str = ""
+    """Path of the model (a Hugging Face directory; a hub id where the hub is reachable). Required."""
+    num_servers: int = bounded(1, ge=1)
+    """vLLM servers of this model (resized live with ``async-rl scale RUN_DIR --model NAME --servers N``)."""
+    cpus_per_server: float = bounded(1.0, ge=0)
+    """CPU cores reserved for each server's Ray actor; 0 reserves none: the servers share the cores of the rest (a small judge on a small machine)."""
+    gpus_per_server: float = bounded(0.0, ge=0)
+    """GPUs reserved for each server's Ray actor (0 on CPU machines)."""
+    vllm: VllmConfig = field(default_factory=VllmConfig)
+    """Engine arguments of each server (``max_model_len: null`` is the model's own context length)."""
+    request_timeout_s: float = _seconds(60.0)
+    """Longest one request (a generation or a scoring of given tokens) may take on one server before it is tried on another, seconds."""
+    max_attempts: int = bounded(3, ge=1)
+    """Servers one request is tried on (another each time a server dies, fails or times out) before its caller gets the error."""
+
+
 @dataclass
 class TrainerConfig:
     """The training run."""
@@ -565,6 +592,8 @@ class Config:
     """Ray cluster."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Tracking."""
+    models: dict[str, ServedModelConfig] = field(default_factory=dict)
+    """Models served beside the policy, by name (``models.judge.model_path=...``); none by default."""
 
     @property
     def max_sample_tokens(self) -> int:

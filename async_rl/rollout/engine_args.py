@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from async_rl.config import VLLM_LORA_RANKS, Config
+from async_rl.config import VLLM_LORA_RANKS, Config, VllmConfig
 from async_rl.rollout.openai_api import OpenAIApiSettings
 
 NO_MEDIA_DOMAINS = ["invalid"]
@@ -42,22 +42,37 @@ def engine_kwargs(cfg: Config, model_path: str | None = None) -> dict[str, Any]:
     On CPU it also sets ``VLLM_CPU_KVCACHE_SPACE`` (GiB) in this process's environment,
     which vLLM's worker processes inherit.
     """
-    v = cfg.rollout.vllm
+    kwargs = _vllm_kwargs(cfg.rollout.vllm, model_path or cfg.learner.model_path, cfg.rollout.vllm.max_model_len or cfg.max_sample_tokens,
+                          cfg.trainer.seed)
+    if (lora := cfg.learner.lora) is not None:
+        kwargs.update(enable_lora=True, max_lora_rank=vllm_max_lora_rank(lora.rank), max_loras=1, max_cpu_loras=1)
+    return kwargs
+
+
+def served_engine_kwargs(cfg: Config, name: str) -> dict[str, Any]:
+    """Keyword arguments of ``AsyncEngineArgs`` for the served model ``models.<name>``: its own
+    ``vllm`` section, and its own context length unless ``max_model_len`` is set."""
+    model = cfg.models[name]
+    return _vllm_kwargs(model.vllm, model.model_path, model.vllm.max_model_len, cfg.trainer.seed)
+
+
+def _vllm_kwargs(v: VllmConfig, model: str, max_model_len: int | None, seed: int) -> dict[str, Any]:
+    """The engine arguments of one ``vllm`` section (``max_model_len`` None: the model's own).
+    On CPU it also sets ``VLLM_CPU_KVCACHE_SPACE`` (GiB) in this process's environment."""
     gpu = on_gpu()
     if not gpu:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(v.kv_cache_space_gb)))
     dtype = v.dtype if v.dtype != "auto" else ("bfloat16" if gpu else "float32")
     kwargs: dict[str, Any] = {
-        "model": model_path or cfg.learner.model_path,
+        "model": model,
         "dtype": dtype,
-        "max_model_len": v.max_model_len or cfg.max_sample_tokens,
-        "seed": cfg.trainer.seed,
+        "seed": seed,
         "enforce_eager": v.enforce_eager,
         "allowed_media_domains": list(NO_MEDIA_DOMAINS),
         "allowed_local_media_path": "",
     }
-    if (lora := cfg.learner.lora) is not None:
-        kwargs.update(enable_lora=True, max_lora_rank=vllm_max_lora_rank(lora.rank), max_loras=1, max_cpu_loras=1)
+    if max_model_len is not None:
+        kwargs["max_model_len"] = max_model_len
     if gpu:
         kwargs["gpu_memory_utilization"] = v.gpu_memory_utilization
         kwargs["tensor_parallel_size"] = v.tensor_parallel_size

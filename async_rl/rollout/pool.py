@@ -89,10 +89,10 @@ class _Slot:
     """``time.monotonic()`` since when it lags the learner's version (see :meth:`ServerPool.heal`)."""
 
 
-def _in_transition(i: int) -> tuple[str, str]:
+def _in_transition(name: str, i: int) -> tuple[str, str]:
     """What :meth:`ServerPool.health` says of server ``i`` while it starts, and while it is
     replaced or removed (:meth:`ServerPool.heal` never acts on either: it changed since)."""
-    return f"server-{i} is starting", f"server-{i} is being replaced or removed"
+    return f"{name}-{i} is starting", f"{name}-{i} is being replaced or removed"
 
 
 class ServerPool:
@@ -110,6 +110,7 @@ class ServerPool:
         on_lost: Callable[[str], int] | None = None,
         report: Callable[[str], None] | None = None,
         on_resize: Callable[[int], None] | None = None,
+        name: str = "server",
     ):
         """``env_per_server[i]`` adds to ``spec.env_vars`` for server ``i`` (e.g. its CPU
         cores); a server added later takes ``env_per_server[i % len(env_per_server)]`` (it
@@ -118,7 +119,9 @@ class ServerPool:
         and ``on_lost(owner)`` (``ReplayQueue.release_owner``) ends the tickets of a replaced
         one. ``report(line)`` tells the user why a server is replaced (the driver's console;
         default: a warning in the log). ``on_resize(producers)`` (``ReplayQueue.set_producers``)
-        hears how many worker loops admit whenever a server's workers start or a server leaves."""
+        hears how many worker loops admit whenever a server's workers start or a server leaves.
+        ``name``: the servers are ``<name>-<i>`` (a served model's pool is named after the model)."""
+        self.name = name
         self.spec = spec
         self.workers = workers
         self.rows = rows
@@ -183,6 +186,10 @@ class ServerPool:
         """Ray actor handle of server ``i``."""
         return self._slots[i].handle
 
+    def serving(self) -> list[int]:
+        """The servers that take requests now: started, not being replaced or removed."""
+        return [i for i, slot in self._slots.items() if slot.handle is not None and not slot.lock.locked()]
+
     async def _launch(self, i: int, workers: bool = True, sync: Awaitable[SyncEndpoint | None] | None = None) -> ServerHealth:
         slot = self._slots[i]
         actor_cls = ray.remote(self.spec.server_cls).options(
@@ -192,7 +199,7 @@ class ServerPool:
             name=None,
         )
         openai_api = self.spec.openai_api.for_server(i) if self.spec.openai_api is not None else None
-        handle = actor_cls.remote(f"server-{i}", self.spec.engine_kwargs, self.version(), openai_api, self.spec.hang_timeout_s)
+        handle = actor_cls.remote(f"{self.name}-{i}", self.spec.engine_kwargs, self.version(), openai_api, self.spec.hang_timeout_s)
         try:  # this call owns the actor until the slot holds it: a start that fails or hangs kills it
             if sync is not None:  # the engine builds while the weight sender starts
                 await self._start_on(i, handle, None)
@@ -202,7 +209,7 @@ class ServerPool:
             health = await self._start_on(i, handle, self.spec.sync)
             slot.started = health
             if health.openai_url is not None:
-                log.info("server-%d (pid %d) serves the OpenAI API at %s", i, health.pid, health.openai_url)
+                log.info("%s-%d (pid %d) serves the OpenAI API at %s", self.name, i, health.pid, health.openai_url)
             if self.on_start is not None:
                 await self.on_start(i, handle)
             if workers:
@@ -227,9 +234,9 @@ class ServerPool:
         try:
             step, stacks = await asyncio.wait_for(handle.stacks.remote(), STACKS_TIMEOUT_S)
         except (RayActorError, RayTaskError, asyncio.TimeoutError) as exc:
-            return f"server-{i} {what} (its stacks could not be read: {type(exc).__name__})"
-        log.warning("server-%d %s, %s; its stacks:\n%s", i, what, step, stacks)
-        return f"server-{i} {what}, {step} (its stacks are in the driver's log)"
+            return f"{self.name}-{i} {what} (its stacks could not be read: {type(exc).__name__})"
+        log.warning("%s-%d %s, %s; its stacks:\n%s", self.name, i, what, step, stacks)
+        return f"{self.name}-{i} {what}, {step} (its stacks are in the driver's log)"
 
     async def _watch_engine(self, i: int, handle: Any) -> None:
         """Wait for server ``i``'s engine to die, then replace the server. The server answers
@@ -248,7 +255,7 @@ class ServerPool:
         try:
             await self.restart(i, handle, f"lost its engine: {reason}; its groups in flight go back to the queue")
         except Exception as exc:  # noqa: BLE001 - heal() finds the server broken and tries again
-            self.report(f"server-{i}: replacement failed ({type(exc).__name__}: {exc}); the next health check tries again")
+            self.report(f"{self.name}-{i}: replacement failed ({type(exc).__name__}: {exc}); the next health check tries again")
 
     async def _resized(self) -> None:
         """Tell ``on_resize`` the worker loops of the servers in the pool now."""
@@ -262,7 +269,7 @@ class ServerPool:
         if self.workers is not None:
             await self._resized()
             slot = self._slots[i]
-            owner = f"server-{i}#{slot.starts}"
+            owner = f"{self.name}-{i}#{slot.starts}"
             slot.starts += 1
             await handle.start_workers.remote(partial(WorkerHost, self.workers), self.rows, owner)
             slot.owner = owner
@@ -273,7 +280,7 @@ class ServerPool:
         if owner is not None and self.on_lost is not None:
             released = await asyncio.to_thread(self.on_lost, owner)
             if released:
-                log.warning("server-%d: %d groups in flight were lost with its process; their prompts are served again", i, released)
+                log.warning("%s-%d: %d groups in flight were lost with its process; their prompts are served again", self.name, i, released)
 
     async def _stop_workers(self, i: int, slot: _Slot, grace_s: float) -> dict[str, float]:
         """Stop server ``i``'s rollout workers (groups in flight get ``grace_s`` seconds, then
@@ -285,7 +292,7 @@ class ServerPool:
             slot.owner = None
             return totals
         except (RayActorError, RayTaskError, asyncio.TimeoutError) as exc:
-            log.warning("server-%d: rollout workers did not stop cleanly (%s: %s)", i, type(exc).__name__, exc)
+            log.warning("%s-%d: rollout workers did not stop cleanly (%s: %s)", self.name, i, type(exc).__name__, exc)
             await self._release(slot, i)
             return {}
 
@@ -323,7 +330,7 @@ class ServerPool:
         async with slot.lock:
             if slot.handle is not dead or self._slots.get(i) is not slot:
                 return
-            self.report(f"server-{i} {reason}: starting a replacement")
+            self.report(f"{self.name}-{i} {reason}: starting a replacement")
             if (watcher := slot.watcher) is not None:
                 watcher.cancel()
                 slot.watcher = None
@@ -370,7 +377,7 @@ class ServerPool:
                 try:
                     await asyncio.wait_for(handle.shutdown.remote(), 60)  # says Leave to the weight sender
                 except (RayActorError, RayTaskError, asyncio.TimeoutError) as exc:
-                    log.warning("server-%d did not stop cleanly (%s: %s)", i, type(exc).__name__, exc)
+                    log.warning("%s-%d did not stop cleanly (%s: %s)", self.name, i, type(exc).__name__, exc)
                 ray.kill(handle, no_restart=True)
             await self._release(slot, i)  # tickets a worker could not end itself
         return totals
@@ -382,13 +389,14 @@ class ServerPool:
         if n > self.num_servers:
             added = await asyncio.gather(*(self.add() for _ in range(n - self.num_servers)), return_exceptions=True)
             failed = [a for a in added if isinstance(a, BaseException)]
-            lines = [f"server-{a} added" for a in added if isinstance(a, int)]
+            lines = [f"{self.name}-{a} added" for a in added if isinstance(a, int)]
             if failed:
                 lines.append(f"{len(failed)} servers could not start: {type(failed[0]).__name__}: {failed[0]}")
             return lines
         leaving = sorted(self._slots, reverse=True)[: self.num_servers - n]
         totals = await asyncio.gather(*(self.remove(i, grace_s) for i in leaving))
-        return [f"server-{i} drained and stopped ({t.get('groups_put', 0):.0f} groups put by its workers)" for i, t in zip(leaving, totals, strict=True)]
+        put = (lambda t: f" ({t.get('groups_put', 0):.0f} groups put by its workers)") if self.workers is not None else (lambda t: "")
+        return [f"{self.name}-{i} drained and stopped{put(t)}" for i, t in zip(leaving, totals, strict=True)]
 
     async def health(self, timeout_s: float = 30.0) -> list[ServerHealth | str]:
         """Health of every server, or the error text for a dead, broken or unstarted one."""
@@ -396,18 +404,18 @@ class ServerPool:
         async def one(i: int, slot: _Slot) -> ServerHealth | str:
             h = slot.handle
             if h is None:
-                return _in_transition(i)[0]
+                return _in_transition(self.name, i)[0]
             if slot.lock.locked():  # restart() or remove() holds it: its old actor is gone or going
-                return _in_transition(i)[1]
+                return _in_transition(self.name, i)[1]
             try:
                 return await asyncio.wait_for(h.health.remote(), timeout_s)
             except asyncio.TimeoutError:  # its actor's event loop answers nothing: hung (heal() replaces it)
-                return f"server-{i} did not answer its health check within {timeout_s:g} s (its process hangs)"
+                return f"{self.name}-{i} did not answer its health check within {timeout_s:g} s (its process hangs)"
             except RayTaskError as exc:  # its health check raised: the original error, not Ray's traceback
                 cause = exc.cause if isinstance(exc.cause, BaseException) else exc
-                return f"server-{i}: {type(cause).__name__}: {str(cause).removeprefix(f'server-{i}: ')}"
+                return f"{self.name}-{i}: {type(cause).__name__}: {str(cause).removeprefix(f'{self.name}-{i}: ')}"
             except RayActorError as exc:
-                return f"server-{i}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                return f"{self.name}-{i}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
         items = list(self._items())
         self._health_of = [i for i, _ in items]
@@ -428,9 +436,9 @@ class ServerPool:
             handle = slot.handle
             if handle is None or slot.lock.locked() or self._slots.get(i) is not slot:  # being replaced or removed
                 continue
-            if isinstance(health, str) and health in _in_transition(i):  # it started or was replaced since: its next health counts
+            if isinstance(health, str) and health in _in_transition(self.name, i):  # it started or was replaced since: its next health counts
                 continue
-            if isinstance(health, str) and health.startswith(f"server-{i}: EngineDied") and slot.watcher is not None and not slot.watcher.done():
+            if isinstance(health, str) and health.startswith(f"{self.name}-{i}: EngineDied") and slot.watcher is not None and not slot.watcher.done():
                 continue  # its engine died or hung: its watcher replaces it once its workers gave their groups back, and counts it
             if isinstance(health, str):
                 reason = f"is unhealthy ({health})"
@@ -445,9 +453,9 @@ class ServerPool:
             slot.behind_since = None
             try:
                 await self.restart(i, handle, reason)
-                actions.append(f"server-{i} {reason}: replaced")
+                actions.append(f"{self.name}-{i} {reason}: replaced")
             except Exception as exc:  # noqa: BLE001 - the next round tries again
-                actions.append(f"server-{i} {reason}: replacement failed ({type(exc).__name__}: {exc}); retrying later")
+                actions.append(f"{self.name}-{i} {reason}: replacement failed ({type(exc).__name__}: {exc}); retrying later")
         return actions
 
     async def shutdown(self) -> None:

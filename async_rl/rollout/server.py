@@ -384,20 +384,10 @@ class InferenceServer:
             detokenize=False,
             flat_logprobs=True,
         )
-        if self._running == 0:
-            self._busy_since = time.monotonic()
-        self._running += 1
-        try:
-            request: dict[str, Any] = {"prompt_token_ids": prompt_token_ids}
-            if images:
-                request["multi_modal_data"] = {"image": images if len(images) > 1 else images[0]}
-            final = await self._unless_dead(self._final_output(request, params))
-        finally:
-            self._running -= 1
-            if self._running == 0:
-                self._busy_s += time.monotonic() - self._busy_since
-        if final is None or not final.finished:
-            raise EngineOutputError(f"{self.server_id}: vLLM returned no final output for a request")
+        request: dict[str, Any] = {"prompt_token_ids": prompt_token_ids}
+        if images:
+            request["multi_modal_data"] = {"image": images if len(images) > 1 else images[0]}
+        final = await self._request(request, params)
         outputs = sorted(final.outputs, key=lambda c: c.index)
         texts = self._engine.tokenizer.batch_decode([list(c.token_ids) for c in outputs], skip_special_tokens=True)
         completions = [self._completion(c, text) for c, text in zip(outputs, texts, strict=True)]
@@ -407,6 +397,42 @@ class InferenceServer:
                 c.prompt_token_ids = expanded
         self._generated += sum(len(c.token_ids) for c in completions)
         return completions
+
+    async def _request(self, request: dict[str, Any], params: Any) -> Any:
+        """The final output of one engine request, counted as running while it runs."""
+        if self._running == 0:
+            self._busy_since = time.monotonic()
+        self._running += 1
+        try:
+            final = await self._unless_dead(self._final_output(request, params))
+        finally:
+            self._running -= 1
+            if self._running == 0:
+                self._busy_s += time.monotonic() - self._busy_since
+        if final is None or not final.finished:
+            raise EngineOutputError(f"{self.server_id}: vLLM returned no final output for a request")
+        return final
+
+    async def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
+        """The log-probability of each token of ``token_ids`` after the tokens before it, under
+        this server's weights: ``len(token_ids) - 1`` floats (the first token has none). A
+        teacher's scoring of a student's sample (prompt + response tokens): one prefill, no
+        sampled token kept."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        if self._fatal is not None:
+            raise RuntimeError(f"{self.server_id} holds undefined weights after a failed load: {self._fatal}")
+        self._check_engine()
+        if len(token_ids) < 2:
+            raise ValueError(f"{self.server_id}: scoring needs at least 2 tokens, got {len(token_ids)}")
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False, flat_logprobs=True)
+        final = await self._request({"prompt_token_ids": list(token_ids)}, params)
+        flat = final.prompt_logprobs  # FlatLogprobs: position 0 holds nothing, each later one the given token first
+        starts = flat.start_indices[1:] if flat is not None else []
+        if len(starts) != len(token_ids) - 1 or [flat.token_ids[i] for i in starts] != list(token_ids[1:]):
+            raise EngineOutputError(f"{self.server_id}: vLLM's prompt log-probs do not follow the given tokens")
+        return [flat.logprobs[i] for i in starts]
 
     def _completion(self, out: Any, text: str) -> Completion:
         token_ids = list(out.token_ids)

@@ -529,3 +529,76 @@ def test_a_five_turn_episode_on_the_server_trains_exactly_its_tokens(cfg, pool, 
         assert prompt == tokens.context()[: len(prompt)]
     assert [t for t, m in zip(tokens.token_ids, tokens.mask) if m] == [t for _, c in served for t in c.token_ids]
     assert [lp for lp, m in zip(tokens.logprobs, tokens.mask) if m] == [lp for _, c in served for lp in c.logprobs]
+
+
+@pytest.fixture(scope="module")
+def judge(cfg, pool):
+    """A served model (``models.judge``) on the module's Ray: the tiny model on a server of
+    its own (no CPU reserved: it shares the cores), never updated with the policy's weights."""
+    from async_rl.rollout.served import ServedModel, actor_name
+
+    _, loop = pool
+    env = {"VLLM_CPU_KVCACHE_SPACE": os.environ["VLLM_CPU_KVCACHE_SPACE"]}
+    spec = ServerSpec({**engine_kwargs(cfg), "max_model_len": 256}, num_cpus=0, env_vars=env)
+    actor = ray.remote(ServedModel).options(name=actor_name("rollout-test", "judge"), num_cpus=0).remote(
+        "judge", spec, 1, request_timeout_s=60.0, max_attempts=3)
+    health = loop.run_until_complete(asyncio.wait_for(actor.start.remote(), 300))
+    assert [h.server_id for h in health] == ["judge-0"]
+    yield actor, loop
+    loop.run_until_complete(actor.shutdown.remote())
+    ray.kill(actor, no_restart=True)
+
+
+def test_a_served_model_generates_and_scores_given_tokens(cfg, judge):
+    """A served model answers generations and scores given tokens (a teacher's log-probs of a
+    student's sample): its prompt log-probs of a response it sampled at temperature 1 are the
+    sampling log-probs it reported, token for token; its metrics count the requests."""
+    actor, loop = judge
+    prompt = [1, 2, 3, 4, 5]
+
+    async def go():
+        (c,) = await actor.generate.remote(prompt, 1, Sampling(temperature=1.0, max_tokens=12, ignore_eos=True))
+        scored = await actor.prompt_logprobs.remote(prompt + c.token_ids)
+        return c, scored
+
+    c, scored = loop.run_until_complete(go())
+    assert len(c.token_ids) == 12 and len(scored) == len(prompt) + 11
+    assert torch.allclose(torch.tensor(scored[len(prompt) - 1:]), torch.tensor(c.logprobs), atol=1e-3), (scored, c.logprobs)
+    stats = ray.get(actor.stats.remote())
+    assert stats["models/judge/answered"] >= 2 and stats["models/judge/failed"] == 0
+    assert stats["models/judge/generated_tokens"] >= 12 and stats["models/judge/latency_max_s"] > 0
+    with pytest.raises(ValueError, match="at least 2 tokens"):  # the request's own fault: not retried
+        loop.run_until_complete(actor.prompt_logprobs.remote([1]))
+    assert ray.get(actor.stats.remote())["models/judge/retries"] == stats["models/judge/retries"]
+
+
+@pytest.mark.slow
+def test_a_killed_served_server_is_replaced_and_every_request_answered_once(cfg, judge):
+    """A served model's server SIGKILLed while requests run on it, at default settings: every
+    request gets exactly one answer (those in flight retried on the replacement), the server
+    is replaced (said once by :meth:`ServedModel.heal`), and a second server added live serves too."""
+    actor, loop = judge
+    before = ray.get(actor.stats.remote())
+    pid = ray.get(actor.health.remote())[0].pid
+    sampling = Sampling(temperature=1.0, max_tokens=240, ignore_eos=True)
+
+    async def go():
+        calls = [actor.generate.remote([1, 2, 3, i], 2, sampling) for i in range(8)]
+        await _until(lambda: ray.get(actor.health.remote())[0].running_requests > 0, "requests running", 60, lambda: "")
+        os.kill(pid, signal.SIGKILL)
+        answers = await asyncio.wait_for(asyncio.gather(*calls), 240)
+        return answers, await actor.heal.remote()
+
+    answers, lines = loop.run_until_complete(go())
+    assert all(len(a) == 2 and all(len(c.token_ids) == 240 for c in a) for a in answers)
+    after = ray.get(actor.stats.remote())
+    assert after["models/judge/answered"] - before["models/judge/answered"] == 8
+    assert after["models/judge/failed"] == before["models/judge/failed"]
+    assert after["models/judge/retries"] > before["models/judge/retries"] and after["models/judge/restarts"] == before["models/judge/restarts"] + 1
+    assert any("judge-0 died" in line for line in lines), lines
+    assert [h.server_id for h in ray.get(actor.health.remote())] == ["judge-0"]
+    assert ray.get(actor.scale_to.remote(2, 10.0)) == ["judge-1 added"]
+    outs = ray.get([actor.generate.remote([4, 5, 6], 1, sampling) for _ in range(4)])
+    assert all(len(o[0].token_ids) == 240 for o in outs)
+    assert [h.server_id for h in ray.get(actor.health.remote()) if not isinstance(h, str)] == ["judge-0", "judge-1"]
+    assert ray.get(actor.scale_to.remote(1, 10.0)) == ["judge-1 drained and stopped"]
