@@ -228,14 +228,17 @@ def scale_cmd(
     redis_url: Annotated[Optional[str], typer.Option("--redis-url", envvar="ASYNC_RL_REDIS_URL",
                                                      help="The run's Redis, when it is not the embedded one (its password is redacted in the run directory).")] = None,
     timeout_s: Annotated[float, typer.Option("--timeout-s", help="Longest wait for the driver's answer, seconds.")] = 1800.0,
+    model: Annotated[Optional[str], typer.Option("--model", help="Resize the servers of this served model (models.NAME) instead "
+                                                 "of the policy's inference servers.")] = None,
 ) -> None:
     """Change the number of inference servers of a running run: new servers catch up to the current
-    weights and produce; leaving ones drain (nothing lost or produced twice). The run's driver does it.
+    weights and produce; leaving ones drain (nothing lost or produced twice). With --model, the
+    servers of a served model (a judge, a teacher) instead. The run's driver does it.
     Exit 0: done; 1: refused or failed; 3: the run ended before answering."""
     from async_rl.launch.scale import RunEndedError, ScaleError, request_scale
 
     try:
-        reply = request_scale(run_dir, servers, grace_s, redis_url, timeout_s, progress=lambda line: err.print(line, highlight=False))
+        reply = request_scale(run_dir, servers, grace_s, redis_url, timeout_s, progress=lambda line: err.print(line, highlight=False), model=model)
     except RunEndedError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(3) from None
@@ -247,7 +250,7 @@ def scale_cmd(
     if not reply.ok:
         typer.echo(f"error: {reply.error}", err=True)
         raise typer.Exit(1)
-    out.print(f"{reply.servers} inference servers", highlight=False)
+    out.print(f"{reply.servers} {'servers of models.' + model if model else 'inference servers'}", highlight=False)
 
 
 def main() -> None:

@@ -47,7 +47,9 @@ def test_train_runs_the_whole_pipeline(tiny_assets, tmp_path):
     server and its vLLM processes, Redis) listens on 127.0.0.1 only (docs/security.md, "Ports"),
     and an intruder sends the weight sender's control socket garbage, a forged Hello, an
     oversized frame and a real server's frame read off the wire: the run trains to the end,
-    each is counted and named on the console, and no server is replaced."""
+    each is counted and named on the console, and no server is replaced. A served model
+    (``models.judge``) runs beside it: listed in ``servers.json``, its API on loopback, its
+    metrics in every step, its processes gone with the run's."""
     reward = tmp_path / "reward.py"
     reward.write_text("def compute_score(items):\n"
                       "    return [score(i) for i in items]\n\n\n"
@@ -55,7 +57,9 @@ def test_train_runs_the_whole_pipeline(tiny_assets, tmp_path):
                       "    if item['response'].strip().endswith('7'):\n"
                       "        raise ValueError('cannot parse ' + item['response'])\n"
                       "    return {'overall': float(item['response'].strip() == item['ground_truth'])}\n")
-    config = write_config(tiny_assets, tmp_path, steps=4, rollout={"reward": {"function": f"{reward}:compute_score"}})
+    # A served model beside the policy (models.judge, no core of its own): started, listed, listening on loopback, stopped.
+    judge = {"judge": {"model_path": str(tiny_assets.model_dir), "cpus_per_server": 0, "vllm": {"max_model_len": 256}}}
+    config = write_config(tiny_assets, tmp_path, steps=4, rollout={"reward": {"function": f"{reward}:compute_score"}}, models=judge)
     run_dir = tmp_path / "run"
     out, err = tmp_path / "stdout.log", tmp_path / "stderr.log"
     with out.open("w") as stdout, err.open("w") as stderr:
@@ -93,6 +97,9 @@ def test_train_runs_the_whole_pipeline(tiny_assets, tmp_path):
     servers = json.loads((run_dir / "servers.json").read_text())["servers"]
     assert [s["server_id"] for s in servers] == ["server-0"] and servers[0]["openai_url"].startswith("http://127.0.0.1:")
     assert f"OpenAI-compatible API: {servers[0]['openai_url']}" in proc.stdout
+    served = json.loads((run_dir / "servers.json").read_text())["models"]
+    assert [(s["model"], s["server_id"]) for s in served] == [("judge", "judge-0")] and served[0]["openai_url"].startswith("http://127.0.0.1:")
+    assert steps[-1]["models/judge/servers"] == 1.0 and steps[-1]["models/judge/failed"] == 0.0 and steps[-1]["models/actor_restarts"] == 0.0
     # W&B holds every record, the validations (which arrive after later steps) included.
     rows = history(run_dir)
     assert len(rows) == len(records) and "Tried to log to step" not in proc.stdout + proc.stderr

@@ -46,6 +46,7 @@ from async_rl.launch.reporting import Reporter
 from async_rl.launch.run_context import RunContext
 from async_rl.launch.run_state import make_private, set_aside
 from async_rl.launch.scale_requests import serve_scale_requests
+from async_rl.launch.served_models import ServedModels
 from async_rl.launch.supervision import Supervisor
 from async_rl.launch.tracking import Tracker
 from async_rl.launch.validating import Validator
@@ -96,6 +97,7 @@ class _Run:
         self.run = RunContext(cfg, Path(cfg.trainer.output_dir))
         run = self.run
         run.outages = Outages(run.run_dir, disk_need, cfg.queue.timeout_s, run.stop, run.say, run.fail, run.recoveries)
+        run.models = ServedModels(cfg, run.say)
         self.reporter = Reporter(self.run)
         self.train_wall_s = 0.0
         self.server_busy_s: list[float] = []
@@ -166,6 +168,10 @@ class _Run:
                               workers=WorkerHostSpec.from_config(cfg, redis_url), rows=ray.put(self.inputs.rows),
                               on_lost=run.queue.release_owner, report=run.say, on_resize=run.queue.set_producers)
         stack.push_async_callback(run.pool.shutdown)
+        stack.push_async_callback(run.models.shutdown)
+        # Beside the learner's start; the rollout workers wait for it.
+        self._models_starting = asyncio.create_task(run.models.start(",".join(layout.servers) if layout else None))
+        stack.push_async_callback(_cancel, self._models_starting)
         self._sync_known: asyncio.Future = asyncio.get_running_loop().create_future()
         """The weight sender's endpoint, once the learner started and the driver is ready for the servers."""
         self._servers_starting: asyncio.Task | None = None
@@ -217,6 +223,11 @@ class _Run:
                 await (self._servers_starting or pool.start(workers=False, sync=self._sync_known))
             except (ray.exceptions.RayError, asyncio.TimeoutError) as exc:  # e.g. a server's node cannot reach queue.redis_url
                 run.fail(f"the inference servers did not start: {cause(exc)}")
+                return
+            try:
+                await self._models_starting
+            except (ray.exceptions.RayError, asyncio.TimeoutError) as exc:
+                run.fail(f"the served models did not start: {cause(exc)}")
                 return
             if self._support is not None:
                 redis_pid = run.outages.redis_pid

@@ -113,6 +113,11 @@ def make_plan(cfg: Config) -> Plan:
         ProcessPlan(f"learner-rank-{i}", lrn.cpus_per_rank, lrn.gpus_per_rank,
                     "FSDP2 rank" + (", queue consumer, weight sender" if i == 0 else ""))
         for i in range(lrn.world_size)
+    ] + [
+        ProcessPlan(f"{name}-{i}", model.cpus_per_server, model.gpus_per_server,
+                    f"vLLM engine of models.{name} ({model.model_path}), no weight updates"
+                    + (", shares the cores of the rest" if model.cpus_per_server == 0 else ""))
+        for name, model in cfg.models.items() for i in range(model.num_servers)
     ]
     plan = Plan(
         device=("cuda" if gpu else "cpu") + (_sharing(r.num_servers, gpu) if servers_gpu_share(r, lrn) else ""),
@@ -157,9 +162,13 @@ def _cpu_shortage(cfg: Config, plan: Plan) -> str:
     start here, a warning for a plan of a GPU config on a machine without its GPUs."""
     r, lrn = cfg.rollout, cfg.learner
     return (f"needs {plan.cpus_needed:g} CPUs for its actors (rollout.num_servers={r.num_servers} x rollout.cpus_per_server={r.cpus_per_server:g} "
-            f"+ learner.world_size={lrn.world_size} x learner.cpus_per_rank={lrn.cpus_per_rank:g}), and the local Ray has {plan.cpus_here} "
+            f"+ learner.world_size={lrn.world_size} x learner.cpus_per_rank={lrn.cpus_per_rank:g}"
+            + "".join(f" + models.{name}.num_servers={m.num_servers} x models.{name}.cpus_per_server={m.cpus_per_server:g}"
+                      for name, m in cfg.models.items())
+            + f"), and the local Ray has {plan.cpus_here} "
             f"(ray.num_cpus={cfg.ray.num_cpus if cfg.ray.num_cpus is not None else 'null: every core'}): it would wait for the rest forever. "
-            "Lower those keys, or raise ray.num_cpus to share cores (nothing is pinned then)")
+            "Lower those keys (a served model with cpus_per_server=0 shares the cores of the rest), or raise ray.num_cpus "
+            "to share cores (nothing is pinned then)")
 
 
 def _openai_api(cfg: Config, index: int) -> str:
@@ -179,6 +188,9 @@ def _check_files(cfg: Config, plan: Plan) -> None:
         plan.warnings.append(f"learner.model_path={model!r} is not a local directory: it will be loaded from the Hugging Face hub")
     elif not (Path(model) / "config.json").is_file():
         plan.errors.append(f"learner.model_path={model!r} is not a model directory (no config.json); build the tiny one with `async-rl assets tiny --out DIR`")
+    for name, served in cfg.models.items():
+        if not is_hub_id(served.model_path) and not (Path(served.model_path) / "config.json").is_file():
+            plan.errors.append(f"models.{name}.model_path={served.model_path!r} is not a model directory (no config.json)")
     for key, path in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files)):
         if key == "data.train_files" and not path:
             plan.errors.append("data.train_files is empty: set it to a JSONL file of prompts")

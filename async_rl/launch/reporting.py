@@ -51,6 +51,7 @@ class Reporter:
         shows that the user must act on, to the console."""
         run = self.run
         metrics.update(await self.rollout_now())
+        metrics.update(await run.models.stats())
         metrics["learner/restarts"] = float(run.learner_restarts)
         self._say_control_drops(metrics)
         for line in self.checks.observe(metrics):  # a learning check that just became active
@@ -182,7 +183,8 @@ class Reporter:
     def write_servers(self) -> None:
         """(Re)write ``servers.json``: the driver's Prometheus URL, the id, pid, vLLM engine
         process ids, OpenAI API URL and vLLM metrics URL of every started server, each
-        learner rank's pid and the weight sender's control address."""
+        learner rank's pid, the weight sender's control address and the served models' servers
+        (``models``: the model's name, server id, pids and OpenAI API URL)."""
         run = self.run
         servers = [{"server_id": h.server_id, "pid": h.pid, "engine_pids": h.engine_pids, "openai_url": h.openai_url,
                     "metrics_url": vllm_metrics_url(h.openai_url)}
@@ -190,7 +192,7 @@ class Reporter:
         prometheus = run.tracker.prometheus if run.tracker is not None else None
         learners = [{"rank": rank, "pid": pid} for rank, pid in enumerate(run.learners.pids)]
         doc = {"prometheus_url": prometheus.url if prometheus is not None else None, "servers": servers, "learners": learners,
-               "weight_sync_address": run.learners.sender_address}
+               "weight_sync_address": run.learners.sender_address, "models": run.models.servers()}
         path = run.run_dir / "servers.json"
         tmp = path.with_name(f".{path.name}.tmp")  # renamed into place: a reader never sees half a file
         tmp.write_text(json.dumps(doc, indent=1) + "\n")

@@ -23,6 +23,7 @@ from async_rl.queue.client import QueueUnavailableError
 if TYPE_CHECKING:
     from async_rl.launch.learner_group import LearnerGroup
     from async_rl.launch.outages import Outages
+    from async_rl.launch.served_models import ServedModels
     from async_rl.launch.tracking import Tracker
     from async_rl.queue import ReplayQueue
     from async_rl.rollout.pool import ServerPool
@@ -56,6 +57,7 @@ class RunContext:
     queue: ReplayQueue = field(init=False)
     pool: ServerPool = field(init=False)
     learners: LearnerGroup = field(init=False)
+    models: ServedModels = field(init=False)
     tracker: Tracker | None = None
     """The tracker (console, metrics.jsonl, W&B, Prometheus); None until it starts, after Redis and Ray."""
 

@@ -58,9 +58,10 @@ def run_redis_url(run_dir: Path, redis_url: str | None = None) -> tuple[str, str
 
 
 def request_scale(run_dir: str | Path, servers: int, grace_s: float = DEFAULT_GRACE_S, redis_url: str | None = None,
-                  timeout_s: float = 1800.0, progress: Callable[[str], None] | None = None) -> ScaleReply:
-    """Ask the driver of the run in ``run_dir`` for ``servers`` inference servers and wait (at
-    most ``timeout_s`` seconds) for its reply; ``progress(line)`` hears about the wait.
+                  timeout_s: float = 1800.0, progress: Callable[[str], None] | None = None, model: str | None = None) -> ScaleReply:
+    """Ask the driver of the run in ``run_dir`` for ``servers`` inference servers (of the served
+    model ``models.<model>``; None: the policy's) and wait (at most ``timeout_s`` seconds) for
+    its reply; ``progress(line)`` hears about the wait.
     :class:`RunEndedError` when the run ends before answering: its lease released, or its
     embedded Redis gone for :data:`REDIS_GONE_S`."""
     run, url = run_redis_url(Path(run_dir), redis_url)
@@ -76,7 +77,7 @@ def request_scale(run_dir: str | Path, servers: int, grace_s: float = DEFAULT_GR
                 driver = client.get(requests.keys.lease)
             if driver is None:
                 raise ScaleError(f"no driver runs {run!r} (its lease in Redis is gone): start or resume the run first")
-            request_id = requests.post(servers, grace_s)
+            request_id = requests.post(servers, grace_s, model)
         except (QueueUnavailableError, redis.RedisError) as exc:
             raise ScaleError(f"the run's Redis did not answer: {exc}") from exc
         start = time.monotonic()

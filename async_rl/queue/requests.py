@@ -31,7 +31,7 @@ MAX_SERVERS = 4096
 
 
 class ScaleRequest(msgspec.Struct, frozen=True):
-    """Run ``servers`` inference servers from now on."""
+    """Run ``servers`` inference servers (or servers of the served model ``model``) from now on."""
 
     request_id: Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{16}$")]
     servers: Annotated[int, msgspec.Meta(ge=1, le=MAX_SERVERS)]
@@ -39,6 +39,8 @@ class ScaleRequest(msgspec.Struct, frozen=True):
     """How long a leaving server's groups in flight may take to finish, seconds."""
     requested_at: float
     """``time.time()`` of the request."""
+    model: Annotated[str, msgspec.Meta(max_length=32)] | None = None
+    """The served model (``models.<name>``) whose servers to resize; None: the policy's inference servers."""
 
 
 class ScaleReply(msgspec.Struct, frozen=True):
@@ -78,10 +80,11 @@ class Requests:
         except redis.RedisError as exc:  # one attempt: the caller polls again
             raise QueueUnavailableError(f"{what}: {type(exc).__name__}: {exc}") from exc
 
-    def post(self, servers: int, grace_s: float) -> str:
-        """Ask the driver for ``servers`` servers; returns the request's id. ``ValueError`` for
-        a count or grace out of :class:`ScaleRequest`'s bounds."""
-        request = ScaleRequest(secrets.token_hex(8), servers, grace_s, time.time())
+    def post(self, servers: int, grace_s: float, model: str | None = None) -> str:
+        """Ask the driver for ``servers`` servers (of the served model ``model``, None: the
+        policy's); returns the request's id. ``ValueError`` for a count or grace out of
+        :class:`ScaleRequest`'s bounds."""
+        request = ScaleRequest(secrets.token_hex(8), servers, grace_s, time.time(), model)
         try:
             _requests.decode(msgspec.json.encode(request))  # the bounds are checked where it is decoded: check them here too
         except msgspec.ValidationError as exc:

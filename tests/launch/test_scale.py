@@ -119,3 +119,21 @@ def test_a_run_whose_embedded_redis_stops_before_answering_ended(tmp_path: Path)
         request_scale(tmp_path, 2, timeout_s=600)
     assert REDIS_GONE_S <= time.monotonic() - start < REDIS_GONE_S + 10
     client.close()
+
+
+def test_a_served_models_scale_names_the_model(run_dir) -> None:
+    """``async-rl scale RUN_DIR --model judge --servers 2`` asks for the servers of
+    ``models.judge``; the request the driver takes names it (a policy request names none)."""
+    path, url, client = run_dir
+    taken = []
+
+    def answer(requests, r) -> None:
+        taken.append(r)
+        requests.answer(r.request_id, ScaleReply(True, r.servers, ("models.judge: judge-1 added",)))
+
+    _driver(client, answer)
+    result = CliRunner().invoke(app, ["scale", str(path), "--model", "judge", "--servers", "2", "--redis-url", url, "--timeout-s", "30"])
+    assert result.exit_code == 0 and "judge-1 added" in result.output and "2 servers of models.judge" in result.output, result.output
+    assert taken[0].model == "judge" and taken[0].servers == 2
+    Requests(client, RUN).post(3, 1.0)
+    assert Requests(client, RUN).take().model is None

@@ -533,27 +533,29 @@ def test_a_five_turn_episode_on_the_server_trains_exactly_its_tokens(cfg, pool, 
 
 @pytest.fixture(scope="module")
 def judge(cfg, pool):
-    """A served model (``models.judge``) on the module's Ray: the tiny model on a server of
-    its own (no CPU reserved: it shares the cores), never updated with the policy's weights."""
-    from async_rl.rollout.served import ServedModel, actor_name
+    """A served model (``models.judge``) as the driver runs it (:class:`ServedModels`), on the
+    module's Ray: the tiny model on a server of its own (no CPU reserved: it shares the
+    cores), never updated with the policy's weights. Yields the models, their console lines
+    and the module's loop."""
+    from async_rl.launch.served_models import ServedModels
 
     _, loop = pool
-    env = {"VLLM_CPU_KVCACHE_SPACE": os.environ["VLLM_CPU_KVCACHE_SPACE"]}
-    spec = ServerSpec({**engine_kwargs(cfg), "max_model_len": 256}, num_cpus=0, env_vars=env)
-    actor = ray.remote(ServedModel).options(name=actor_name("rollout-test", "judge"), num_cpus=0).remote(
-        "judge", spec, 1, request_timeout_s=60.0, max_attempts=3)
-    health = loop.run_until_complete(asyncio.wait_for(actor.start.remote(), 300))
-    assert [h.server_id for h in health] == ["judge-0"]
-    yield actor, loop
-    loop.run_until_complete(actor.shutdown.remote())
-    ray.kill(actor, no_restart=True)
+    served = replace(cfg, models=load_config(None, [f"models.judge.model_path={cfg.learner.model_path}", "models.judge.cpus_per_server=0",
+                                                    "models.judge.vllm.max_model_len=256"]).models)
+    said: list[str] = []
+    models = ServedModels(served, said.append)
+    loop.run_until_complete(asyncio.wait_for(models.start(None), 300))
+    assert [s["server_id"] for s in models.servers()] == ["judge-0"]
+    yield models, said, loop
+    loop.run_until_complete(models.shutdown())
 
 
 def test_a_served_model_generates_and_scores_given_tokens(cfg, judge):
     """A served model answers generations and scores given tokens (a teacher's log-probs of a
     student's sample): its prompt log-probs of a response it sampled at temperature 1 are the
     sampling log-probs it reported, token for token; its metrics count the requests."""
-    actor, loop = judge
+    models, _, loop = judge
+    actor = models.actors["judge"]
     prompt = [1, 2, 3, 4, 5]
 
     async def go():
@@ -576,8 +578,13 @@ def test_a_served_model_generates_and_scores_given_tokens(cfg, judge):
 def test_a_killed_served_server_is_replaced_and_every_request_answered_once(cfg, judge):
     """A served model's server SIGKILLed while requests run on it, at default settings: every
     request gets exactly one answer (those in flight retried on the replacement), the server
-    is replaced (said once by :meth:`ServedModel.heal`), and a second server added live serves too."""
-    actor, loop = judge
+    is replaced and the driver's console says so once; a second server added live serves
+    too; the model's actor killed is restarted under its name by the driver's health check,
+    its servers with it."""
+    from async_rl.rollout.served import actor_name
+
+    models, said, loop = judge
+    actor = models.actors["judge"]
     before = ray.get(actor.stats.remote())
     pid = ray.get(actor.health.remote())[0].pid
     sampling = Sampling(temperature=1.0, max_tokens=240, ignore_eos=True)
@@ -587,18 +594,25 @@ def test_a_killed_served_server_is_replaced_and_every_request_answered_once(cfg,
         await _until(lambda: ray.get(actor.health.remote())[0].running_requests > 0, "requests running", 60, lambda: "")
         os.kill(pid, signal.SIGKILL)
         answers = await asyncio.wait_for(asyncio.gather(*calls), 240)
-        return answers, await actor.heal.remote()
+        await models.watch_once()
+        return answers
 
-    answers, lines = loop.run_until_complete(go())
+    answers = loop.run_until_complete(go())
     assert all(len(a) == 2 and all(len(c.token_ids) == 240 for c in a) for a in answers)
     after = ray.get(actor.stats.remote())
     assert after["models/judge/answered"] - before["models/judge/answered"] == 8
     assert after["models/judge/failed"] == before["models/judge/failed"]
     assert after["models/judge/retries"] > before["models/judge/retries"] and after["models/judge/restarts"] == before["models/judge/restarts"] + 1
-    assert any("judge-0 died" in line for line in lines), lines
-    assert [h.server_id for h in ray.get(actor.health.remote())] == ["judge-0"]
-    assert ray.get(actor.scale_to.remote(2, 10.0)) == ["judge-1 added"]
+    assert [line for line in said if "judge-0 died" in line and line.startswith("models.judge: ")] != [], said
+    assert [s["server_id"] for s in models.servers()] == ["judge-0"] and models.servers()[0]["pid"] != pid
+    assert loop.run_until_complete(models.scale("judge", 2, 10.0)) == ["models.judge: judge-1 added"]
     outs = ray.get([actor.generate.remote([4, 5, 6], 1, sampling) for _ in range(4)])
-    assert all(len(o[0].token_ids) == 240 for o in outs)
-    assert [h.server_id for h in ray.get(actor.health.remote()) if not isinstance(h, str)] == ["judge-0", "judge-1"]
-    assert ray.get(actor.scale_to.remote(1, 10.0)) == ["judge-1 drained and stopped"]
+    assert all(len(o[0].token_ids) == 240 for o in outs) and models.num_servers("judge") == 2
+    assert loop.run_until_complete(models.scale("judge", 1, 10.0)) == ["models.judge: judge-1 drained and stopped"]
+
+    ray.kill(actor, no_restart=True)  # the model's actor itself dies: found by the next check, restarted under its name
+    loop.run_until_complete(asyncio.wait_for(models.watch_once(), 300))
+    assert any("its actor died" in line for line in said) and models.actor_restarts == 1, said
+    new = ray.get_actor(actor_name(cfg.trainer.run_name, "judge"))
+    (c,) = ray.get(new.generate.remote([7, 8, 9], 1, Sampling(temperature=1.0, max_tokens=8)))
+    assert len(c.token_ids) >= 1 and [s["server_id"] for s in models.servers()] == ["judge-0"]
