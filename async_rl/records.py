@@ -78,7 +78,7 @@ def unpack_f32(data: bytes) -> array.array[float]:
     return _unpack("f", data)
 
 
-FAILURE_KINDS = ("reward_error", "reward_timeout", "env_error", "env_timeout")
+FAILURE_KINDS = ("reward_error", "reward_timeout", "judge_error", "env_error", "env_timeout")
 """Whose code failed on a sample, and how: the reward function or the environment raised
 (or returned something unusable), or took longer than its timeout. Also the learner's drop
 reasons for such samples (``queue/dropped/{kind}``)."""

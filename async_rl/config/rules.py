@@ -124,6 +124,12 @@ def _cross_field_problems(cfg: Config) -> list[str]:
         alg.recompute_proximal or not loss_info(loss.name).behaviour_weight,
         f"algorithm.loss.name={loss.name!r} needs algorithm.recompute_proximal=true (with false, pi_prox = mu and the loss is {bypass})",
     )
+    if (judge := r.reward.judge) is not None:
+        need(judge.model in cfg.models, f"rollout.reward.judge.model={judge.model!r} must name a served model "
+                                        f"(models: {', '.join(cfg.models) or 'none'}): add models.{judge.model or 'judge'}.model_path=...")
+        need(r.env.name is None, f"rollout.reward.judge scores single responses; rollout.env.name={r.env.name!r} scores episodes itself: "
+                                 "set one of them to null")
+        need(r.reward.weight > 0 or judge.weight > 0, "rollout.reward.weight and rollout.reward.judge.weight are both 0: the reward would always be 0")
     if lrn.lora is not None:
         need(not r.openai_api, f"{LORA_KEY} needs rollout.openai_api=false: the OpenAI-compatible API cannot serve the trained adapter yet "
                                f"(its requests would get the base model); or train without {LORA_KEY} (null)")

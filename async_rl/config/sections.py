@@ -100,6 +100,32 @@ class OverlongPenaltyConfig:
     """Penalty at the maximum length (the ramp goes linearly from 0 to this value)."""
 
 
+JUDGE_TEMPLATE = (
+    "Question: {{ prompt }}\nReference answer: {{ ground_truth }}\nStudent answer: {{ response }}\n"
+    "Is the student answer correct? Answer yes or no."
+)
+"""The default judge prompt (a Jinja template over ``prompt``, ``response`` and ``ground_truth``)."""
+
+
+@dataclass
+class JudgeConfig:
+    """A served model that grades each response (``rollout.reward.judge``): the judge's answer to
+    the rendered template, read into a score by a reward function of its own."""
+
+    model: str = ""
+    """The served model that judges (a name under ``models``). Required."""
+    template: str = JUDGE_TEMPLATE
+    """The judge's user message, a Jinja template over ``prompt`` (the row's prompt text), ``response`` and ``ground_truth``; the judge's own chat template wraps it."""
+    max_tokens: int = bounded(16, ge=1)
+    """Longest judge answer in tokens (greedy)."""
+    function: str = "judge_yes_no"
+    """Reward function that reads the judge's answer (each input's ``judge`` field, besides ``response`` and ``ground_truth``) into ``overall``: a built-in (``judge_yes_no``: 1 for yes, 0 for no, an error otherwise) or ``path/to/file.py:function``; run, bounded and isolated like ``rollout.reward.function`` (same ``type``, ``timeout_s`` and pool sizes)."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments passed to every call of ``function``."""
+    weight: float = bounded(1.0, ge=0)
+    """The judge's score's weight in the reward: ``overall = rollout.reward.weight x rule + weight x judge``."""
+
+
 @dataclass
 class RewardConfig:
     """How samples are scored."""
@@ -120,6 +146,10 @@ class RewardConfig:
     """DAPO dynamic sampling: drop (and count) groups whose rewards are all equal."""
     overlong_penalty: OverlongPenaltyConfig = field(default_factory=OverlongPenaltyConfig)
     """Soft penalty for responses near ``rollout.max_response_length``."""
+    weight: float = bounded(1.0, ge=0)
+    """The weight of ``function``'s score in the reward when a judge scores too (``judge``); 0: the judge alone (``function`` still gives the validation's accuracy)."""
+    judge: Optional[JudgeConfig] = None
+    """A served model that grades each response (docs/served_models.md); null: none."""
 
 
 @dataclass
@@ -413,7 +443,7 @@ class AlgorithmConfig:
     recompute_proximal: bool = True
     """Recompute proximal log-probs with the current weights each step; false is bypass mode (pi_prox := mu)."""
     failed_samples: Literal["drop_sample", "drop_group"] = "drop_sample"
-    """A sample the reward function or environment failed on (raised, timed out) is left out of its group, whose baseline then comes from the other samples (at least 2 for a group estimator), or takes its whole group with it; counted by kind (``reward_error``, ``reward_timeout``, ``env_error``, ``env_timeout``) in ``counters/dropped/<kind>`` (samples) or, when the group goes, ``queue/dropped/<kind>`` (groups)."""
+    """A sample the reward function or environment failed on (raised, timed out) is left out of its group, whose baseline then comes from the other samples (at least 2 for a group estimator), or takes its whole group with it; counted by kind (``reward_error``, ``reward_timeout``, ``judge_error``, ``env_error``, ``env_timeout``) in ``counters/dropped/<kind>`` (samples) or, when the group goes, ``queue/dropped/<kind>`` (groups)."""
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     """Advantage estimator."""
     loss: LossConfig = field(default_factory=LossConfig)

@@ -26,6 +26,7 @@ CONSOLE_LINES_PER_MINUTE = 5
 """New distinct failures printed on the console per minute at most (the files hold them all)."""
 
 _WHOSE = {"reward_error": "the reward function raised", "reward_timeout": "the reward function timed out",
+          "judge_error": "the judge (rollout.reward.judge) gave no answer",
           "env_error": "the environment raised", "env_timeout": "an environment call timed out"}
 
 
@@ -70,7 +71,7 @@ class FailureLog:
                 new.append(r)
             self.distinct[key] += 1
             self.counts[r.failure.kind] += 1
-            name = REWARD_FILE if r.failure.kind.startswith("reward") else ENV_FILE
+            name = ENV_FILE if r.failure.kind.startswith("env") else REWARD_FILE
             by_file.setdefault(name, []).append(json.dumps(_row(r)))
         lines: list[str] = []
         for name in sorted({*by_file, *(n for n, f in self._files.items() if f.held)}):
@@ -97,7 +98,7 @@ class FailureLog:
         kept = ("its group trains on its other samples" if self.failed_samples == "drop_sample"
                 else "its group is not trained (algorithm.failed_samples=drop_group)")
         where = f" at {f.where}" if f.where else ""
-        source = REWARD_FILE if f.kind.startswith("reward") else ENV_FILE
+        source = ENV_FILE if f.kind.startswith("env") else REWARD_FILE
         return (f"{_WHOSE[f.kind]} ({f.kind}){where}: {f.signature[:300]}; input {f.input[:120]!r} "
                 f"({r.server_id}, group {r.group_id}, sample {r.sample}). The sample is not trained, {kept}; "
                 f"every failure goes to {self.run_dir / source} (first of its kind shown here)")

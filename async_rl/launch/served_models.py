@@ -17,7 +17,8 @@ from ray.exceptions import RayActorError, RayTaskError
 from async_rl.config import Config
 from async_rl.rollout.engine_args import on_gpu, openai_api_settings, served_engine_kwargs
 from async_rl.rollout.pool import ServerSpec
-from async_rl.rollout.served import ServedModel, actor_name
+from async_rl.rollout.served import ServedModel
+from async_rl.rollout.types import served_model_actor
 from async_rl.rollout.server import ServerHealth
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ class ServedModels:
 
     async def _start(self, name: str) -> None:
         model = self.cfg.models[name]
-        actor = ray.remote(ServedModel).options(name=actor_name(self.cfg.trainer.run_name, name), num_cpus=0, max_concurrency=10_000).remote(
+        actor = ray.remote(ServedModel).options(name=served_model_actor(self.cfg.trainer.run_name, name), num_cpus=0, max_concurrency=10_000).remote(
             name, self._specs[name], model.num_servers, model.request_timeout_s, model.max_attempts)
         try:
             self.healths[name] = list(await actor.start.remote())

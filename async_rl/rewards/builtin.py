@@ -67,3 +67,22 @@ def math_equivalence(reward_inputs: list[dict[str, Any]]) -> list[dict[str, floa
         acc = float(boxed is not None and verify(parse(gold), parse(f"$\\boxed{{{boxed}}}$")))
         scores.append({"overall": 0.9 * acc + 0.1 * fmt, "accuracy": acc, "format": fmt})
     return scores
+
+
+_FIRST_WORD = re.compile(r"[^A-Za-z]*([A-Za-z]+)")
+
+
+@REWARDS.register("judge_yes_no")
+def judge_yes_no(reward_inputs: list[dict[str, Any]]) -> list[dict[str, float]]:
+    """Reads a judge's verdict (each input's ``judge``: the judge model's answer, with
+    ``rollout.reward.judge``): 1.0 when its first word is ``yes``, 0.0 when it is ``no`` (any
+    case). Any other answer raises: that sample's reward fails (counted, reported, not trained)
+    instead of guessing."""
+    scores = []
+    for item in reward_inputs:
+        verdict = str(item.get("judge", ""))
+        word = m.group(1).lower() if (m := _FIRST_WORD.match(verdict)) else ""
+        if word not in ("yes", "no"):
+            raise ValueError(f"the judge's answer {verdict[:80]!r} starts with neither yes nor no")
+        scores.append({"overall": float(word == "yes")})
+    return scores

@@ -33,7 +33,7 @@ from async_rl.records import Failure
 from async_rl.rewards.pool import RewardError, RewardPool, RewardTimeout
 
 if TYPE_CHECKING:
-    from async_rl.config import RewardConfig
+    from async_rl.config import OverlongPenaltyConfig, RewardConfig
 
 log = logging.getLogger(__name__)
 
@@ -155,15 +155,7 @@ class RewardScorer:
                                       traceback=exc.traceback_text))
 
     def _apply_overlong(self, score: Score, length: int) -> None:
-        """DAPO soft overlong punishment (arXiv:2503.14476, eq. 13); lengths in tokens."""
-        o = self.cfg.overlong_penalty
-        if not o.enable or o.buffer_length <= 0 or score.failure is not None:
-            return
-        start = self.max_response_length - o.buffer_length
-        if length > start:
-            penalty = -min(length - start, o.buffer_length) / o.buffer_length * o.penalty_factor
-            score.components["overlong_penalty"] = penalty
-            score.reward += penalty
+        apply_overlong(score, length, self.cfg.overlong_penalty, self.max_response_length)
 
     def keep_group(self, rewards: list[float]) -> bool:
         """DAPO dynamic sampling: False (and counted) when all rewards of a group are equal."""
@@ -171,6 +163,18 @@ class RewardScorer:
             self.counters.groups_filtered += 1
             return False
         return True
+
+
+def apply_overlong(score: Score, length: int, o: OverlongPenaltyConfig, max_response_length: int) -> None:
+    """DAPO soft overlong punishment (arXiv:2503.14476, eq. 13) added to ``score`` in place
+    (``overlong_penalty`` among its components); lengths in tokens."""
+    if not o.enable or o.buffer_length <= 0 or score.failure is not None:
+        return
+    start = max_response_length - o.buffer_length
+    if length > start:
+        penalty = -min(length - start, o.buffer_length) / o.buffer_length * o.penalty_factor
+        score.components["overlong_penalty"] = penalty
+        score.reward += penalty
 
 
 async def check_reward_function(scorer: RewardScorer, answers: list[str]) -> None:

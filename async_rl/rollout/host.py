@@ -32,6 +32,8 @@ from async_rl.queue import ReplayQueue
 from async_rl.records import FailureReport
 from async_rl.rewards import RewardPool, RewardScorer
 from async_rl.rollout.episodes import EpisodeCounters, EpisodeSampler
+from async_rl.rollout.judging import Judge, JudgedScorer, ServedModelClient, judge_reward_configs
+from async_rl.rollout.types import served_model_actor
 from async_rl.rollout.types import GenerateFn, Sampling
 from async_rl.rollout.worker import RolloutWorker, WorkerCounters, WorkerSettings
 
@@ -47,7 +49,8 @@ MAX_PENDING_FAILURES = 1000
 
 EPISODE_COUNTERS = tuple(f"env_{f.name}" for f in dataclasses.fields(EpisodeCounters))
 COUNTERS = (tuple(f.name for f in dataclasses.fields(WorkerCounters))
-            + ("reward_errors", "reward_timeouts", "reward_restarts", "reward_interrupted", "reward_killed", "failure_reports_dropped")
+            + ("reward_errors", "reward_timeouts", "judge_errors", "reward_restarts", "reward_interrupted", "reward_killed",
+               "failure_reports_dropped")
             + EPISODE_COUNTERS)
 """Names of the counters in the run's ``rollout_stats`` hash (all cumulative)."""
 
@@ -78,6 +81,10 @@ class WorkerHostSpec:
     env: EnvConfig | None = None
     """``rollout.env`` when it names an environment: the samples are its episodes."""
     stats_period_s: float = STATS_PERIOD_S
+    judge_model_path: str | None = None
+    """With ``rollout.reward.judge``: the judge model's directory (its tokenizer renders the judge's prompts)."""
+    judge_wait_s: float = 0.0
+    """With ``rollout.reward.judge``: how long a judge request may wait for the judge's actor to be back, seconds."""
 
     @classmethod
     def from_config(cls, cfg: Config, redis_url: str) -> WorkerHostSpec:
@@ -92,9 +99,12 @@ class WorkerHostSpec:
             shuffle=cfg.data.shuffle, seed=cfg.data.seed, put_timeout_s=cfg.queue.timeout_s,
             pixel_bounds=ImageFields.from_config(cfg.data).bounds, image_ttl_s=cfg.queue.image_ttl_s,
         )
+        judge = cfg.models[r.reward.judge.model] if r.reward.judge is not None else None
         return cls(redis_url, cfg.trainer.run_name, cfg.queue.max_depth, cfg.queue.timeout_s, settings, r.workers_per_server,
                    r.reward, r.max_response_length, cfg.data.system_prompt, cfg.data.format_prompt,
-                   r.env if r.env.name is not None else None)
+                   r.env if r.env.name is not None else None,
+                   judge_model_path=judge.model_path if judge else None,
+                   judge_wait_s=judge.request_timeout_s * judge.max_attempts if judge else 0.0)
 
 
 class WorkerHost:
@@ -118,6 +128,8 @@ class WorkerHost:
         self.owner = owner
         self.workers: list[RolloutWorker] = []
         self.rewards: RewardPool | None = None
+        self.verdict_rewards: RewardPool | None = None
+        """With a judge: the pool of the judge's function (``rollout.reward.judge.function``)."""
         self.envs: EnvPool | None = None
         self.queue: ReplayQueue | None = None
         self._stop = asyncio.Event()
@@ -138,14 +150,25 @@ class WorkerHost:
                 self.envs = EnvPool(spec.env)
                 await self.envs.start()  # EnvStartupError names rollout.env.name and the import error
             self.queue = await asyncio.to_thread(ReplayQueue, spec.redis_url, spec.run_name, spec.max_depth, op_timeout_s=spec.op_timeout_s)
-            self.rewards = RewardPool(spec.reward)
+            judge = spec.reward.judge
+            rule_cfg, verdict_cfg = judge_reward_configs(spec.reward) if judge is not None else (spec.reward, None)
+            self.rewards = RewardPool(rule_cfg)
             self.rewards.start()
+            if judge is not None:
+                self.verdict_rewards = RewardPool(verdict_cfg)
+                self.verdict_rewards.start()
+                judge_tokenizer = await asyncio.to_thread(_tokenizer, spec.judge_model_path)
+                client = ServedModelClient(served_model_actor(spec.run_name, judge.model), spec.judge_wait_s)
         except BaseException:
             self._close()
             raise
         settings = dataclasses.replace(spec.settings, server_id=self.server_id, owner=self.owner)
         for _ in range(spec.workers):
-            scorer = RewardScorer(self.rewards, spec.reward, spec.max_response_length)
+            scorer: RewardScorer | JudgedScorer = RewardScorer(self.rewards, rule_cfg, spec.max_response_length)
+            if judge is not None:
+                verdicts = RewardScorer(self.verdict_rewards, verdict_cfg, spec.max_response_length)
+                scorer = JudgedScorer(scorer, verdicts, Judge(judge, client, PromptFormatter(judge_tokenizer).token_ids), spec.reward,
+                                      spec.max_response_length)
             episodes = None if self.envs is None else EpisodeSampler(
                 self.envs, spec.env, ChatEncoder(self.tokenizer), settings.sampling, settings.max_prompt_length)  # type: ignore[arg-type]
             self.workers.append(RolloutWorker(settings, self.queue, self.rows, formatter.token_ids, scorer, lambda: self.generate, episodes,
@@ -167,6 +190,8 @@ class WorkerHost:
                 out[name] += value
             out["reward_errors"] += w.scorer.counters.errors
             out["reward_timeouts"] += w.scorer.counters.timeouts
+            if isinstance(w.scorer, JudgedScorer):
+                out["judge_errors"] += w.scorer.judge.errors
             if w.episodes is not None:
                 for name, value in dataclasses.asdict(w.episodes.counters).items():
                     out[f"env_{name}"] += value
@@ -223,5 +248,14 @@ class WorkerHost:
             self.envs.close()
         if self.rewards is not None:
             self.rewards.close()
+        if self.verdict_rewards is not None:
+            self.verdict_rewards.close()
         if self.queue is not None:
             self.queue.close()
+
+
+def _tokenizer(model_path: str | None) -> Any:
+    """The tokenizer of the model at ``model_path`` (the judge's)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)

@@ -14,7 +14,7 @@ health check hangs too). The caller gets one answer per request, never two: an a
 was given up on is cancelled and whatever it returns later is dropped. An error of the
 request itself (a prompt longer than the model's context) is not retried.
 
-The actor is named (:func:`actor_name`): a caller whose handle died with the actor looks
+The actor is named (:func:`~async_rl.rollout.types.served_model_actor`): a caller whose handle died with the actor looks
 the new one up by name once the driver restarted it. Its servers are Ray children of the
 actor, so they die with it: a restarted actor starts its own.
 """
@@ -31,7 +31,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from async_rl.rollout.pool import ServerPool, ServerSpec
 from async_rl.rollout.server import ServerHealth
-from async_rl.rollout.types import Completion, Sampling
+from async_rl.rollout.types import Completion, Sampling, ServedModelError
 
 log = logging.getLogger(__name__)
 
@@ -39,14 +39,12 @@ NO_SERVER_POLL_S = 0.2
 """How often a request waiting for a server to (re)start looks again, seconds."""
 
 
-def actor_name(run_name: str, model: str) -> str:
-    """The Ray name of the actor serving ``models.<model>`` of run ``run_name``."""
-    return f"async-rl:{run_name}:model:{model}"
-
-
-class ServedModelError(RuntimeError):
-    """A request to a served model failed on every server it was tried on (or found none in
-    its time); the message names the model, the attempts and the last error."""
+def request_fault(error: BaseException) -> bool:
+    """Whether ``error`` is the request's own fault, which another server would raise too (not
+    retried): a ``ValueError`` or ``TypeError`` (too few tokens), or vLLM's client errors (a
+    prompt longer than the model's context: ``VLLMValidationError``, which is no ValueError).
+    Anything else (a dead engine, a server stopping, a broken output) is the server's."""
+    return isinstance(error, (ValueError, TypeError)) or any(c.__name__ == "VLLMClientError" for c in type(error).__mro__)
 
 
 class ServedModel:
@@ -125,8 +123,8 @@ class ServedModel:
                 await self._replace(i, handle, f"died ({type(exc).__name__}) during a request")
             except RayTaskError as exc:
                 cause = exc.cause if isinstance(exc.cause, BaseException) else exc
-                if not isinstance(cause, RuntimeError):  # EngineDied and the server's own faults are RuntimeErrors
-                    self.counters["failed"] += 1  # the request's own fault (a ValueError: too long): no server would answer it
+                if request_fault(cause):  # no server would answer it
+                    self.counters["failed"] += 1
                     raise cause from None
                 self.counters["errors"] += 1
                 last = f"{self.name}-{i}: {type(cause).__name__}: {cause}"

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Protocol
 
 if TYPE_CHECKING:
     from async_rl.data.prompts import PromptRow
+    from async_rl.rewards.scoring import RewardCounters, Score
 
 
 @dataclass
@@ -76,3 +77,26 @@ class HostFactory(Protocol):
     thereby builds its host without importing the host's module."""
 
     def __call__(self, rows: list[PromptRow], tokenizer: Any, generate: GenerateFn, server_id: str, owner: str) -> RolloutHost: ...
+
+
+class Scorer(Protocol):
+    """What a rollout worker scores a group's responses with: the reward function's
+    :class:`~async_rl.rewards.RewardScorer`, or with a judge :class:`~async_rl.rollout.judging.JudgedScorer`."""
+
+    @property
+    def counters(self) -> RewardCounters: ...
+
+    async def score(self, inputs: list[dict[str, Any]]) -> list[Score]: ...
+
+    def keep_group(self, rewards: list[float]) -> bool: ...
+
+
+def served_model_actor(run_name: str, model: str) -> str:
+    """The Ray name of the actor serving ``models.<model>`` of run ``run_name``
+    (:class:`~async_rl.rollout.served.ServedModel`; callers in other processes find it by it)."""
+    return f"async-rl:{run_name}:model:{model}"
+
+
+class ServedModelError(RuntimeError):
+    """A request to a served model failed on every server it was tried on (or found none in
+    its time); the message names the model, the attempts and the last error."""

@@ -38,9 +38,8 @@ from async_rl.data.prompts import PromptRow
 from async_rl.queue import ReplayQueue, Ticket
 from async_rl.queue.client import QueueUnavailableError
 from async_rl.records import Failure, FailureReport, ImageRef, RolloutGroup, Sample
-from async_rl.rewards.scoring import RewardScorer
 from async_rl.rollout.episodes import EpisodeSampler
-from async_rl.rollout.types import Completion, GenerateFn, Sampling
+from async_rl.rollout.types import Completion, GenerateFn, Sampling, Scorer
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +137,7 @@ class RolloutWorker:
         queue: ReplayQueue,
         rows: list[PromptRow],
         encode: Callable[[str], list[int]],
-        scorer: RewardScorer,
+        scorer: Scorer,
         server: Callable[[], GenerateFn],
         episodes: EpisodeSampler | None = None,
         report: Callable[[list[FailureReport]], None] | None = None,
@@ -339,7 +338,7 @@ class RolloutWorker:
                      row.line, len(expanded), self.settings.max_prompt_length)
             return None
         scores = await self.scorer.score(
-            [{"response": c.text, "response_length": len(c.token_ids), "ground_truth": row.answer} for c in completions]
+            [{"prompt": row.prompt, "response": c.text, "response_length": len(c.token_ids), "ground_truth": row.answer} for c in completions]
         )
         if self.settings.dynamic_sampling and not self.scorer.keep_group([s.reward for s in scores]):
             self.counters.groups_filtered += 1

@@ -25,7 +25,7 @@ def _inputs(*pairs, length=4):
 
 
 def test_builtins_listed():
-    assert builtin_names() == ["exact_match", "format", "math"]
+    assert builtin_names() == ["exact_match", "format", "judge_yes_no", "math"]
 
 
 def test_exact_match():

@@ -571,6 +571,8 @@ def test_a_served_model_generates_and_scores_given_tokens(cfg, judge):
     assert stats["models/judge/generated_tokens"] >= 12 and stats["models/judge/latency_max_s"] > 0
     with pytest.raises(ValueError, match="at least 2 tokens"):  # the request's own fault: not retried
         loop.run_until_complete(actor.prompt_logprobs.remote([1]))
+    with pytest.raises(Exception, match="maximum context length is 256 tokens"):  # vLLM's VLLMValidationError: not retried either
+        loop.run_until_complete(actor.generate.remote(list(range(300)), 1, Sampling(max_tokens=4)))
     assert ray.get(actor.stats.remote())["models/judge/retries"] == stats["models/judge/retries"]
 
 
@@ -581,7 +583,7 @@ def test_a_killed_served_server_is_replaced_and_every_request_answered_once(cfg,
     is replaced and the driver's console says so once; a second server added live serves
     too; the model's actor killed is restarted under its name by the driver's health check,
     its servers with it."""
-    from async_rl.rollout.served import actor_name
+    from async_rl.rollout.types import served_model_actor
 
     models, said, loop = judge
     actor = models.actors["judge"]
@@ -613,6 +615,63 @@ def test_a_killed_served_server_is_replaced_and_every_request_answered_once(cfg,
     ray.kill(actor, no_restart=True)  # the model's actor itself dies: found by the next check, restarted under its name
     loop.run_until_complete(asyncio.wait_for(models.watch_once(), 300))
     assert any("its actor died" in line for line in said) and models.actor_restarts == 1, said
-    new = ray.get_actor(actor_name(cfg.trainer.run_name, "judge"))
+    new = ray.get_actor(served_model_actor(cfg.trainer.run_name, "judge"))
     (c,) = ray.get(new.generate.remote([7, 8, 9], 1, Sampling(temperature=1.0, max_tokens=8)))
     assert len(c.token_ids) >= 1 and [s["server_id"] for s in models.servers()] == ["judge-0"]
+
+
+@pytest.mark.redis
+def test_a_judge_scores_the_groups_of_a_worker_host(cfg, pool, judge, tmp_path):
+    """``rollout.reward.judge`` end to end in a server's worker host: each response goes to the
+    served judge (its template rendered, its chat template applied, a greedy answer), a
+    function of the user's reads each answer into a score, and the reward is the weighted sum
+    with the rule function's; an answer the function cannot read fails its own sample only
+    (``reward_error``), nothing else."""
+    from async_rl.rollout.host import WorkerHost
+
+    pool_, loop = pool
+    models, _, _ = judge
+    reader = tmp_path / "judge_reader.py"
+    reader.write_text("def read(items):\n"
+                      "    out = []\n"
+                      "    for item in items:\n"
+                      "        if item['response'].strip().endswith('7'):\n"
+                      "            raise ValueError('unreadable verdict')\n"
+                      "        assert item['judge'] and item['prompt']\n"
+                      "        out.append({'overall': 1.0})\n"
+                      "    return out\n")
+    judged = load_config(None, [f"{k}={v}" for k, v in {
+        "learner.model_path": cfg.learner.model_path, "data.train_files": cfg.data.train_files, "data.max_prompt_length": 64,
+        "rollout.max_response_length": 16, "rollout.n": 4, "learner.batch_size": 2, "learner.max_tokens_per_microbatch": 512,
+        "models.judge.model_path": cfg.learner.model_path, "rollout.reward.judge.model": "judge",
+        "rollout.reward.judge.function": f"{reader}:read", "rollout.reward.judge.weight": 0.5, "rollout.reward.weight": 2.0,
+        "rollout.reward.judge.max_tokens": 4, "algorithm.max_staleness": 100}.items()])
+    rows, _ = read_prompt_rows(judged.data.train_files)
+    before = ray.get(models.actors["judge"].stats.remote())["models/judge/requests"]
+    with EmbeddedRedis() as url, ReplayQueue(url, judged.trainer.run_name, max_depth=64) as queue:
+        host = WorkerHost(WorkerHostSpec.from_config(judged, url), rows, _tokenizer(cfg), pool_.generate_fn(0)(),
+                          "server-0", "server-0#judge")
+
+        async def go():
+            await host.start()
+            await _until(lambda: queue.stats()["depth"] >= 3, "3 judged groups queued", 180, lambda: str(queue.stats()))
+            return await host.stop(10.0)
+
+        totals = loop.run_until_complete(go())
+        groups = [g for _, g in queue.get(64, timeout=5)]
+    samples = [s for g in groups for s in g.samples]
+    assert len(groups) >= 3 and totals["judge_errors"] == 0
+    for s in samples:
+        if s.error is None:  # the rule (exact match) x 2.0 + the judge's 1.0 x 0.5
+            assert s.reward == 2.0 * s.reward_components["rule"] + 0.5 and s.reward_components["judge"] == 1.0, s
+            assert s.reward_components["rule"] in (0.0, 1.0) and s.reward_components["accuracy"] == s.reward_components["rule"]
+        else:
+            assert s.error_kind == "reward_error" and "unreadable verdict" in s.error
+    assert any(s.error is None for s in samples)
+    assert ray.get(models.actors["judge"].stats.remote())["models/judge/requests"] - before >= len(samples)
+
+
+def _tokenizer(cfg):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(cfg.learner.model_path)
