@@ -78,7 +78,7 @@ def unpack_f32(data: bytes) -> array.array[float]:
     return _unpack("f", data)
 
 
-FAILURE_KINDS = ("reward_error", "reward_timeout", "judge_error", "env_error", "env_timeout")
+FAILURE_KINDS = ("reward_error", "reward_timeout", "judge_error", "teacher_error", "env_error", "env_timeout")
 """Whose code failed on a sample, and how: the reward function or the environment raised
 (or returned something unusable), or took longer than its timeout. Also the learner's drop
 reasons for such samples (``queue/dropped/{kind}``)."""
@@ -168,6 +168,9 @@ class Sample(msgspec.Struct, frozen=True):
     error: str | None = None
     mask_spans: list[MaskSpan] = []
     error_kind: str | None = None
+    teacher_logprobs: bytes = b""
+    """With ``algorithm.distill``: the teacher's log-probability of each response token (float32,
+    like ``logprobs``); empty otherwise."""
 
     def __post_init__(self) -> None:
         # Runs on decode too, so a malformed record is rejected at the boundary.
@@ -181,6 +184,8 @@ class Sample(msgspec.Struct, frozen=True):
             raise ValueError("version spans must cover every response token exactly")
         if self.mask_spans and (any(s.count <= 0 for s in self.mask_spans) or sum(s.count for s in self.mask_spans) != self.num_tokens):
             raise ValueError("mask spans need count > 0 and must cover every response token exactly")
+        if self.teacher_logprobs and len(self.teacher_logprobs) != len(self.token_ids):
+            raise ValueError("teacher_logprobs must be empty or hold one float32 per response token")
         if self.error_kind is not None and self.error_kind not in FAILURE_KINDS:
             raise ValueError(f"error_kind must be one of {FAILURE_KINDS}, got {self.error_kind!r}")
 
@@ -196,6 +201,7 @@ class Sample(msgspec.Struct, frozen=True):
         error: str | None = None,
         mask: Sequence[int] | None = None,
         error_kind: str | None = None,
+        teacher_logprobs: Sequence[float] | None = None,
     ) -> Sample:
         """Build from Python sequences; ``versions`` is per token, or one int for all;
         ``mask`` (1: trained) per token, None for all trained; ``error_kind`` defaults to
@@ -215,6 +221,7 @@ class Sample(msgspec.Struct, frozen=True):
             error=error,
             mask_spans=masks,
             error_kind=None if error is None else error_kind or "reward_error",
+            teacher_logprobs=pack_f32(teacher_logprobs) if teacher_logprobs is not None else b"",
         )
 
     @property
@@ -229,6 +236,10 @@ class Sample(msgspec.Struct, frozen=True):
     def logprob_array(self) -> array.array[float]:
         """Behaviour log-probabilities as ``array.array('f')``."""
         return unpack_f32(self.logprobs)
+
+    def teacher_array(self) -> array.array[float] | None:
+        """The teacher's log-probabilities as ``array.array('f')``, or None when there are none."""
+        return unpack_f32(self.teacher_logprobs) if self.teacher_logprobs else None
 
     def token_mask(self) -> list[int]:
         """1 for each trained response token, 0 for the others (spans expanded)."""

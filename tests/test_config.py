@@ -394,8 +394,8 @@ def test_shipped_configs_load(path: Path):
 
 # --------------------------------------------------------------------------- learner.lora (an optional section)
 
-LORA_OK = ["rollout.openai_api=false"]
-"""What a LoRA run needs besides the section: the OpenAI API cannot serve the adapter."""
+LORA_OK: list[str] = []
+"""What a LoRA run needs besides the section: nothing (the OpenAI API serves the adapter)."""
 
 
 def test_lora_is_off_by_default_and_one_key_sets_the_section_with_its_defaults():
@@ -438,8 +438,7 @@ def test_lora_targets_are_checked_at_load():
 
 
 def test_lora_refuses_what_cannot_serve_or_train_it():
-    msg = _error(["learner.lora.rank=8"])  # rollout.openai_api is on by default
-    assert "learner.lora needs rollout.openai_api=false" in msg and "learner.lora (null)" in msg
+    assert load_config(None, ["learner.lora.rank=8"]).rollout.openai_api  # the API serves the adapter: on by default
     for key in ("algorithm.use_vppo_on_perception", "learner.freeze_vision_tower"):
         msg = _error(["learner.lora.rank=8", f"{key}=true", *LORA_OK])
         assert f"{key}=true is for vision-language models, which learner.lora does not support yet: set {key}=false" in msg, msg
@@ -493,3 +492,14 @@ def test_served_models_are_sections_by_name(tmp_path: Path):
     assert "models.judge.num_servers=0 must be >= 1" in msg and "models.judge.model_path is required" in msg
     assert "models.judge.vllm.dtype='int8' is not allowed" in _error(["models.judge.model_path=/m", "models.judge.vllm.dtype=int8"])
     assert "## `models.<name>`" in reference_markdown() and "`models.<name>.request_timeout_s`" in reference_markdown()
+
+
+def test_distillation_needs_a_served_teacher_temperature_1_and_no_environment():
+    ok = load_config(None, ["models.teacher.model_path=/m", "algorithm.distill.teacher=teacher", "algorithm.distill.reward_coef=0.5"])
+    assert (ok.algorithm.distill.teacher, ok.algorithm.distill.coef, ok.algorithm.distill.reward_coef) == ("teacher", 1.0, 0.5)
+    assert "algorithm.distill.teacher='techer' must name a served model (models: teacher)" in _error(
+        ["models.teacher.model_path=/m", "algorithm.distill.teacher=techer"])
+    assert "sample at rollout.temperature=1.0" in _error(["models.teacher.model_path=/m", "algorithm.distill.teacher=teacher", "rollout.temperature=0.7"])
+    assert "rollout.env.name='addition_feedback' runs episodes" in _error(
+        ["models.teacher.model_path=/m", "algorithm.distill.teacher=teacher", "rollout.env.name=addition_feedback"])
+    assert "algorithm.distill.coef=0.0 must be > 0" in _error(["models.teacher.model_path=/m", "algorithm.distill.teacher=teacher", "algorithm.distill.coef=0"])

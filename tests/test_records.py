@@ -149,3 +149,14 @@ def test_decode_validates_contents_not_just_shape() -> None:
     raw["samples"][0]["logprobs"] = b"\x00" * 4  # one log-prob for four tokens
     with pytest.raises(RecordDecodeError, match="one float32"):
         decode(msgspec.msgpack.encode(raw))
+
+
+def test_teacher_log_probs_travel_with_the_sample_or_are_refused() -> None:
+    """``Sample.teacher_logprobs`` (``algorithm.distill``): one float32 per response token, or
+    none (records written before it decode as none)."""
+    group = RolloutGroup.from_lists("r", "g", 0, [1], [Sample.from_lists([5, 6], [-1.0, -2.0], 0, 1.0, teacher_logprobs=[-0.25, -3.0])], "s", 0.0)
+    back = decode(encode(group))
+    assert list(back.samples[0].teacher_array()) == [-0.25, -3.0]
+    assert Sample.from_lists([5], [-1.0], 0, 1.0).teacher_array() is None
+    with pytest.raises(ValueError, match="teacher_logprobs must be empty or hold one float32 per response token"):
+        Sample.from_lists([5, 6], [-1.0, -2.0], 0, 1.0, teacher_logprobs=[-1.0])

@@ -130,9 +130,13 @@ def _cross_field_problems(cfg: Config) -> list[str]:
         need(r.env.name is None, f"rollout.reward.judge scores single responses; rollout.env.name={r.env.name!r} scores episodes itself: "
                                  "set one of them to null")
         need(r.reward.weight > 0 or judge.weight > 0, "rollout.reward.weight and rollout.reward.judge.weight are both 0: the reward would always be 0")
+    if (distill := alg.distill) is not None:
+        need(distill.teacher in cfg.models, f"algorithm.distill.teacher={distill.teacher!r} must name a served model "
+                                            f"(models: {', '.join(cfg.models) or 'none'}): add models.{distill.teacher or 'teacher'}.model_path=...")
+        need(r.env.name is None, f"algorithm.distill scores single responses; rollout.env.name={r.env.name!r} runs episodes: set one of them to null")
+        need(r.temperature == 1.0, f"algorithm.distill compares the teacher's log-probs with the sampler's, which rollout.temperature="
+                                   f"{r.temperature:g} rescales: sample at rollout.temperature=1.0")
     if lrn.lora is not None:
-        need(not r.openai_api, f"{LORA_KEY} needs rollout.openai_api=false: the OpenAI-compatible API cannot serve the trained adapter yet "
-                               f"(its requests would get the base model); or train without {LORA_KEY} (null)")
         for key, on in (("algorithm.use_vppo_on_perception", alg.use_vppo_on_perception), ("learner.freeze_vision_tower", lrn.freeze_vision_tower)):
             need(not on, f"{key}=true is for vision-language models, which {LORA_KEY} does not support yet: set {key}=false, "
                          f"or train without {LORA_KEY} (null)")

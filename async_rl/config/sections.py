@@ -435,11 +435,26 @@ class KLControlConfig:
 
 
 @dataclass
+class DistillConfig:
+    """On-policy distillation (``algorithm.distill``): a served teacher scores the student's own
+    samples token by token, and the student trains on the per-token reverse KL."""
+
+    teacher: str = ""
+    """The served model that teaches (a name under ``models``); its tokenizer must be the policy's. Required."""
+    coef: float = bounded(1.0, gt=0)
+    """Weight of the distillation advantage ``log p_teacher - log mu`` of each response token."""
+    reward_coef: float = bounded(0.0, ge=0)
+    """Weight of the task reward's advantage (``algorithm.advantage``) added to it; 0: distillation alone."""
+
+
+@dataclass
 class AlgorithmConfig:
     """The RL algorithm."""
 
     max_staleness: int = bounded(2, ge=0)
     """eta: the most policy versions a trained group may lag the learner; 0 is synchronous on-policy RL."""
+    distill: Optional[DistillConfig] = None
+    """On-policy distillation from a served teacher (docs/served_models.md); null: none."""
     recompute_proximal: bool = True
     """Recompute proximal log-probs with the current weights each step; false is bypass mode (pi_prox := mu)."""
     failed_samples: Literal["drop_sample", "drop_group"] = "drop_sample"
@@ -523,6 +538,12 @@ class ServedModelConfig:
     """Longest one request (a generation or a scoring of given tokens) may take on one server before it is tried on another, seconds."""
     max_attempts: int = bounded(3, ge=1)
     """Servers one request is tried on (another each time a server dies, fails or times out) before its caller gets the error."""
+
+    @property
+    def answer_within_s(self) -> float:
+        """The longest one request may take, all attempts together (``request_timeout_s x
+        max_attempts``): how long a caller waits for the model's actor to be back after it died."""
+        return self.request_timeout_s * self.max_attempts
 
 
 @dataclass

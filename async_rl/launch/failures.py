@@ -26,7 +26,7 @@ CONSOLE_LINES_PER_MINUTE = 5
 """New distinct failures printed on the console per minute at most (the files hold them all)."""
 
 _WHOSE = {"reward_error": "the reward function raised", "reward_timeout": "the reward function timed out",
-          "judge_error": "the judge (rollout.reward.judge) gave no answer",
+          "judge_error": "the judge (rollout.reward.judge) gave no answer", "teacher_error": "the teacher (algorithm.distill) gave no log-probs",
           "env_error": "the environment raised", "env_timeout": "an environment call timed out"}
 
 

@@ -133,6 +133,7 @@ def make_plan(cfg: Config) -> Plan:
     )
     plan.monitoring = _monitoring(cfg, plan)
     _check_files(cfg, plan)
+    _check_teacher(cfg, plan)
     _check_kernels(cfg, plan)
     _check_vision(cfg, plan)
     _check_lora(cfg, plan)
@@ -196,6 +197,27 @@ def _check_files(cfg: Config, plan: Plan) -> None:
             plan.errors.append("data.train_files is empty: set it to a JSONL file of prompts")
         elif path and not Path(path).is_file():
             plan.errors.append(f"{key}={path!r} not found")
+
+
+def _check_teacher(cfg: Config, plan: Plan) -> None:
+    """``algorithm.distill``: the teacher scores the student's own token ids, so both models must
+    read them alike: the same vocabulary (token to id) and the same end-of-sequence token."""
+    distill = cfg.algorithm.distill
+    if distill is None or plan.errors:  # a missing model directory is named already
+        return
+    paths = {"learner.model_path": cfg.learner.model_path, f"models.{distill.teacher}.model_path": cfg.models[distill.teacher].model_path}
+    if any(is_hub_id(path) for path in paths.values()):
+        plan.warnings.append("algorithm.distill: the teacher's and the policy's tokenizers are compared only for local model directories")
+        return
+    from transformers import AutoTokenizer
+
+    student, teacher = (AutoTokenizer.from_pretrained(path) for path in paths.values())
+    vocab_s, vocab_t = student.get_vocab(), teacher.get_vocab()
+    if vocab_s != vocab_t or student.eos_token_id != teacher.eos_token_id:
+        differ = sorted(set(vocab_s.items()) ^ set(vocab_t.items()))[:3]
+        plan.errors.append(f"algorithm.distill.teacher={distill.teacher!r}: its tokenizer is not the policy's ({len(vocab_t)} vs {len(vocab_s)} "
+                           f"tokens, eos {teacher.eos_token_id} vs {student.eos_token_id}; first differences {differ}): the teacher would "
+                           f"score other tokens than the student sampled. Distil from a teacher of the same tokenizer")
 
 
 def learner_device_type(cfg: Config) -> str:

@@ -57,12 +57,26 @@ COUNTERS: tuple[tuple[str, str, str], ...] = (
      "Groups not trained because weights more than algorithm.max_staleness versions newer than the learner's made them (after a resume); their prompts are served again."),
     ("rollout/reward_errors", "reward_errors", "Samples the reward function failed on (raised, timed out, unusable output): not trained."),
     ("rollout/reward_timeouts", "reward_timeouts", "Samples among reward_errors whose scoring exceeded rollout.reward.timeout_s."),
+    ("rollout/judge_errors", "judge_errors", "Samples the judge (rollout.reward.judge) gave no answer for: not trained."),
+    ("rollout/teacher_errors", "teacher_errors", "Samples the distillation teacher (algorithm.distill) gave no log-probs for: not trained."),
     ("rollout/reward_killed", "reward_workers_killed", "Reward worker process groups killed because a timed-out call did not stop when interrupted."),
     ("rollout/generate_failures", "generate_failures", "Generation calls that failed."),
     ("env/errors", "environment_errors", "Episodes the environment failed (it raised, returned something unusable or blocked its loop)."),
     ("env/timeouts", "environment_timeouts", "Episodes ended by an environment call longer than rollout.env.step_timeout_s."),
     ("rollout/server_restarts", "server_restarts", "Inference servers replaced (dead, broken or lagging)."),
     ("rollout/engine_deaths", "engine_deaths", "Inference servers whose vLLM engine process died while the server lived (each one replaced)."),
+)
+# Per served model (``models/<name>/<key>``), as the ``model`` label of one family each: (key, name, help, counter?).
+MODEL_METRICS: tuple[tuple[str, str, str, bool], ...] = (
+    ("requests", "model_requests", "Requests to the served model (models.<name>).", True),
+    ("failed", "model_failed_requests", "Requests to the served model that failed on every server tried, or by their own fault.", True),
+    ("retries", "model_retries", "Attempts of requests to the served model after their first (a server died, failed or timed out).", True),
+    ("timeouts", "model_timeouts", "Attempts past models.<name>.request_timeout_s.", True),
+    ("restarts", "model_server_restarts", "Servers of the served model replaced.", True),
+    ("latency_mean_s", "model_latency_mean_seconds", "Mean seconds from a request's arrival to its answer, retries included.", False),
+    ("latency_max_s", "model_latency_max_seconds", "Longest seconds from a request's arrival to its answer.", False),
+    ("running", "model_running_requests", "Requests running on the served model now (its queue).", False),
+    ("servers", "model_servers", "Servers of the served model now.", False),
 )
 # Phases of a learner step (``time/<phase>`` keys), as the ``phase`` label of one gauge.
 STEP_PHASES = ("wait", "prox", "perception", "fwd_bwd", "optim", "sync")
@@ -120,6 +134,13 @@ class RunCollector(Collector):
                 warnings.add_metric([key.removeprefix(WARN_PREFIX)], value)
         yield warnings
         yield _staleness_histogram(snap.staleness_groups, self._max_staleness)
+        models = sorted({key.split("/")[1] for key in latest if key.startswith("models/") and key.count("/") == 2})
+        for key, name, doc, counter in MODEL_METRICS:
+            family = (CounterMetricFamily if counter else GaugeMetricFamily)(PREFIX + name, doc, labels=["model"])
+            for model in models:
+                if (value := latest.get(f"models/{model}/{key}")) is not None:
+                    family.add_metric([model], value)
+            yield family
         up = GaugeMetricFamily(PREFIX + "server_up", "1 if the inference server answered its last health check.", labels=["server"])
         held = GaugeMetricFamily(PREFIX + "server_weight_version", "Policy version of the weights each server holds.", labels=["server"])
         lag = GaugeMetricFamily(PREFIX + "server_weight_lag_versions", "Learner version minus the version the server held, at the last health check.",

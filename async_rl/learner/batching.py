@@ -32,7 +32,8 @@ class Batch:
     is 1 on trained response tokens (0 on padding, and on the template's and environment's
     tokens inside a multi-turn response). ``behav_logp`` ``[N, T]`` float32 is the sampler's log-probability
     (natural log) and ``token_versions`` ``[N, T]`` int64 the policy version of each token
-    (-1 on padding). ``rewards`` ``[N]`` float32, ``group_index`` ``[N]`` int64 (position of the
+    (-1 on padding). ``teacher_logp`` ``[N, T]`` float32 is a distillation teacher's log-probability
+    of each token (``algorithm.distill``; 0 without one). ``rewards`` ``[N]`` float32, ``group_index`` ``[N]`` int64 (position of the
     sample's group in the step's list), ``lengths`` ``[N]`` int64 (prompt + response tokens). ``vision`` holds the processed
     images of a vision-language batch's groups (indexed by ``group_index``), None for text.
     """
@@ -46,6 +47,7 @@ class Batch:
     rewards: Tensor
     group_index: Tensor
     lengths: Tensor
+    teacher_logp: Tensor
     vision: VisionInputs | None = None
 
     @property
@@ -112,6 +114,7 @@ def _pad(rows: list[tuple[list[int], ScreenedSample, int]]) -> Batch:
     positions = torch.zeros(n, resp, dtype=torch.long)
     response_mask = torch.zeros(n, resp)
     behav_logp = torch.zeros(n, resp)
+    teacher_logp = torch.zeros(n, resp)
     versions = torch.full((n, resp), -1, dtype=torch.long)
     for i, (prompt, sample, _) in enumerate(rows):
         p, r = len(prompt), len(sample.tokens)
@@ -120,6 +123,8 @@ def _pad(rows: list[tuple[list[int], ScreenedSample, int]]) -> Batch:
         positions[i, :r] = torch.arange(p, p + r)
         response_mask[i, :r] = torch.tensor(sample.mask, dtype=response_mask.dtype)
         behav_logp[i, :r] = torch.tensor(sample.logprobs)
+        if sample.teacher is not None:
+            teacher_logp[i, :r] = torch.tensor(sample.teacher)
         versions[i, :r] = torch.tensor(sample.versions)
     return Batch(
         input_ids=input_ids,
@@ -131,6 +136,7 @@ def _pad(rows: list[tuple[list[int], ScreenedSample, int]]) -> Batch:
         rewards=torch.tensor([sample.reward for _, sample, _ in rows], dtype=torch.float32),
         group_index=torch.tensor([group for _, _, group in rows], dtype=torch.long),
         lengths=attention_mask.sum(-1),
+        teacher_logp=teacher_logp,
     )
 
 

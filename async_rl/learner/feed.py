@@ -33,6 +33,7 @@ _DROP_HINTS = {
     "reward_error": "the reward function raises (the driver's console and reward_errors.jsonl in the run directory show each error)",
     "reward_timeout": "the reward function takes longer than rollout.reward.timeout_s (reward_errors.jsonl shows the inputs)",
     "judge_error": "the judge model (rollout.reward.judge) gives no answer (reward_errors.jsonl and models/<name>/* say why)",
+    "teacher_error": "the teacher (algorithm.distill.teacher) gives no log-probs (reward_errors.jsonl and models/<name>/* say why)",
     "env_error": "the environment raises (the driver's console and env_errors.jsonl in the run directory show each error)",
     "env_timeout": "an environment call takes longer than rollout.env.step_timeout_s (env_errors.jsonl shows the calls)",
     "too_few_samples": "too few samples of each group were scored for a baseline (see the reward and environment errors)",

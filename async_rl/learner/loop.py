@@ -90,7 +90,8 @@ class LearnerLoop:
         """A vision-language policy's image processor (None for a text model)."""
         limits = Limits(lrn.max_tokens_per_microbatch, int(policy.config.get_text_config().vocab_size),
                         getattr(policy.config, "image_token_id", None) if self.process_images is not None else None,
-                        cfg.algorithm.failed_samples, 2 if estimator_info(cfg.algorithm.advantage.name).group else 1, cfg.data.max_pixels)
+                        cfg.algorithm.failed_samples, 2 if estimator_info(cfg.algorithm.advantage.name).group else 1, cfg.data.max_pixels,
+                        needs_teacher=cfg.algorithm.distill is not None)
         self.trainer = Trainer(policy, reference, lrn, cfg.algorithm, self.info, cfg.trainer.total_steps, cfg.trainer.seed,
                                temperature=cfg.rollout.temperature, critic=critic, lora=lrn.lora)
         self.output_dir = Path(cfg.trainer.output_dir)

@@ -41,6 +41,9 @@ class Limits:
     max_image_pixels: int = 4194304
     """Pixels (width x height) of one stored image at most (``data.max_pixels``: images are
     resized into it before they are stored); a larger one is malformed data."""
+    needs_teacher: bool = False
+    """``algorithm.distill``: a sample must carry its teacher's log-probs (one without is
+    not trained: ``teacher_error``)."""
 
 
 class Verdict(NamedTuple):
@@ -65,6 +68,8 @@ class ScreenedSample:
     reward: float
     problem: str | None
     """Why this sample is not trained (one of :data:`DROP_REASONS`), or None."""
+    teacher: list[float] | None = None
+    """The teacher's log-prob of each response token (``algorithm.distill``), or None."""
 
 
 @dataclass(frozen=True)
@@ -102,6 +107,7 @@ def screen(group: RolloutGroup, limits: Limits) -> ScreenedGroup:
     verdict: Verdict | None = None
     for k, record in enumerate(group.samples):
         tokens, logprobs = list(record.token_array()), list(record.logprob_array())
+        teacher = list(t) if (t := record.teacher_array()) is not None else None
         mask, versions = record.token_mask(), record.token_versions()
         bad = _out_of_vocab(tokens, limits.vocab_size)
         if bad is not None and (verdict is None or not verdict.malformed):
@@ -111,11 +117,13 @@ def screen(group: RolloutGroup, limits: Limits) -> ScreenedGroup:
             verdict = Verdict(_failure_kind(record), f"sample {k}: {record.error}", False)
         elif verdict is None and record.error is None:
             reason = ("nonfinite_reward" if not math.isfinite(record.reward)
-                      else "nonfinite_logprob" if not all(math.isfinite(x) for x in logprobs) else None)
+                      else "nonfinite_logprob" if not all(math.isfinite(x) for x in (*logprobs, *(teacher or ()))) else None)
             if reason is not None:
                 verdict = Verdict(reason, f"sample {k} has a {reason.replace('_', ' ')}", False)
         problem = _failure_kind(record) if record.error is not None else _sample_problem(len(prompt), tokens, mask, limits)
-        samples.append(ScreenedSample(tokens, logprobs, versions, mask, record.reward, problem))
+        if problem is None and limits.needs_teacher and teacher is None:
+            problem = "teacher_error"  # generated without a teacher (before algorithm.distill was set)
+        samples.append(ScreenedSample(tokens, logprobs, versions, mask, record.reward, problem, teacher))
     trainable = sum(s.problem is None for s in samples)
     if verdict is None and trainable == 0:
         first = next(s for s in samples if s.problem)

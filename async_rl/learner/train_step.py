@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from async_rl.algos import advantages, kl, losses, vppo
+from async_rl.algos import advantages, distill, kl, losses, vppo
 from async_rl.algos.options import estimator_info, loss_info
 from async_rl.config import AlgorithmConfig, LearnerConfig, LoraConfig, OptimConfig
 from async_rl.learner import collectives, vision
@@ -173,6 +173,9 @@ class Trainer:
         old_values = self._all_rows(critic, batch, lambda m: self._values(critic, m), "critic values") if critic is not None else None
         rewards, metrics = self._rewards(batch, old_logp, ref_logp)
         adv, returns = self._advantages(batch, rewards, old_values)
+        if (d := self.algorithm.distill) is not None:  # the teacher's per-token signal, with the reward's advantage weighted in
+            adv = distill.distill_advantages(adv, batch.teacher_logp, batch.behav_logp, batch.response_mask, d.coef, d.reward_coef)
+            metrics["distill/reverse_kl"] = distill.reverse_kl(batch.teacher_logp, batch.behav_logp, batch.response_mask)
         times.prox = time.perf_counter() - start
         selected = None
         if self.algorithm.use_vppo_on_perception:

@@ -32,9 +32,10 @@ from async_rl.queue import ReplayQueue
 from async_rl.records import FailureReport
 from async_rl.rewards import RewardPool, RewardScorer
 from async_rl.rollout.episodes import EpisodeCounters, EpisodeSampler
-from async_rl.rollout.judging import Judge, JudgedScorer, ServedModelClient, judge_reward_configs
-from async_rl.rollout.types import served_model_actor
-from async_rl.rollout.types import GenerateFn, Sampling
+from async_rl.rollout.judging import Judge, JudgedScorer, judge_reward_configs
+from async_rl.rollout.served_client import ServedModelClient
+from async_rl.rollout.teacher import Teacher
+from async_rl.rollout.types import GenerateFn, Sampling, Scorer, served_model_actor
 from async_rl.rollout.worker import RolloutWorker, WorkerCounters, WorkerSettings
 
 if TYPE_CHECKING:
@@ -49,7 +50,7 @@ MAX_PENDING_FAILURES = 1000
 
 EPISODE_COUNTERS = tuple(f"env_{f.name}" for f in dataclasses.fields(EpisodeCounters))
 COUNTERS = (tuple(f.name for f in dataclasses.fields(WorkerCounters))
-            + ("reward_errors", "reward_timeouts", "judge_errors", "reward_restarts", "reward_interrupted", "reward_killed",
+            + ("reward_errors", "reward_timeouts", "judge_errors", "teacher_errors", "reward_restarts", "reward_interrupted", "reward_killed",
                "failure_reports_dropped")
             + EPISODE_COUNTERS)
 """Names of the counters in the run's ``rollout_stats`` hash (all cumulative)."""
@@ -85,6 +86,10 @@ class WorkerHostSpec:
     """With ``rollout.reward.judge``: the judge model's directory (its tokenizer renders the judge's prompts)."""
     judge_wait_s: float = 0.0
     """With ``rollout.reward.judge``: how long a judge request may wait for the judge's actor to be back, seconds."""
+    teacher: str | None = None
+    """With ``algorithm.distill``: the teacher's name under ``models``."""
+    teacher_wait_s: float = 0.0
+    """With ``algorithm.distill``: how long a teacher request may wait for the teacher's actor to be back, seconds."""
 
     @classmethod
     def from_config(cls, cfg: Config, redis_url: str) -> WorkerHostSpec:
@@ -100,11 +105,15 @@ class WorkerHostSpec:
             pixel_bounds=ImageFields.from_config(cfg.data).bounds, image_ttl_s=cfg.queue.image_ttl_s,
         )
         judge = cfg.models[r.reward.judge.model] if r.reward.judge is not None else None
+        distill = cfg.algorithm.distill
+        teacher = cfg.models[distill.teacher] if distill is not None else None
         return cls(redis_url, cfg.trainer.run_name, cfg.queue.max_depth, cfg.queue.timeout_s, settings, r.workers_per_server,
                    r.reward, r.max_response_length, cfg.data.system_prompt, cfg.data.format_prompt,
                    r.env if r.env.name is not None else None,
                    judge_model_path=judge.model_path if judge else None,
-                   judge_wait_s=judge.request_timeout_s * judge.max_attempts if judge else 0.0)
+                   judge_wait_s=judge.answer_within_s if judge else 0.0,
+                   teacher=distill.teacher if distill is not None else None,
+                   teacher_wait_s=teacher.answer_within_s if teacher else 0.0)
 
 
 class WorkerHost:
@@ -163,16 +172,18 @@ class WorkerHost:
             self._close()
             raise
         settings = dataclasses.replace(spec.settings, server_id=self.server_id, owner=self.owner)
+        teacher_client = ServedModelClient(served_model_actor(spec.run_name, spec.teacher), spec.teacher_wait_s) if spec.teacher else None
         for _ in range(spec.workers):
-            scorer: RewardScorer | JudgedScorer = RewardScorer(self.rewards, rule_cfg, spec.max_response_length)
+            scorer: Scorer = RewardScorer(self.rewards, rule_cfg, spec.max_response_length)
             if judge is not None:
                 verdicts = RewardScorer(self.verdict_rewards, verdict_cfg, spec.max_response_length)
                 scorer = JudgedScorer(scorer, verdicts, Judge(judge, client, PromptFormatter(judge_tokenizer).token_ids), spec.reward,
                                       spec.max_response_length)
             episodes = None if self.envs is None else EpisodeSampler(
                 self.envs, spec.env, ChatEncoder(self.tokenizer), settings.sampling, settings.max_prompt_length)  # type: ignore[arg-type]
+            teacher = Teacher(teacher_client) if teacher_client is not None else None
             self.workers.append(RolloutWorker(settings, self.queue, self.rows, formatter.token_ids, scorer, lambda: self.generate, episodes,
-                                              report=self._failures.extend))
+                                              report=self._failures.extend, teacher=teacher))
         self._tasks = [asyncio.create_task(w.run(self._stop)) for w in self.workers]
         self._flusher = asyncio.create_task(self._flush_every(spec.stats_period_s))
 
@@ -192,6 +203,8 @@ class WorkerHost:
             out["reward_timeouts"] += w.scorer.counters.timeouts
             if isinstance(w.scorer, JudgedScorer):
                 out["judge_errors"] += w.scorer.judge.errors
+            if w.teacher is not None:
+                out["teacher_errors"] += w.teacher.errors
             if w.episodes is not None:
                 for name, value in dataclasses.asdict(w.episodes.counters).items():
                     out[f"env_{name}"] += value

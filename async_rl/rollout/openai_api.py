@@ -37,8 +37,10 @@ DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 ``/server_info``, RL weight updates): unauthenticated by its own key, so a server refuses it."""
 OPEN_PATHS = frozenset({"/health"})
 """Routes that answer without the key (liveness only, as with vLLM's own ``--api-key``)."""
-ADMIN_PATHS = frozenset({"/scale_elastic_ep", "/is_scaling_elastic_ep"})
-"""Routes of vLLM's app that the servers do not serve: the pool owns the engine's shape."""
+ADMIN_PATHS = frozenset({"/scale_elastic_ep", "/is_scaling_elastic_ep", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
+"""Routes of vLLM's app that the servers do not serve: the pool owns the engine's shape, and a
+LoRA policy's one adapter slot is the learner's (vLLM adds the adapter routes only with
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING``; removed whatever the environment says)."""
 
 
 class DevModeError(RuntimeError):
@@ -122,13 +124,24 @@ class OpenAIApiSettings:
 class OpenAIApi:
     """A running HTTP API; build it with :meth:`start`, stop it with :meth:`stop`."""
 
-    def __init__(self, server: Any, task: asyncio.Task, sock: socket.socket, url: str, stop_timeout_s: float):
+    def __init__(self, server: Any, task: asyncio.Task, sock: socket.socket, url: str, stop_timeout_s: float, model_name: str = "",
+                 models: Any = None):
         self._server = server
         self._task = task
         self._sock = sock
         self.url = url
         """Base URL of the API, ``http://HOST:PORT/v1``."""
         self._stop_timeout_s = stop_timeout_s
+        self.model_name = model_name
+        """The model name requests send."""
+        self._models = models
+        """vLLM's ``OpenAIServingModels`` of the app (its adapters by name)."""
+
+    def serve_adapter(self, lora_request: Any) -> None:
+        """From now on, requests naming :attr:`model_name` are answered with the LoRA adapter of
+        ``lora_request`` (a LoRA policy's, of the version the server holds; vLLM looks a
+        request's model name up among its adapters before its base models)."""
+        self._models.lora_requests[self.model_name] = lora_request
 
     @classmethod
     async def start(cls, engine: Any, model: str, settings: OpenAIApiSettings) -> OpenAIApi:
@@ -183,7 +196,7 @@ class OpenAIApi:
         host = f"[{host}]" if ":" in host else host
         url = f"http://{host}:{sock.getsockname()[1]}/v1"
         log.info("OpenAI-compatible API for model %r at %s (%s)", name, url, "API key required" if settings.api_key else "no API key")
-        return cls(server, task, sock, url, settings.stop_timeout_s)
+        return cls(server, task, sock, url, settings.stop_timeout_s, name, app.state.openai_serving_models)
 
     @property
     def stopped(self) -> bool:

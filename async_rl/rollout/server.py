@@ -172,10 +172,6 @@ class InferenceServer:
         self.engine_kwargs = dict(engine_kwargs)
         self.lora_rank: int | None = self.engine_kwargs["max_lora_rank"] if self.engine_kwargs.get("enable_lora") else None
         """The largest LoRA rank served (a LoRA policy), or None (full weights)."""
-        if self.lora_rank is not None and openai_api is not None:
-            # vLLM's API would serve the base model (its requests name no adapter) and could load
-            # adapters of its own into the one pinned slot.
-            raise ValueError(f"{server_id}: the OpenAI-compatible API cannot serve a LoRA policy yet (set rollout.openai_api=false)")
         self.openai_api = openai_api
         self._http: OpenAIApi | None = None
         self._version = version
@@ -225,6 +221,7 @@ class InferenceServer:
         if self.openai_api is not None and self._http is None:
             self.step = "starting its OpenAI API"
             self._http = await OpenAIApi.start(self._engine, self.engine_kwargs["model"], self.openai_api)
+            self._serve_policy_adapter()
         if sync is not None and self._sync is None:
             from async_rl.sync.server import WeightUpdateServer
 
@@ -348,10 +345,20 @@ class InferenceServer:
             final = out
         return final
 
+    def _serve_policy_adapter(self) -> None:
+        """A LoRA policy's OpenAI API answers with the adapter of the version held: requests
+        naming the API's model get the trained policy, not the base model (nothing to do for
+        full weights, which the engine holds itself)."""
+        if self.lora_rank is not None and self._http is not None:
+            from async_rl.sync.lora import policy_lora_request
+
+            self._http.serve_adapter(policy_lora_request(self._version, self._http.model_name))
+
     def _on_update(self, outcome: Any) -> None:
         if outcome.ok:
             self._version = outcome.version
             self.updates.append(outcome)
+            self._serve_policy_adapter()
         elif outcome.fatal:
             self._fatal = outcome.error  # weights undefined: health() fails, the pool replaces us
         else:

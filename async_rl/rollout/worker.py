@@ -39,6 +39,7 @@ from async_rl.queue import ReplayQueue, Ticket
 from async_rl.queue.client import QueueUnavailableError
 from async_rl.records import Failure, FailureReport, ImageRef, RolloutGroup, Sample
 from async_rl.rollout.episodes import EpisodeSampler
+from async_rl.rollout.teacher import Teacher
 from async_rl.rollout.types import Completion, GenerateFn, Sampling, Scorer
 
 log = logging.getLogger(__name__)
@@ -129,6 +130,8 @@ class RolloutWorker:
             (:mod:`async_rl.rollout.episodes`) instead of single responses to the prompt.
         report: receives a :class:`~async_rl.records.FailureReport` for every sample the
             reward function or environment failed on (the host sends them to the driver).
+        teacher: with ``algorithm.distill``, scores each sample's tokens beside the reward
+            (:mod:`async_rl.rollout.teacher`); its log-probs travel with the sample.
     """
 
     def __init__(
@@ -141,6 +144,7 @@ class RolloutWorker:
         server: Callable[[], GenerateFn],
         episodes: EpisodeSampler | None = None,
         report: Callable[[list[FailureReport]], None] | None = None,
+        teacher: Teacher | None = None,
     ):
         if not rows:
             raise ValueError("the rollout worker needs at least one training prompt (data.train_files has no usable rows)")
@@ -152,6 +156,7 @@ class RolloutWorker:
         self.server = server
         self.episodes = episodes
         self.report = report
+        self.teacher = teacher
         self.counters = WorkerCounters()
         self._orders: dict[int, list[int]] = {}
         self._queue_away = False
@@ -337,18 +342,27 @@ class RolloutWorker:
             log.info("skipped prompt of line %d: %d tokens with its image tokens > data.max_prompt_length=%d",
                      row.line, len(expanded), self.settings.max_prompt_length)
             return None
-        scores = await self.scorer.score(
+        scoring = self.scorer.score(
             [{"prompt": row.prompt, "response": c.text, "response_length": len(c.token_ids), "ground_truth": row.answer} for c in completions]
         )
+        if self.teacher is None:
+            scores, taught = await scoring, [None] * len(completions)
+        elif images:
+            scores = await scoring
+            taught = [Failure("teacher_error", "ValueError: distillation of a prompt with images is not supported")] * len(completions)
+        else:  # the teacher scores the samples beside the reward function
+            scores, taught = await asyncio.gather(scoring, self.teacher.logprobs(prompt_ids, completions))
         if self.settings.dynamic_sampling and not self.scorer.keep_group([s.reward for s in scores]):
             self.counters.groups_filtered += 1
             return None
+        failures = [s.failure or (t if isinstance(t, Failure) else None) for s, t in zip(scores, taught, strict=True)]
         samples = [
             Sample.from_lists(c.token_ids, c.logprobs, c.versions, s.reward, s.components, c.finish_reason,
-                              s.failure.signature if s.failure else None, error_kind=s.failure.kind if s.failure else None)
-            for c, s in zip(completions, scores)
+                              f.signature if f else None, error_kind=f.kind if f else None,
+                              teacher_logprobs=t if isinstance(t, list) else None)
+            for c, s, t, f in zip(completions, scores, taught, failures, strict=True)
         ]
-        self._report(f"{self.settings.run_id}:{index}", [s.failure for s in scores])
+        self._report(f"{self.settings.run_id}:{index}", failures)
         self.counters.tokens_generated += sum(len(c.token_ids) for c in completions)
         refs = await self._store_images(images) if images else None
         return RolloutGroup.from_lists(

@@ -33,12 +33,13 @@ POLICY_LORA_ID = 1
 POLICY_LORA_NAME = "async-rl-policy"
 
 
-def policy_lora_request(version: int) -> LoRARequest:
+def policy_lora_request(version: int, name: str = POLICY_LORA_NAME) -> LoRARequest:
     """What every generation request of a LoRA server names: the policy adapter, whatever
     version it holds. The path names nothing on disk (the adapter never leaves the pinned
     cache, so vLLM never loads from it); it carries the version only so that prefix-cache
-    keys, which hash it, differ between versions."""
-    return LoRARequest(POLICY_LORA_NAME, POLICY_LORA_ID, f"async-rl://policy/v{version}")
+    keys, which hash it, differ between versions. ``name``: what the OpenAI-compatible API's
+    answers call it (the API's model name); the id alone selects the adapter."""
+    return LoRARequest(name, POLICY_LORA_ID, f"async-rl://policy/v{version}")
 
 
 class AdapterRefused(ValueError):

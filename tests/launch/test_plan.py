@@ -393,3 +393,21 @@ def test_the_plan_shows_what_the_run_writes_to_its_disk(tiny_assets, tmp_path: P
     assert plan.errors == [] and plan.disk is not None
     assert plan.disk.aof == 2 * disk.AOF_FLOOR_BYTES and plan.disk.total == 2 * plan.disk.checkpoint + plan.disk.aof + disk.LOGS_BYTES
     assert any(line.startswith(f"disk: about {disk.size(plan.disk.total)} in the output directory (2 checkpoints of") for line in render(plan).splitlines())
+
+
+@pytest.mark.assets
+def test_served_models_are_planned_and_a_teacher_of_another_tokenizer_is_refused(tiny_assets, tiny_vlm_assets, data: Path):
+    """``models.<name>``: each server is a process of the plan (a server without CPUs of its own
+    says it shares), a model directory without config.json is an error, and a distillation
+    teacher whose tokenizer is not the policy's is refused before anything starts."""
+    base = [f"learner.model_path={tiny_assets.model_dir}", f"data.train_files={data}", "trainer.output_dir=/tmp/plan-served",
+            "ray.num_cpus=8"]
+    same = make_plan(load_config(None, [*base, f"models.teacher.model_path={tiny_assets.model_dir}", "models.teacher.num_servers=2",
+                                        "models.teacher.cpus_per_server=0", "algorithm.distill.teacher=teacher"]))
+    assert same.errors == [], same.errors
+    rows = [p for p in same.processes if p.role.startswith("teacher-")]
+    assert [p.role for p in rows] == ["teacher-0", "teacher-1"] and "shares the cores of the rest" in rows[0].detail
+    other = make_plan(load_config(None, [*base, f"models.teacher.model_path={tiny_vlm_assets.model_dir}", "algorithm.distill.teacher=teacher"]))
+    assert any("its tokenizer is not the policy's" in e and "algorithm.distill.teacher='teacher'" in e for e in other.errors), other.errors
+    missing = make_plan(load_config(None, [*base, f"models.judge.model_path={data.parent}"]))
+    assert any("models.judge.model_path=" in e and "no config.json" in e for e in missing.errors), missing.errors

@@ -1,8 +1,8 @@
 """Runs that always finish or say why (issue: run reliability), as a user runs them:
 `async-rl train` in a subprocess on the tiny assets, with real Redis, Ray, vLLM and learner.
 
-- a run of a LoRA policy (``learner.lora``: the adapter is what is trained, sent, checkpointed
-  and resumed) SIGKILLed and resumed reaches its last step, training every group once and
+- a run of a LoRA policy (``learner.lora``: the adapter is what is trained, sent, checkpointed,
+  resumed and served by the OpenAI API) SIGKILLed and resumed reaches its last step, training every group once and
   neither skipping nor repeating a prompt (the ledger is reconciled at each start), and the
   resume sweeps what a killed checkpoint save left, naming it on the console; its embedded
   Redis and then its learner rank, SIGKILLed during the last run, are restarted (Redis on
@@ -26,6 +26,7 @@ import os
 import re
 import signal
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -62,13 +63,18 @@ def test_sigkill_and_resume_reach_the_last_step_every_time(tiny_assets, tmp_path
     reward = _reward_file(tmp_path, "(time.sleep(3600) if item['response'].strip().endswith('3') else float(item['response'].strip() == item['ground_truth']))")
     steps = 12  # the SIGSTOP at 8 must land before the end: up to 12 queued groups (3 steps) train in seconds
     config = write_config(tiny_assets, tmp_path, steps, trainer={"save_every": 3, "val_every": 0},
-                          rollout={"reward": {"function": reward}, "openai_api": False},
+                          rollout={"reward": {"function": reward}},
                           learner={"lora": {"rank": 8}, "optim": {"lr": 1e-3}})
     run_dir = tmp_path / "run"
     # Killed after a checkpoint (3), with trained-but-uncommitted steps (4, 5) and groups queued.
     # (tests/launch/test_live_run.py kills a driver and resumes too: during a drain, full weights.)
     proc = start_train(config)
     wait_for_version(proc, run_dir, 5)
+    # The OpenAI API (on by default) answers with the trained adapter of the version the server holds.
+    api = json.loads((run_dir / "servers.json").read_text())["servers"][0]["openai_url"]
+    cards = json.loads(urllib.request.urlopen(f"{api}/models", timeout=30).read())["data"]
+    served = [c["root"] for c in cards if c["root"].startswith("async-rl://policy/v")]
+    assert len(served) == 1 and int(served[0].rsplit("v", 1)[1]) >= 1, cards
     proc.kill()
     proc.wait(30)
     assert wait_gone(run_dir) == [], "the killed run left processes behind"

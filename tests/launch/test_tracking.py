@@ -82,7 +82,8 @@ def test_prometheus_serves_the_runs_metrics_over_http(tmp_path):
             tracker.log(record)
         tracker.log({"version": 3, "rollout/tokens_generated": 1234.0, "queue/dead_lettered": 2.0, "queue/depth": 5.0,
                      "rollout/tokens_per_s": 80.0, "perf/tokens_per_s": 90.0, "perf/tokens": 10.0,
-                     "warn/no_learning_signal": 1.0, "warn/token_budget": 0.0})
+                     "warn/no_learning_signal": 1.0, "warn/token_budget": 0.0, "rollout/judge_errors": 3.0,
+                     "models/judge/requests": 40.0, "models/judge/latency_mean_s": 0.25, "models/teacher/running": 2.0})
         url = tracker.prometheus.url
         assert url.startswith("http://127.0.0.1:") and url.endswith("/metrics")
         body = urllib.request.urlopen(url, timeout=10).read().decode()
@@ -110,6 +111,11 @@ def test_prometheus_serves_the_runs_metrics_over_http(tmp_path):
     staleness = {s.labels["le"]: s.value for s in families["async_rl_staleness_versions"].samples if s.name.endswith("_bucket")}
     assert staleness == {"0.0": 4, "1.0": 12, "2.0": 12, "+Inf": 12}  # groups: 4 at lag 0, 8 at lag 1; buckets up to max_staleness
     assert value("async_rl_staleness_versions_sum") == 8
+    # the served models, a family per metric labelled by model (models.<name>), and the judge's failures
+    assert value("async_rl_model_requests_total", model="judge") == 40 and families["async_rl_model_requests"].type == "counter"
+    assert value("async_rl_model_latency_mean_seconds", model="judge") == 0.25
+    assert value("async_rl_model_running_requests", model="teacher") == 2
+    assert value("async_rl_judge_errors_total") == 3
 
 
 def test_a_taken_prometheus_port_is_a_clear_error(tmp_path):

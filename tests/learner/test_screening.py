@@ -66,3 +66,22 @@ def test_a_failed_sample_leaves_its_group_unless_drop_group() -> None:
     assert screen(lonely, Limits(64, 512, min_samples=2)).verdict == (
         "too_few_samples", "1 trainable sample(s) < 2 for the group's baseline", False)
     assert screen(lonely, Limits(64, 512, min_samples=1)).verdict is None
+
+
+def test_a_distilled_sample_needs_its_teachers_finite_log_probs() -> None:
+    """``algorithm.distill``: a sample without teacher log-probs is not trained (``teacher_error``),
+    one with a non-finite teacher log-prob takes its group (as a non-finite behaviour one);
+    the teacher's log-probs reach the batch token for token."""
+    taught = Sample.from_lists([5, 6], [-1.0, -1.0], 0, 1.0, teacher_logprobs=[-0.5, -2.0])
+    bare = Sample.from_lists([5, 7], [-1.0, -1.0], 0, 0.0)
+    limits = Limits(64, 512, needs_teacher=True)
+    screened = screen(RolloutGroup.from_lists("t", "g", 0, [3, 4], [taught, bare], "s", 0.0), limits)
+    assert screened.verdict is None and [s.problem for s in screened.samples] == [None, "teacher_error"]
+    assert screened.samples[0].teacher == [-0.5, -2.0]
+    nan = Sample.from_lists([5], [-1.0], 0, 1.0, teacher_logprobs=[float("nan")])
+    assert screen(RolloutGroup.from_lists("t", "g", 0, [3], [nan], "s", 0.0), limits).verdict[0] == "nonfinite_logprob"
+    from async_rl.learner.batching import prepare
+
+    batch = prepare([screened]).batch
+    assert batch.teacher_logp.tolist() == [[-0.5, -2.0]] and batch.behav_logp.tolist() == [[-1.0, -1.0]]
+    assert prepare_groups([RolloutGroup.from_lists("t", "g", 0, [3], [bare], "s", 0.0)], 64, 512).batch.teacher_logp.tolist() == [[0.0, 0.0]]

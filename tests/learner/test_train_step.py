@@ -225,3 +225,44 @@ def test_a_stale_run_corrects_with_the_recomputed_proximal_policy(tiny_assets, t
     # the weights move away from 1 as the samples age: the correction grows with staleness
     # (against the staleness-1 step: at staleness 0 behav_kl is 0, which any positive value beats)
     assert statistics.fmean(r["actor/behav_kl"] for r in stale) > rows[1]["actor/behav_kl"], rows  # 1.8-19x measured
+
+
+def _with_teacher(groups: list[RolloutGroup], shift) -> list[RolloutGroup]:
+    """``groups`` whose samples carry teacher log-probs: the behaviour log-prob of each token
+    plus ``shift(group index, sample index)`` nats."""
+    out = []
+    for g, group in enumerate(groups):
+        samples = [Sample.from_lists(list(s.token_array()), list(s.logprob_array()), 0, s.reward,
+                                     teacher_logprobs=[x + shift(g, k) for x in s.logprob_array()])
+                   for k, s in enumerate(group.samples)]
+        out.append(RolloutGroup.from_lists("t", group.group_id, group.prompt_id, list(group.prompt_array()), samples, "s", 0.0))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_distillation_moves_the_student_towards_the_teacher(tiny_model: Path, one_rank: DistInfo, tmp_path: Path) -> None:
+    """``algorithm.distill`` with no task reward: a teacher that agrees with the sampler gives
+    no signal (no parameter moves); one that finds the first sample of each group likelier and
+    the others less likely (by 1 nat a token) raises the student's log-probs of the first and
+    lowers the others', and the step reports the reverse KL it sees."""
+    distill = ("models.teacher.model_path=/m", "algorithm.distill.teacher=teacher", "learner.optim.weight_decay=0.0")
+    trainer = _trainer(tiny_model, one_rank, tmp_path, *distill)
+    groups = make_groups(4, seed=5)
+    groups = _on_policy(groups, trainer, prepare_groups(groups, 64, 512).batch)
+    before = _params(trainer)
+    metrics = trainer.step(prepare_groups(_with_teacher(groups, lambda g, k: 0.0), 64, 512).batch, 0).metrics
+    assert metrics["distill/reverse_kl"] == 0.0 and metrics["batch/advantage_abs_max"] == 0.0
+    for name, value in _params(trainer).items():
+        torch.testing.assert_close(value, before[name], rtol=0, atol=0)
+
+    taught = prepare_groups(_with_teacher(groups, lambda g, k: 1.0 if k == 0 else -1.0), 64, 512).batch
+    first = torch.tensor([k == 0 for g in groups for k in range(len(g.samples))])
+    start = trainer._all_rows_logp(trainer.policy, taught)
+    metrics = trainer.step(taught, 1).metrics
+    for step in range(2, 4):
+        trainer.step(taught, step)
+    moved = ((trainer._all_rows_logp(trainer.policy, taught) - start) * taught.response_mask).sum(-1) / taught.response_mask.sum(-1)
+    assert metrics["distill/reverse_kl"] == pytest.approx(-(first.float() * 2 - 1).mul(taught.response_mask.sum(-1)).sum().item()
+                                                          / taught.response_mask.sum().item(), abs=1e-5)
+    assert moved[first].min() > 0 > moved[~first].max(), moved

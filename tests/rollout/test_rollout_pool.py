@@ -621,12 +621,15 @@ def test_a_killed_served_server_is_replaced_and_every_request_answered_once(cfg,
 
 
 @pytest.mark.redis
-def test_a_judge_scores_the_groups_of_a_worker_host(cfg, pool, judge, tmp_path):
+def test_a_judge_and_a_teacher_score_the_groups_of_a_worker_host(cfg, pool, judge, tmp_path):
     """``rollout.reward.judge`` end to end in a server's worker host: each response goes to the
     served judge (its template rendered, its chat template applied, a greedy answer), a
     function of the user's reads each answer into a score, and the reward is the weighted sum
     with the rule function's; an answer the function cannot read fails its own sample only
-    (``reward_error``), nothing else."""
+    (``reward_error``), nothing else. The same served model as ``algorithm.distill``'s teacher
+    scores every token of each sample beside it (the tiny model: the policy's tokenizer); its
+    log-probs travel with the sample, and where the policy server still holds the starting
+    weights (version 0) they are the sampler's own."""
     from async_rl.rollout.host import WorkerHost
 
     pool_, loop = pool
@@ -645,7 +648,8 @@ def test_a_judge_scores_the_groups_of_a_worker_host(cfg, pool, judge, tmp_path):
         "rollout.max_response_length": 16, "rollout.n": 4, "learner.batch_size": 2, "learner.max_tokens_per_microbatch": 512,
         "models.judge.model_path": cfg.learner.model_path, "rollout.reward.judge.model": "judge",
         "rollout.reward.judge.function": f"{reader}:read", "rollout.reward.judge.weight": 0.5, "rollout.reward.weight": 2.0,
-        "rollout.reward.judge.max_tokens": 4, "algorithm.max_staleness": 100}.items()])
+        "rollout.reward.judge.max_tokens": 4, "algorithm.max_staleness": 100, "algorithm.distill.teacher": "judge",
+        "algorithm.distill.reward_coef": 1.0}.items()])
     rows, _ = read_prompt_rows(judged.data.train_files)
     before = ray.get(models.actors["judge"].stats.remote())["models/judge/requests"]
     with EmbeddedRedis() as url, ReplayQueue(url, judged.trainer.run_name, max_depth=64) as queue:
@@ -667,8 +671,13 @@ def test_a_judge_scores_the_groups_of_a_worker_host(cfg, pool, judge, tmp_path):
             assert s.reward_components["rule"] in (0.0, 1.0) and s.reward_components["accuracy"] == s.reward_components["rule"]
         else:
             assert s.error_kind == "reward_error" and "unreadable verdict" in s.error
-    assert any(s.error is None for s in samples)
-    assert ray.get(models.actors["judge"].stats.remote())["models/judge/requests"] - before >= len(samples)
+    assert any(s.error is None for s in samples) and totals["teacher_errors"] == 0
+    assert ray.get(models.actors["judge"].stats.remote())["models/judge/requests"] - before >= 2 * len(samples)
+    for s in samples:
+        teacher = s.teacher_array()
+        assert teacher is not None and len(teacher) == s.num_tokens and all(-1e9 < x <= 0.0 for x in teacher)
+        if set(s.token_versions()) == {0}:  # the policy server at the starting weights: the teacher's model
+            assert max(abs(a - b) for a, b in zip(teacher, s.logprob_array())) < 1e-3
 
 
 def _tokenizer(cfg):
