@@ -40,6 +40,8 @@ QUICKSTARTS = {
     "multiturn": (Path("configs/multiturn_quickstart.yaml"), Path("runs/multiturn/assets"), "multiturn"),
     "vlm": (Path("configs/vlm_quickstart.yaml"), Path("runs/vlm/assets"), "vlm"),
     "running_sum": (Path("configs/running_sum_quickstart.yaml"), Path("runs/running_sum/assets"), "running_sum"),
+    "judge": (Path("configs/judge_quickstart.yaml"), Path("runs/served/assets"), "served"),
+    "distill": (Path("configs/distill_quickstart.yaml"), Path("runs/served/assets"), "served"),
 }
 
 
@@ -74,7 +76,7 @@ def config_docs(
 def assets_tiny(
     out_dir: Annotated[Path, typer.Option("--out", help="Directory to write model/, data/ and assets.json into.")],
     seed: Annotated[int, typer.Option(help="Seed: the same seed gives the same tokenizer and weights.")] = 0,
-    task: Annotated[str, typer.Option(help="addition (single-turn), multiturn (the addition_feedback environment's warm-start), running_sum (long written-out responses, a few minutes to build) or vlm (an Idefics3 vision-language model and a coloured-square task).")] = "addition",
+    task: Annotated[str, typer.Option(help="addition (single-turn), multiturn (the addition_feedback environment's warm-start), running_sum (long written-out responses, a few minutes to build), vlm (an Idefics3 vision-language model and a coloured-square task) or served (the addition task with a distillation teacher and a judge beside it).")] = "addition",
 ) -> None:
     """Build the tiny tokenizer, Qwen2 model, arithmetic task and warm-start (about a minute on 2 cores); --task vlm: a tiny Idefics3 and a visual task (~15 s)."""
     from async_rl.tiny import TASKS, build_tiny_assets
@@ -128,14 +130,16 @@ def train_cmd(
 @app.command("quickstart")
 def quickstart(
     overrides: Annotated[
-        Optional[list[str]], typer.Argument(help="[multiturn|vlm|running_sum] then dotted overrides, e.g. trainer.total_steps=50.")
+        Optional[list[str]], typer.Argument(help="[multiturn|vlm|running_sum|judge|distill] then dotted overrides, e.g. trainer.total_steps=50.")
     ] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan only.")] = False,
 ) -> None:
     """Build the tiny assets if absent, then train configs/quickstart.yaml, or with
     `multiturn` first, configs/multiturn_quickstart.yaml, or with `vlm` first,
     configs/vlm_quickstart.yaml (a vision-language model with VPPO), or with `running_sum`
-    first, configs/running_sum_quickstart.yaml (long responses) (CPU, about 10 minutes)."""
+    first, configs/running_sum_quickstart.yaml (long responses), or with `judge` or `distill`
+    first, configs/judge_quickstart.yaml (rewarded by a served judge) or
+    configs/distill_quickstart.yaml (a served teacher) (CPU, about 10 minutes)."""
     from async_rl.tiny import build_tiny_assets
 
     args = list(overrides or [])

@@ -49,7 +49,8 @@ def test_train_runs_the_whole_pipeline(tiny_assets, tmp_path):
     oversized frame and a real server's frame read off the wire: the run trains to the end,
     each is counted and named on the console, and no server is replaced. A served model
     (``models.judge``) runs beside it: listed in ``servers.json``, its API on loopback, its
-    metrics in every step, its processes gone with the run's."""
+    metrics in every step, its processes gone with the run's; it is also the run's
+    distillation teacher (``algorithm.distill``, with the task reward), scoring every sample."""
     reward = tmp_path / "reward.py"
     reward.write_text("def compute_score(items):\n"
                       "    return [score(i) for i in items]\n\n\n"
@@ -59,7 +60,9 @@ def test_train_runs_the_whole_pipeline(tiny_assets, tmp_path):
                       "    return {'overall': float(item['response'].strip() == item['ground_truth'])}\n")
     # A served model beside the policy (models.judge, no core of its own): started, listed, listening on loopback, stopped.
     judge = {"judge": {"model_path": str(tiny_assets.model_dir), "cpus_per_server": 0, "vllm": {"max_model_len": 256}}}
-    config = write_config(tiny_assets, tmp_path, steps=4, rollout={"reward": {"function": f"{reward}:compute_score"}}, models=judge)
+    # It also teaches (algorithm.distill, the task reward weighted in): the same tiny model, so the policy's tokenizer.
+    config = write_config(tiny_assets, tmp_path, steps=4, rollout={"reward": {"function": f"{reward}:compute_score"}}, models=judge,
+                          algorithm={"distill": {"teacher": "judge", "reward_coef": 1.0}})
     run_dir = tmp_path / "run"
     out, err = tmp_path / "stdout.log", tmp_path / "stderr.log"
     with out.open("w") as stdout, err.open("w") as stderr:
@@ -100,6 +103,8 @@ def test_train_runs_the_whole_pipeline(tiny_assets, tmp_path):
     served = json.loads((run_dir / "servers.json").read_text())["models"]
     assert [(s["model"], s["server_id"]) for s in served] == [("judge", "judge-0")] and served[0]["openai_url"].startswith("http://127.0.0.1:")
     assert steps[-1]["models/judge/servers"] == 1.0 and steps[-1]["models/judge/failed"] == 0.0 and steps[-1]["models/actor_restarts"] == 0.0
+    assert all("distill/reverse_kl" in r for r in steps) and steps[-1]["models/judge/requests"] >= 16 * 4  # every sample scored
+    assert steps[-1]["rollout/teacher_errors"] == 0.0
     # W&B holds every record, the validations (which arrive after later steps) included.
     rows = history(run_dir)
     assert len(rows) == len(records) and "Tried to log to step" not in proc.stdout + proc.stderr

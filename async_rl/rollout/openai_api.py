@@ -16,6 +16,7 @@ development routes (``/collective_rpc``, ``/sleep``, ...).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import hmac
@@ -23,7 +24,7 @@ import json
 import logging
 import os
 import socket
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -121,6 +122,22 @@ class OpenAIApiSettings:
         return dataclasses.replace(self, port=self.port + index if self.port else 0)
 
 
+@contextlib.contextmanager
+def _root_logging_kept() -> Iterator[None]:
+    """Give the root logger its level and its handlers theirs back on the way out. vLLM's API
+    imports ``model_hosting_container_standards``, which sets the root logger (and its
+    handlers) to ERROR at import (``LOG_LEVEL``, default ERROR): every warning of the server's
+    process, ours included (a failed weight update, counters not flushed), would go unseen."""
+    root = logging.getLogger()
+    level, handlers = root.level, [(h, h.level) for h in root.handlers]
+    try:
+        yield
+    finally:
+        root.setLevel(level)
+        for handler, handler_level in handlers:
+            handler.setLevel(handler_level)
+
+
 class OpenAIApi:
     """A running HTTP API; build it with :meth:`start`, stop it with :meth:`stop`."""
 
@@ -150,6 +167,11 @@ class OpenAIApi:
         Raises :class:`DevModeError` when ``VLLM_SERVER_DEV_MODE`` is on in this process.
         """
         refuse_dev_mode()
+        with _root_logging_kept():
+            return await cls._start(engine, model, settings)
+
+    @classmethod
+    async def _start(cls, engine: Any, model: str, settings: OpenAIApiSettings) -> OpenAIApi:
         import uvicorn
         from vllm import envs
         from vllm.entrypoints.launchers.api_server.app_state import init_app_state

@@ -188,10 +188,10 @@ def generate_completions(
     completions per problem sampled at temperature 1 from torch's global RNG, grouped
     by problem (problem 0's samples first).
     """
-    return _generate(model, tokenizer, [prompt_ids(tokenizer, p) for p in problems], num_samples, max_new_tokens)
+    return generate_from_ids(model, tokenizer, [prompt_ids(tokenizer, p) for p in problems], num_samples, max_new_tokens)
 
 
-def _generate(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerBase, prompts: Sequence[list[int]], num_samples: int,
+def generate_from_ids(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerBase, prompts: Sequence[list[int]], num_samples: int,
               max_new_tokens: int) -> list[str]:
     """:func:`generate_completions` of tokenised prompts."""
     width = max(map(len, prompts))
@@ -229,7 +229,7 @@ def greedy_episode_success(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokeniz
         prompts = [tokenizer.apply_chat_template(chats[i], add_generation_prompt=True, tokenize=True, return_dict=False)
                    for i in open_]
         still = []
-        for i, reply in zip(open_, _generate(model, tokenizer, [list(p) for p in prompts], 0, MAX_NEW_TOKENS)):
+        for i, reply in zip(open_, generate_from_ids(model, tokenizer, [list(p) for p in prompts], 0, MAX_NEW_TOKENS)):
             said = extract_answer(reply)
             answer = feedback(None if said is None else int(said), int(rows[i].answer))
             if answer == CORRECT:

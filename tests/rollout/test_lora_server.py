@@ -7,6 +7,7 @@ answers with the adapter of the version held."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import httpx
 import pytest
@@ -61,7 +62,11 @@ def test_a_lora_server_serves_each_version_and_tags_a_request_across_an_update(t
         return answer.json()["choices"][0]["token_ids"]
 
     async def go():
+        root = logging.getLogger().level
         await server.start(SyncEndpoint(sender.address, secret))
+        # The API's imports set the root logger to ERROR (model_hosting_container_standards):
+        # the server gives it back its level, so the process's warnings are seen.
+        assert logging.getLogger().level == root
         try:
             await asyncio.to_thread(sender.wait_for_servers, 1, 30.0)
             before = (await server.generate(PROMPT, 1, greedy))[0]

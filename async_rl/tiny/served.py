@@ -1,0 +1,146 @@
+"""Tiny assets of the served-model quickstarts (``async-rl quickstart judge`` and ``distill``):
+the addition assets (the student and its data, :mod:`async_rl.tiny.text`) and, beside them,
+
+    out_dir/teacher/   the student's tokenizer and architecture, its warm-start continued to
+                       greedy accuracy near 90 %: a distillation teacher (``algorithm.distill``)
+    out_dir/judge/     a model of the same size trained from scratch to answer the judge's
+                       question ``"<ground truth> = <response>?"`` with yes or no
+
+``assets.json`` gains ``teacher_accuracy`` (greedy, the validation split) and
+``judge_accuracy`` (held-out pairs drawn from the validation split: the ground truth against
+its own answer, near misses and the model's kind of junk).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedTokenizerBase, Qwen2ForCausalLM
+
+from async_rl.tiny.addition import Row, read_jsonl
+from async_rl.tiny.build import TinyAssetsReport, WarmStart, build_determinism, sft_until_band
+from async_rl.tiny.text import build_text_assets, generate_from_ids, greedy_accuracy, prompt_ids, sft_loss
+
+JUDGE_TEMPLATE = "{{ ground_truth }} = {{ response }}?"
+"""The judge quickstart's ``rollout.reward.judge.template``: what the tiny judge is trained on."""
+TEACHER_WARM_START = WarmStart(band=(0.80, 1.0), target=0.90, max_steps=4000)
+"""The teacher: the student's warm-start continued until greedy accuracy reaches 90 %."""
+JUDGE_WARM_START = WarmStart(band=(0.75, 1.0), target=0.95, max_steps=2000, eval_every=50)
+"""The judge: trained from scratch until 95 % of held-out pairs are judged right, or 2,000 steps
+(the seed-0 build plateaus at 81.5 % from about step 550: a fallible judge, its accuracy in
+``assets.json``)."""
+JUDGE_PAIRS = 4000
+"""Training pairs of the judge (half equal, half not)."""
+JUDGE_HELD_OUT = 400
+"""Held-out pairs (from the validation rows) the judge's accuracy is measured on."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+"""The student's tokenizer files the teacher and the judge get."""
+
+
+def build_served_assets(out_dir: str | Path, seed: int = 0, progress: Callable[[str], None] = print,
+                        warm_start: WarmStart | None = None) -> TinyAssetsReport:
+    """Build the addition assets into ``out_dir``, then the teacher and the judge beside them.
+    ``warm_start``: the schedule of all three models (a short test build); None: each one's
+    own (the addition default, :data:`TEACHER_WARM_START`, :data:`JUDGE_WARM_START`)."""
+    out = Path(out_dir)
+    report = build_text_assets(out, seed, progress, warm_start)
+    t0 = time.perf_counter()
+    with build_determinism():
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(report.model_dir)
+        student = Qwen2ForCausalLM.from_pretrained(report.model_dir)
+        train, val = read_jsonl(report.train_path), read_jsonl(report.val_path)
+        val = warm_start.evaluated(val) if warm_start is not None else val
+        teacher_steps, teacher_acc = _teacher(student, tokenizer, train, val, seed, progress, report.model_dir, out / "teacher",
+                                               warm_start or TEACHER_WARM_START)
+        judge_steps, judge_acc = _judge(student, tokenizer, train, val, seed, progress, report.model_dir, out / "judge", warm_start or JUDGE_WARM_START)
+    manifest = json.loads(report.manifest_path.read_text())
+    manifest.update(teacher_accuracy=teacher_acc, teacher_sft_steps=teacher_steps, judge_accuracy=judge_acc, judge_sft_steps=judge_steps,
+                    judge_template=JUDGE_TEMPLATE)
+    manifest["task"]["name"] = "served"
+    manifest["timings_s"]["served_models"] = round(time.perf_counter() - t0, 2)
+    report.manifest_path.write_text(json.dumps(manifest, indent=1) + "\n")
+    progress(f"[assets] teacher greedy val accuracy {teacher_acc:.1%} ({teacher_steps} more SFT steps); "
+             f"judge accuracy {judge_acc:.1%} on held-out pairs ({judge_steps} SFT steps) -> {out}")
+    return report
+
+
+def _teacher(student: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerBase, train: Sequence[Row], val: Sequence[Row], seed: int,
+             progress: Callable[[str], None], student_dir: Path, out: Path, schedule: WarmStart) -> tuple[int, float]:
+    """The student's warm-start continued to ``schedule``'s accuracy, saved to ``out``."""
+    teacher = copy.deepcopy(student)
+    examples = [(prompt_ids(tokenizer, r.problem), tokenizer.encode(r.answer, add_special_tokens=False)) for r in train]
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    steps, acc = sft_until_band(teacher, len(examples), lambda batch: sft_loss(teacher, [examples[i] for i in batch], eos, pad),
+                                lambda: greedy_accuracy(teacher, tokenizer, val), seed + 1, progress, schedule)
+    _save(teacher, student_dir, out)
+    return steps, acc
+
+
+def judge_pairs(rows: Sequence[Row], count: int, seed: int) -> list[tuple[str, str, bool]]:
+    """``count`` pairs ``(ground truth, response, equal)``: half a row's answer against itself,
+    half against a near miss (off by 1, 2, 10 or 100, digits swapped, a digit dropped or added,
+    junk after it): the judge must read every digit."""
+    rng = random.Random(seed)
+    pairs = []
+    for i in range(count):
+        truth = rng.choice(rows).answer
+        if i % 2 == 0:
+            pairs.append((truth, truth, True))
+            continue
+        wrong = truth
+        while wrong == truth:
+            kind = rng.randrange(5)
+            if kind == 0:
+                wrong = str(max(0, int(truth) + rng.choice((-100, -10, -2, -1, 1, 2, 10, 100))))
+            elif kind == 1 and len(truth) > 1:
+                j = rng.randrange(len(truth) - 1)
+                wrong = truth[:j] + truth[j + 1] + truth[j] + truth[j + 2:]
+            elif kind == 2 and len(truth) > 1:
+                j = rng.randrange(len(truth))
+                wrong = truth[:j] + truth[j + 1:]
+            elif kind == 3:
+                wrong = truth + str(rng.randrange(10))
+            else:
+                wrong = truth[:-1] + str(rng.randrange(10)) if rng.random() < 0.5 else str(rng.randrange(10, 200))
+        pairs.append((truth, wrong, False))
+    return pairs
+
+
+def _judge(student: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerBase, train: Sequence[Row], val: Sequence[Row], seed: int,
+           progress: Callable[[str], None], student_dir: Path, out: Path, schedule: WarmStart) -> tuple[int, float]:
+    """A model of the student's size, from scratch, trained on :func:`judge_pairs` of the
+    training rows until ``schedule``'s accuracy on pairs of the validation rows."""
+    torch.manual_seed(seed + 2)
+    judge = Qwen2ForCausalLM(copy.deepcopy(student.config))
+    question = lambda truth, response: f"{truth} = {response}?"  # noqa: E731 - JUDGE_TEMPLATE rendered
+    examples = [(prompt_ids(tokenizer, question(t, r)), tokenizer.encode("yes" if ok else "no", add_special_tokens=False))
+                for t, r, ok in judge_pairs(train, JUDGE_PAIRS, seed)]
+    held_out = judge_pairs(val, JUDGE_HELD_OUT, seed + 1)
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+
+    def accuracy() -> float:
+        answers = generate_from_ids(judge, tokenizer, [prompt_ids(tokenizer, question(t, r)) for t, r, _ in held_out], 0, 4)
+        return sum(a.strip().startswith("yes" if ok else "no") for a, (_, _, ok) in zip(answers, held_out)) / len(held_out)
+
+    steps, acc = sft_until_band(judge, len(examples), lambda batch: sft_loss(judge, [examples[i] for i in batch], eos, pad), accuracy,
+                                seed + 2, progress, schedule)
+    _save(judge, student_dir, out)
+    return steps, acc
+
+
+def _save(model: Qwen2ForCausalLM, student_dir: Path, out: Path) -> None:
+    """``out`` as a Hugging Face model directory: the weights and generation config, and the
+    student's tokenizer files as they are (byte for byte: the same tokenizer)."""
+    model.save_pretrained(out)
+    for name in TOKENIZER_FILES:
+        if (student_dir / name).is_file():
+            shutil.copyfile(student_dir / name, out / name)
