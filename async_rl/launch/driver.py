@@ -53,7 +53,7 @@ from async_rl.launch.validating import Validator
 from async_rl.learner.memory import servers_gpu_share
 from async_rl.queue import EmbeddedRedis, QueueUnavailableError, ReplayQueue
 from async_rl.queue.embedded import NO_SPACE
-from async_rl.rollout.engine_args import engine_kwargs, on_gpu, openai_api_settings
+from async_rl.rollout.engine_args import engine_kwargs, kv_cache_env, openai_api_settings
 from async_rl.rollout.host import WorkerHostSpec
 from async_rl.rollout.pool import ServerPool, ServerSpec
 from async_rl.rollout.validation import ValidationResult
@@ -160,7 +160,7 @@ class _Run:
         stack.callback(ray.shutdown)
         self._install_signal_handlers()
         self.supervisor = Supervisor(run, self.reporter, redis_url, layout.ranks if layout else None)
-        env = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, round(cfg.rollout.vllm.kv_cache_space_gb)))} if not on_gpu() else {}
+        env = kv_cache_env(cfg.rollout.vllm)
         spec = ServerSpec(engine_kwargs(cfg), cfg.rollout.cpus_per_server, cfg.rollout.gpus_per_server, env,
                           openai_api=openai_api_settings(cfg), hang_timeout_s=cfg.rollout.engine_hang_timeout_s)
         run.pool = ServerPool(spec, cfg.rollout.num_servers, on_start=self.supervisor.on_server_start,

@@ -15,7 +15,7 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from async_rl.config import Config
-from async_rl.rollout.engine_args import on_gpu, openai_api_settings, served_engine_kwargs
+from async_rl.rollout.engine_args import kv_cache_env, openai_api_settings, served_engine_kwargs
 from async_rl.rollout.pool import ServerSpec
 from async_rl.rollout.served import ServedModel
 from async_rl.rollout.types import served_model_actor
@@ -48,7 +48,7 @@ class ServedModels:
 
     def _spec(self, name: str, shared_cores: str | None) -> ServerSpec:
         model = self.cfg.models[name]
-        env = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, round(model.vllm.kv_cache_space_gb)))} if not on_gpu() else {}
+        env = kv_cache_env(model.vllm)
         if shared_cores is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = shared_cores
         api = openai_api_settings(self.cfg)

@@ -56,12 +56,17 @@ def served_engine_kwargs(cfg: Config, name: str) -> dict[str, Any]:
     return _vllm_kwargs(model.vllm, model.model_path, model.vllm.max_model_len, cfg.trainer.seed)
 
 
+def kv_cache_env(v: VllmConfig) -> dict[str, str]:
+    """The environment that sizes a CPU engine's KV cache (``VLLM_CPU_KVCACHE_SPACE``, whole
+    GiB, at least 1, from ``kv_cache_space_gb``); empty on a GPU."""
+    return {} if on_gpu() else {"VLLM_CPU_KVCACHE_SPACE": str(max(1, round(v.kv_cache_space_gb)))}
+
+
 def _vllm_kwargs(v: VllmConfig, model: str, max_model_len: int | None, seed: int) -> dict[str, Any]:
     """The engine arguments of one ``vllm`` section (``max_model_len`` None: the model's own).
     On CPU it also sets ``VLLM_CPU_KVCACHE_SPACE`` (GiB) in this process's environment."""
     gpu = on_gpu()
-    if not gpu:
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(v.kv_cache_space_gb)))
+    os.environ.update(kv_cache_env(v))
     dtype = v.dtype if v.dtype != "auto" else ("bfloat16" if gpu else "float32")
     kwargs: dict[str, Any] = {
         "model": model,

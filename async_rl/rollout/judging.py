@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import logging
 from typing import Any
 
 from async_rl.config import JudgeConfig, OverlongPenaltyConfig, RewardConfig
@@ -27,8 +26,6 @@ from async_rl.rewards import RewardScorer
 from async_rl.rewards.scoring import RewardCounters, Score, apply_overlong
 from async_rl.rollout.served_client import ServedModelClient
 from async_rl.rollout.types import Sampling
-
-log = logging.getLogger(__name__)
 
 
 class Judge:

@@ -22,18 +22,15 @@ actor, so they die with it: a restarted actor starts its own.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections import Counter
 from typing import Any
 
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import RayActorError, RayTaskError
 
 from async_rl.rollout.pool import ServerPool, ServerSpec
 from async_rl.rollout.server import ServerHealth
 from async_rl.rollout.types import Completion, Sampling, ServedModelError
-
-log = logging.getLogger(__name__)
 
 NO_SERVER_POLL_S = 0.2
 """How often a request waiting for a server to (re)start looks again, seconds."""
@@ -56,11 +53,9 @@ class ServedModel:
         num_servers: servers at start.
         request_timeout_s: longest one attempt of a request may take on one server, seconds.
         max_attempts: servers one request is tried on before its caller gets the error.
-        env_per_server: added to ``spec.env_vars`` per server (e.g. the cores it may use).
     """
 
-    def __init__(self, name: str, spec: ServerSpec, num_servers: int, request_timeout_s: float = 60.0, max_attempts: int = 3,
-                 env_per_server: list[dict[str, str]] | None = None):
+    def __init__(self, name: str, spec: ServerSpec, num_servers: int, request_timeout_s: float = 60.0, max_attempts: int = 3):
         if spec.sync is not None:
             raise ValueError(f"{name}: a served model takes no weight updates (its spec has a weight sender)")
         self.name = name
@@ -68,7 +63,7 @@ class ServedModel:
         self.max_attempts = max_attempts
         self._events: list[str] = []
         """What the pool did on its own (a server replaced after a failed request), for the driver's console."""
-        self.pool = ServerPool(spec, num_servers, env_per_server=env_per_server, report=self._events.append, name=name)
+        self.pool = ServerPool(spec, num_servers, report=self._events.append, name=name)
         self._gone: set[int] = set()
         """``id()`` of the server handles found dead whose replacement is on its way."""
         self._running: Counter[int] = Counter()
@@ -114,7 +109,7 @@ class ServedModel:
             self._running[i] += 1
             try:
                 result = await asyncio.wait_for(getattr(handle, method).remote(*args), self.request_timeout_s)
-            except (asyncio.TimeoutError, GetTimeoutError):
+            except asyncio.TimeoutError:
                 self.counters["timeouts"] += 1
                 last = f"{self.name}-{i} did not answer within request_timeout_s={self.request_timeout_s:g} s"
             except RayActorError as exc:
