@@ -229,6 +229,8 @@ class _Run:
             except (ray.exceptions.RayError, asyncio.TimeoutError) as exc:
                 run.fail(f"the served models did not start: {cause(exc)}")
                 return
+            # They start beside the learner and may come up after the last write (the CI failure of 2026-12-06: no models listed).
+            self.reporter.write_servers()
             if self._support is not None:
                 redis_pid = run.outages.redis_pid
                 self._support.place(keep={redis_pid} if redis_pid is not None else ())

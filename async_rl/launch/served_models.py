@@ -78,8 +78,10 @@ class ServedModels:
             if isinstance(h, ServerHealth) and h.openai_url:
                 log.info("%s (pid %d) serves models.%s's OpenAI API at %s", h.server_id, h.pid, name, h.openai_url)
 
-    async def watch_once(self) -> None:
-        """Heal every model: replace its broken servers, restart its actor if it died; say what was done."""
+    async def watch_once(self) -> bool:
+        """Heal every model: replace its broken servers, restart its actor if it died; say what
+        was done. True when the servers listed (:meth:`servers`) changed: ``servers.json`` is stale."""
+        listed = self.servers()
         for name in list(self.actors):
             actor = self.actors[name]
             try:
@@ -91,6 +93,7 @@ class ServedModels:
                                                  f"({type(exc).__name__})")
             except RayTaskError as exc:
                 log.warning("models.%s: the health check failed: %s", name, exc)
+        return self.servers() != listed
 
     async def _restart(self, name: str, dead: Any, why: str) -> None:
         """Replace the actor of ``name`` (its servers die with it) by a new one under the same name."""

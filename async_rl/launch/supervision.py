@@ -136,7 +136,8 @@ class Supervisor:
                 return
             for line in await run.pool.heal(run.version, cfg.sync.max_lag_s, healths):
                 log.warning("%s", line)
-            await run.models.watch_once()
+            if await run.models.watch_once():
+                self.reporter.write_servers()
             if time.monotonic() - run.last_step >= VERSION_WATCHDOG_S and not self.restarting:
                 await self._republish_version(healths)
             run.outages.watch_disk()

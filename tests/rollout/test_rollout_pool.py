@@ -613,7 +613,7 @@ def test_a_killed_served_server_is_replaced_and_every_request_answered_once(cfg,
     assert loop.run_until_complete(models.scale("judge", 1, 10.0)) == ["models.judge: judge-1 drained and stopped"]
 
     ray.kill(actor, no_restart=True)  # the model's actor itself dies: found by the next check, restarted under its name
-    loop.run_until_complete(asyncio.wait_for(models.watch_once(), 300))
+    assert loop.run_until_complete(asyncio.wait_for(models.watch_once(), 300)) is True  # a new server listed: servers.json rewritten
     assert any("its actor died" in line for line in said) and models.actor_restarts == 1, said
     new = ray.get_actor(served_model_actor(cfg.trainer.run_name, "judge"))
     (c,) = ray.get(new.generate.remote([7, 8, 9], 1, Sampling(temperature=1.0, max_tokens=8)))
