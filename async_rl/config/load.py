@@ -43,6 +43,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         resolved = OmegaConf.to_container(merged, resolve=True)
     except OmegaConfBaseException as exc:
         raise ConfigError(f"cannot merge or resolve the config: {exc}") from None
+    except yaml.YAMLError as exc:  # an override's value OmegaConf reads as YAML, e.g. a template's {{ }}
+        raise ConfigError(f"an override's value is not valid YAML ({' '.join(str(exc).split())}): quote it, "
+                          "e.g. 'rollout.reward.judge.template=\"{{ response }}?\"'") from None
     cfg = from_dict(Config, resolved)
     if env_key := os.environ.get(OPENAI_API_KEY_ENV):
         cfg.rollout.openai_api_key = env_key

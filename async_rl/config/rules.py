@@ -8,7 +8,7 @@ import re
 
 from async_rl.algos.options import LOSSES, algorithm_problems, estimator_info, loss_info
 from async_rl.bounds import bound_problems
-from async_rl.config.sections import LOOPBACK_NAMES, LORA_KEY, MIN_API_KEY_LENGTH, MODEL_NAME_PATTERN, OPENAI_API_KEY_ENV, Config
+from async_rl.config.sections import LOOPBACK_NAMES, LORA_KEY, MIN_API_KEY_LENGTH, MODEL_NAME_PATTERN, OPENAI_API_KEY_ENV, Config, JudgeConfig
 
 
 class ConfigError(ValueError):
@@ -44,8 +44,7 @@ def _key_problems(cfg: Config) -> list[str]:
         if not re.fullmatch(MODEL_NAME_PATTERN, name):
             problems.append(f"models.{name}: a served model's name must match {MODEL_NAME_PATTERN} (lower case, digits, _; "
                             "it names its servers and metrics), e.g. models.judge")
-        if not model.model_path:
-            problems.append(f"models.{name}.model_path is required: the model directory to serve")
+        problems += model.problems(name)
     return problems + algorithm_problems(cfg.algorithm.advantage.name, cfg.algorithm.loss.name)
 
 
@@ -130,9 +129,17 @@ def _cross_field_problems(cfg: Config) -> list[str]:
         need(r.env.name is None, f"rollout.reward.judge scores single responses; rollout.env.name={r.env.name!r} scores episodes itself: "
                                  "set one of them to null")
         need(r.reward.weight > 0 or judge.weight > 0, "rollout.reward.weight and rollout.reward.judge.weight are both 0: the reward would always be 0")
+        if judge.model in cfg.models and cfg.models[judge.model].task == "classify":
+            default = JudgeConfig.function
+            need(judge.function == default and not judge.kwargs,
+                 f"rollout.reward.judge.model={judge.model!r} is a reward model (task: classify): its probability is the score, which no "
+                 f"function reads; remove rollout.reward.judge.function={judge.function!r} and its kwargs (or serve a model that answers, task: generate)")
     if (distill := alg.distill) is not None:
         need(distill.teacher in cfg.models, f"algorithm.distill.teacher={distill.teacher!r} must name a served model "
                                             f"(models: {', '.join(cfg.models) or 'none'}): add models.{distill.teacher or 'teacher'}.model_path=...")
+        need(distill.teacher not in cfg.models or cfg.models[distill.teacher].task == "generate",
+             f"algorithm.distill.teacher={distill.teacher!r} is a reward model (task: classify), which has no log-probs of tokens: "
+             f"distil from a language model (models.{distill.teacher}.task: generate)")
         need(r.env.name is None, f"algorithm.distill scores single responses; rollout.env.name={r.env.name!r} runs episodes: set one of them to null")
         need(r.temperature == 1.0, f"algorithm.distill compares the teacher's log-probs with the sampler's, which rollout.temperature="
                                    f"{r.temperature:g} rescales: sample at rollout.temperature=1.0")

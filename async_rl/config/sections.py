@@ -526,6 +526,10 @@ class ServedModelConfig:
 
     model_path: str = ""
     """Path of the model (a Hugging Face directory; a hub id where the hub is reachable). Required."""
+    task: Literal["generate", "classify"] = "generate"
+    """``generate``: a language model that answers (a judge) and scores given tokens (a teacher); ``classify``: a reward model, a sequence classifier (``*ForSequenceClassification``) served by vLLM's pooling runner, whose score of a text is the probability of its last label (one label: its sigmoid)."""
+    classifier_from_tokens: list[str] = field(default_factory=list)
+    """With ``task: classify``, a language model read as a classifier: two of its tokens, ``[no, yes]`` (e.g. ``["no", "yes"]``), whose next-token logits after the text give the probability of yes against no (vLLM's ``from_2_way_softmax``): a yes/no judge served as a reward model, no answer generated; empty: the model is a classifier itself."""
     num_servers: int = bounded(1, ge=1)
     """vLLM servers of this model (resized live with ``async-rl scale RUN_DIR --model NAME --servers N``)."""
     cpus_per_server: float = bounded(1.0, ge=0)
@@ -538,6 +542,14 @@ class ServedModelConfig:
     """Longest one request (a generation or a scoring of given tokens) may take on one server before it is tried on another, seconds."""
     max_attempts: int = bounded(3, ge=1)
     """Servers one request is tried on (another each time a server dies, fails or times out) before its caller gets the error."""
+
+    def problems(self, name: str) -> list[str]:
+        """What is wrong with ``models.<name>`` alone, a line each."""
+        out = [] if self.model_path else [f"models.{name}.model_path is required: the model directory to serve"]
+        if self.classifier_from_tokens and (self.task != "classify" or len(self.classifier_from_tokens) != 2):
+            out.append(f"models.{name}.classifier_from_tokens={self.classifier_from_tokens} reads a language model as a reward model: "
+                       f"it takes two tokens, [no, yes], and models.{name}.task=classify (it is {self.task!r})")
+        return out
 
     @property
     def answer_within_s(self) -> float:

@@ -51,9 +51,17 @@ def engine_kwargs(cfg: Config, model_path: str | None = None) -> dict[str, Any]:
 
 def served_engine_kwargs(cfg: Config, name: str) -> dict[str, Any]:
     """Keyword arguments of ``AsyncEngineArgs`` for the served model ``models.<name>``: its own
-    ``vllm`` section, and its own context length unless ``max_model_len`` is set."""
+    ``vllm`` section, its own context length unless ``max_model_len`` is set, the pooling
+    runner for a reward model (``task: classify``; a language model converted by vLLM with
+    ``classifier_from_tokens``)."""
     model = cfg.models[name]
-    return _vllm_kwargs(model.vllm, model.model_path, model.vllm.max_model_len, cfg.trainer.seed)
+    kwargs = _vllm_kwargs(model.vllm, model.model_path, model.vllm.max_model_len, cfg.trainer.seed)
+    if model.task == "classify":  # a reward model: vLLM's pooling runner (classify), no sampling
+        kwargs["runner"] = "pooling"
+    if model.classifier_from_tokens:  # a language model read as one: its [no, yes] tokens' logits, softmaxed
+        kwargs["convert"] = "classify"
+        kwargs["hf_overrides"] = {"classifier_from_token": list(model.classifier_from_tokens), "method": "from_2_way_softmax"}
+    return kwargs
 
 
 def kv_cache_env(v: VllmConfig) -> dict[str, str]:

@@ -86,6 +86,8 @@ class WorkerHostSpec:
     """With ``rollout.reward.judge``: the judge model's directory (its tokenizer renders the judge's prompts)."""
     judge_wait_s: float = 0.0
     """With ``rollout.reward.judge``: how long a judge request may wait for the judge's actor to be back, seconds."""
+    judge_classifies: bool = False
+    """With ``rollout.reward.judge``: the judge is a reward model (``task: classify``): its probability is the score, no function reads it."""
     teacher: str | None = None
     """With ``algorithm.distill``: the teacher's name under ``models``."""
     teacher_wait_s: float = 0.0
@@ -112,6 +114,7 @@ class WorkerHostSpec:
                    r.env if r.env.name is not None else None,
                    judge_model_path=judge.model_path if judge else None,
                    judge_wait_s=judge.answer_within_s if judge else 0.0,
+                   judge_classifies=judge is not None and judge.task == "classify",
                    teacher=distill.teacher if distill is not None else None,
                    teacher_wait_s=teacher.answer_within_s if teacher else 0.0)
 
@@ -163,7 +166,7 @@ class WorkerHost:
             rule_cfg, verdict_cfg = judge_reward_configs(spec.reward) if judge is not None else (spec.reward, None)
             self.rewards = RewardPool(rule_cfg)
             self.rewards.start()
-            if judge is not None:
+            if judge is not None and not spec.judge_classifies:
                 self.verdict_rewards = RewardPool(verdict_cfg)
                 self.verdict_rewards.start()
                 judge_tokenizer = await asyncio.to_thread(_tokenizer, spec.judge_model_path)
@@ -176,9 +179,9 @@ class WorkerHost:
         for _ in range(spec.workers):
             scorer: Scorer = RewardScorer(self.rewards, rule_cfg, spec.max_response_length)
             if judge is not None:
-                verdicts = RewardScorer(self.verdict_rewards, verdict_cfg, spec.max_response_length)
-                scorer = JudgedScorer(scorer, verdicts, Judge(judge, client, PromptFormatter(judge_tokenizer).token_ids), spec.reward,
-                                      spec.max_response_length)
+                verdicts = RewardScorer(self.verdict_rewards, verdict_cfg, spec.max_response_length) if self.verdict_rewards else None
+                scorer = JudgedScorer(scorer, verdicts, Judge(judge, client, PromptFormatter(judge_tokenizer).token_ids, spec.judge_classifies),
+                                      spec.reward, spec.max_response_length)
             episodes = None if self.envs is None else EpisodeSampler(
                 self.envs, spec.env, ChatEncoder(self.tokenizer), settings.sampling, settings.max_prompt_length)  # type: ignore[arg-type]
             teacher = Teacher(teacher_client) if teacher_client is not None else None

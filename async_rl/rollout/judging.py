@@ -8,6 +8,10 @@ samples at once: the judge's engine batches them). A reward function of the judg
 (the input's ``judge`` field) into a score, and the sample's reward is
 ``rollout.reward.weight x rule + judge.weight x judge``.
 
+A reward model (``models.<name>.task: classify``) judges without words: it scores the same
+rendered, chat-formatted text, and its probability (of its last label) is the judge's score,
+read by no function.
+
 Failures stay with their sample, as for reward functions: a judge that gives no answer
 (every server tried, or its actor gone for longer than a request may take) fails the sample
 with ``judge_error``; an answer its function cannot read fails it with ``reward_error``.
@@ -36,29 +40,34 @@ class Judge:
         client: the judge model's actor.
         encode: the judge's chat formatting: text -> token ids
             (:meth:`~async_rl.data.prompts.PromptFormatter.token_ids` of its tokenizer).
+        classify: the judge is a reward model (``task: classify``): its verdict is the
+            probability of its last label, not an answer.
     """
 
-    def __init__(self, cfg: JudgeConfig, client: ServedModelClient, encode: Any):
+    def __init__(self, cfg: JudgeConfig, client: ServedModelClient, encode: Any, classify: bool = False):
         from jinja2 import StrictUndefined
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         self.cfg = cfg
         self.client = client
         self.encode = encode
+        self.classify = classify
         # Sandboxed, as data.format_prompt: a template reaches no Python internals.
         self.template = ImmutableSandboxedEnvironment(undefined=StrictUndefined).from_string(cfg.template)
         self.sampling = Sampling(temperature=0.0, max_tokens=cfg.max_tokens)
         self.errors = 0
         """Samples the judge gave no answer for."""
 
-    async def verdicts(self, inputs: list[dict[str, Any]]) -> list[str | Failure]:
-        """The judge's answer to each input (``prompt``, ``response``, ``ground_truth``), or the
-        :class:`Failure` of an input it gave none for; all asked at once."""
+    async def verdicts(self, inputs: list[dict[str, Any]]) -> list[str | float | Failure]:
+        """The judge's answer to each input (``prompt``, ``response``, ``ground_truth``; a reward
+        model's: its probability), or the :class:`Failure` of an input it gave none for; all asked at once."""
         return list(await asyncio.gather(*(self._verdict(item) for item in inputs)))
 
-    async def _verdict(self, item: dict[str, Any]) -> str | Failure:
+    async def _verdict(self, item: dict[str, Any]) -> str | float | Failure:
         try:
             text = self.template.render(prompt=item.get("prompt", ""), response=item["response"], ground_truth=item["ground_truth"])
+            if self.classify:
+                return (await self.client.classify(self.encode(text)))[-1]
             (answer,) = await self.client.generate(self.encode(text), 1, self.sampling)
             return answer.text
         except Exception as exc:  # noqa: BLE001 - isolated to this sample, as a reward function's error
@@ -76,15 +85,18 @@ class JudgedScorer:
 
     Args:
         rule: the rule function's scorer (``rollout.reward``, its overlong penalty off).
-        verdicts: the scorer of the judge's function (``judge.function`` over the answers).
+        verdicts: the scorer of the judge's function (``judge.function`` over the answers);
+            None for a reward model's judge (its probability is the score).
         judge: the judge.
         cfg: ``rollout.reward`` (weights, overlong penalty).
         max_response_length: ``L_max`` in tokens, for the overlong penalty.
     """
 
-    def __init__(self, rule: RewardScorer, verdicts: RewardScorer, judge: Judge, cfg: RewardConfig, max_response_length: int):
+    def __init__(self, rule: RewardScorer, verdicts: RewardScorer | None, judge: Judge, cfg: RewardConfig, max_response_length: int):
         if cfg.judge is None:
             raise ValueError("a judged scorer needs rollout.reward.judge")
+        if verdicts is None and not judge.classify:
+            raise ValueError("a judge that answers in words needs the scorer of its function (judge.function)")
         self.rule = rule
         self.verdicts = verdicts
         self.judge = judge
@@ -97,7 +109,7 @@ class JudgedScorer:
     @property
     def counters(self) -> RewardCounters:
         """The rule's and the judge function's counts together; judge failures count as errors."""
-        a, b = self.rule.counters, self.verdicts.counters
+        a, b = self.rule.counters, self.verdicts.counters if self.verdicts is not None else RewardCounters()
         return RewardCounters(scored=self.scored, errors=a.errors + b.errors + self.judge.errors,
                               timeouts=a.timeouts + b.timeouts, distinct_errors=a.distinct_errors + b.distinct_errors,
                               groups_filtered=a.groups_filtered)
@@ -113,13 +125,13 @@ class JudgedScorer:
         rule_task = asyncio.ensure_future(self.rule.score(inputs)) if rule_weight > 0 else None
         try:
             answers = await self.judge.verdicts(inputs)
-            answered = [i for i, a in enumerate(answers) if isinstance(a, str)]
-            read = await self.verdicts.score([{**inputs[i], "judge": answers[i]} for i in answered])
+            answered = [i for i, a in enumerate(answers) if isinstance(a, str)]  # words for the judge's function to read
+            read = await self.verdicts.score([{**inputs[i], "judge": answers[i]} for i in answered]) if answered and self.verdicts else []
             rules = await rule_task if rule_task is not None else [Score(0.0) for _ in inputs]
         finally:
             if rule_task is not None and not rule_task.done():
                 rule_task.cancel()
-        judged: list[Score | Failure] = list(answers)  # type: ignore[arg-type]
+        judged: list[Score | Failure] = [Score(a) if isinstance(a, float) else a for a in answers]  # type: ignore[misc]
         for i, s in zip(answered, read, strict=True):
             judged[i] = s
         out = []

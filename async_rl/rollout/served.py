@@ -92,6 +92,12 @@ class ServedModel:
         self.counters["prompt_tokens"] += len(token_ids)
         return out
 
+    async def classify(self, token_ids: list[int]) -> list[float]:
+        """A reward model's probability of each label for ``token_ids`` (``task: classify``)."""
+        out = await self._call("classify", token_ids)
+        self.counters["prompt_tokens"] += len(token_ids)
+        return out
+
     async def _call(self, method: str, *args: Any) -> Any:
         """``method(*args)`` on the least busy server, tried on up to ``max_attempts`` servers."""
         started = time.monotonic()

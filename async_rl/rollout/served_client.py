@@ -36,6 +36,10 @@ class ServedModelClient:
         """The served model's ``prompt_logprobs`` (``len - 1`` floats); :class:`ServedModelError` when it gave none."""
         return await self._call("prompt_logprobs", token_ids)
 
+    async def classify(self, token_ids: list[int]) -> list[float]:
+        """The served reward model's ``classify`` (each label's probability); :class:`ServedModelError` when it gave none."""
+        return await self._call("classify", token_ids)
+
     async def _call(self, method: str, *args: Any) -> Any:
         deadline = time.monotonic() + self.wait_s
         while True:

@@ -334,7 +334,12 @@ class InferenceServer:
             return task.result()
         raise EngineDied(f"{self.server_id}: {self._death.result()}")
 
-    async def _final_output(self, request: dict[str, Any], params: Any) -> Any:
+    async def _final_output(self, request: dict[str, Any], params: Any, pooling: bool = False) -> Any:
+        final = None
+        if pooling:  # a classifier's one output
+            async for out in self._engine.encode(request, params, request_id=uuid.uuid4().hex):
+                final = out
+            return final
         lora_request = None
         if self.lora_rank is not None:
             from async_rl.sync.lora import policy_lora_request
@@ -405,13 +410,14 @@ class InferenceServer:
         self._generated += sum(len(c.token_ids) for c in completions)
         return completions
 
-    async def _request(self, request: dict[str, Any], params: Any) -> Any:
-        """The final output of one engine request, counted as running while it runs."""
+    async def _request(self, request: dict[str, Any], params: Any, pooling: bool = False) -> Any:
+        """The final output of one engine request (a generation; ``pooling``: a classification),
+        counted as running while it runs."""
         if self._running == 0:
             self._busy_since = time.monotonic()
         self._running += 1
         try:
-            final = await self._unless_dead(self._final_output(request, params))
+            final = await self._unless_dead(self._final_output(request, params, pooling))
         finally:
             self._running -= 1
             if self._running == 0:
@@ -440,6 +446,20 @@ class InferenceServer:
         if len(starts) != len(token_ids) - 1 or [flat.token_ids[i] for i in starts] != list(token_ids[1:]):
             raise EngineOutputError(f"{self.server_id}: vLLM's prompt log-probs do not follow the given tokens")
         return [flat.logprobs[i] for i in starts]
+
+    async def classify(self, token_ids: list[int]) -> list[float]:
+        """A sequence classifier's probability of each label for ``token_ids`` (a reward model's
+        score of a text; one label: its sigmoid). Needs an engine on vLLM's pooling runner
+        (``runner="pooling"``, a served model's ``task: classify``)."""
+        from vllm import PoolingParams
+
+        if not token_ids:
+            raise ValueError(f"{self.server_id}: classifying needs at least 1 token")
+        if self.engine_kwargs.get("runner") != "pooling":
+            raise ValueError(f"{self.server_id} generates (it is not a classify model, task: classify)")
+        self._check_engine()
+        final = await self._request({"prompt_token_ids": list(token_ids)}, PoolingParams(task="classify"), pooling=True)
+        return [float(p) for p in final.outputs.data.tolist()]
 
     def _completion(self, out: Any, text: str) -> Completion:
         token_ids = list(out.token_ids)

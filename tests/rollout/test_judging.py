@@ -38,6 +38,13 @@ class _Answers:
         verdict = "maybe" if "response=odd" in text else "yes" if "response=good" in text else "no"
         return [Completion([1], [0.0], [0], "stop", verdict)]
 
+    async def classify(self, token_ids):  # a reward model: the probability of its last label
+        text = bytes(token_ids).decode()
+        self.prompts.append(text)
+        if "response=boom" in text:
+            raise ServedModelError("models.judge: a classify request failed on 3 server(s)")
+        return [0.25, 0.75] if "response=good" in text else [0.9, 0.1]
+
 
 @pytest.fixture()
 def judged(tmp_path: Path):
@@ -91,6 +98,25 @@ def test_a_judge_alone_skips_the_rule_and_the_overlong_penalty_applies_once(judg
     assert bad.reward == 0.0 and scorer.rule.counters.scored == 0  # the rule function was not called
 
 
+def test_a_reward_models_probability_is_the_judge_score_read_by_no_function(tmp_path: Path):
+    cfg = load_config(None, ["models.judge.model_path=/m", "models.judge.task=classify", "rollout.reward.judge.model=judge",
+                             "rollout.reward.judge.template=response={{ response }}", "rollout.reward.judge.weight=2.0",
+                             "rollout.reward.num_workers=1", "rollout.max_response_length=8"])
+    pool = RewardPool(cfg.rollout.reward)
+    pool.start()
+    try:
+        judge = Judge(cfg.rollout.reward.judge, _Answers(), lambda text: list(text.encode()), classify=True)
+        scorer = JudgedScorer(RewardScorer(pool, cfg.rollout.reward, 8), None, judge, cfg.rollout.reward, 8)
+        good, bad, boom = asyncio.run(scorer.score(_items("good", "bad", "boom")))
+    finally:
+        pool.close()
+    assert (good.reward, good.components["judge"], good.components["rule"]) == (1.0 + 2 * 0.75, 0.75, 1.0)
+    assert (bad.reward, bad.components["judge"]) == (2 * 0.1, 0.1)
+    assert boom.failure.kind == "judge_error" and "classify request failed" in boom.failure.signature
+    with pytest.raises(ValueError, match="needs the scorer of its function"):
+        JudgedScorer(scorer.rule, None, Judge(cfg.rollout.reward.judge, _Answers(), list), cfg.rollout.reward, 8)
+
+
 def test_judge_config_rules():
     with pytest.raises(ConfigError, match="must name a served model"):
         load_config(None, ["rollout.reward.judge.model=judge"])
@@ -99,3 +125,10 @@ def test_judge_config_rules():
     with pytest.raises(ConfigError, match="both 0"):
         load_config(None, ["models.judge.model_path=/m", "rollout.reward.judge.model=judge", "rollout.reward.weight=0",
                            "rollout.reward.judge.weight=0"])
+    rm = ["models.rm.model_path=/m", "models.rm.task=classify"]
+    with pytest.raises(ConfigError, match="no function reads"):
+        load_config(None, [*rm, "rollout.reward.judge.model=rm", "rollout.reward.judge.function=f.py:read"])
+    with pytest.raises(ConfigError, match="has no log-probs of tokens"):
+        load_config(None, [*rm, "algorithm.distill.teacher=rm"])
+    with pytest.raises(ConfigError, match=r"it takes two tokens, \[no, yes\], and models.rm.task=classify"):
+        load_config(None, ["models.rm.model_path=/m", "models.rm.classifier_from_tokens=['no','yes']"])

@@ -533,19 +533,21 @@ def test_a_five_turn_episode_on_the_server_trains_exactly_its_tokens(cfg, pool, 
 
 @pytest.fixture(scope="module")
 def judge(cfg, pool):
-    """A served model (``models.judge``) as the driver runs it (:class:`ServedModels`), on the
-    module's Ray: the tiny model on a server of its own (no CPU reserved: it shares the
-    cores), never updated with the policy's weights. Yields the models, their console lines
-    and the module's loop."""
+    """Served models (``models.judge`` and ``models.rm``) as the driver runs them
+    (:class:`ServedModels`), on the module's Ray: the tiny model on a server of its own (no
+    CPU reserved: it shares the cores), never updated with the policy's weights, and the same
+    model read as a reward model (``task: classify`` over its tokens ``[n, y]``, vLLM's
+    pooling runner). Yields the models, their console lines and the module's loop."""
     from async_rl.launch.served_models import ServedModels
 
     _, loop = pool
-    served = replace(cfg, models=load_config(None, [f"models.judge.model_path={cfg.learner.model_path}", "models.judge.cpus_per_server=0",
-                                                    "models.judge.vllm.max_model_len=256"]).models)
+    overrides = [f"models.{name}.{key}={value}" for name in ("judge", "rm")
+                 for key, value in (("model_path", cfg.learner.model_path), ("cpus_per_server", 0), ("vllm.max_model_len", 256))]
+    served = replace(cfg, models=load_config(None, [*overrides, "models.rm.task=classify", "models.rm.classifier_from_tokens=[n,y]"]).models)
     said: list[str] = []
     models = ServedModels(served, said.append)
     loop.run_until_complete(asyncio.wait_for(models.start(None), 300))
-    assert [s["server_id"] for s in models.servers()] == ["judge-0"]
+    assert sorted(s["server_id"] for s in models.servers()) == ["judge-0", "rm-0"]
     yield models, said, loop
     loop.run_until_complete(models.shutdown())
 
@@ -574,6 +576,47 @@ def test_a_served_model_generates_and_scores_given_tokens(cfg, judge):
     with pytest.raises(Exception, match="maximum context length is 256 tokens"):  # vLLM's VLLMValidationError: not retried either
         loop.run_until_complete(actor.generate.remote(list(range(300)), 1, Sampling(max_tokens=4)))
     assert ray.get(actor.stats.remote())["models/judge/retries"] == stats["models/judge/retries"]
+
+
+def test_a_reward_model_scores_as_its_language_model_answers(cfg, judge):
+    """A language model served as a reward model (``task: classify``,
+    ``classifier_from_tokens: [n, y]``): its score of a text is the probability of ``y``
+    against ``n`` the language model gives after it (computed here by transformers). As the
+    judge of ``rollout.reward.judge`` that probability is the judge's part of the reward, read
+    by no function; asked to generate, it refuses (the request's own fault, not retried)."""
+    from transformers import AutoModelForCausalLM
+
+    from async_rl.rollout.judging import Judge, JudgedScorer
+    from async_rl.rollout.served_client import ServedModelClient
+    from async_rl.rollout.types import served_model_actor
+
+    models, _, loop = judge
+    actor = models.actors["rm"]
+    tokenizer = _tokenizer(cfg)
+    encode = PromptFormatter(tokenizer).token_ids
+    texts = ["12 = 12?", "40 = 41?", "7 = 7?"]
+    lm = AutoModelForCausalLM.from_pretrained(cfg.learner.model_path, torch_dtype=torch.float32)
+    yes, no = tokenizer.convert_tokens_to_ids("y"), tokenizer.convert_tokens_to_ids("n")
+    with torch.no_grad():
+        logits = [lm(torch.tensor([encode(t)])).logits[0, -1] for t in texts]
+    expected = [torch.sigmoid(x[yes] - x[no]).item() for x in logits]
+    scored = [p for (p,) in ray.get([actor.classify.remote(encode(t)) for t in texts])]
+    assert max(abs(a - b) for a, b in zip(scored, expected)) < 1e-4, (scored, expected)
+    with pytest.raises(ValueError, match="is not a classify model"):
+        ray.get(models.actors["judge"].classify.remote(encode(texts[0])))
+
+    reward = load_config(None, ["models.rm.model_path=/m", "models.rm.task=classify", "rollout.reward.judge.model=rm",
+                                "rollout.reward.judge.template='{{ ground_truth }} = {{ response }}?'", "rollout.reward.weight=0",
+                                "rollout.reward.judge.weight=2.0", "rollout.reward.num_workers=1"]).rollout.reward
+    rules = RewardPool(reward)
+    rules.start()
+    _REWARD_POOLS.append(rules)
+    client = ServedModelClient(served_model_actor(cfg.trainer.run_name, "rm"), 60.0)
+    scorer = JudgedScorer(RewardScorer(rules, reward, 16), None, Judge(reward.judge, client, encode, classify=True), reward, 16)
+    items = [{"prompt": "p", "response": r, "ground_truth": t, "response_length": 2} for t, r in (("12", "12"), ("40", "41"))]
+    scores = loop.run_until_complete(scorer.score(items))
+    assert [s.components["judge"] for s in scores] == pytest.approx(expected[:2], abs=1e-4)
+    assert [s.reward for s in scores] == pytest.approx([2.0 * p for p in expected[:2]], abs=2e-4) and scorer.counters.errors == 0
 
 
 @pytest.mark.slow
@@ -606,7 +649,8 @@ def test_a_killed_served_server_is_replaced_and_every_request_answered_once(cfg,
     assert after["models/judge/failed"] == before["models/judge/failed"]
     assert after["models/judge/retries"] > before["models/judge/retries"] and after["models/judge/restarts"] == before["models/judge/restarts"] + 1
     assert [line for line in said if "judge-0 died" in line and line.startswith("models.judge: ")] != [], said
-    assert [s["server_id"] for s in models.servers()] == ["judge-0"] and models.servers()[0]["pid"] != pid
+    served = [s for s in models.servers() if s["model"] == "judge"]
+    assert [s["server_id"] for s in served] == ["judge-0"] and served[0]["pid"] != pid
     assert loop.run_until_complete(models.scale("judge", 2, 10.0)) == ["models.judge: judge-1 added"]
     outs = ray.get([actor.generate.remote([4, 5, 6], 1, sampling) for _ in range(4)])
     assert all(len(o[0].token_ids) == 240 for o in outs) and models.num_servers("judge") == 2
@@ -617,7 +661,7 @@ def test_a_killed_served_server_is_replaced_and_every_request_answered_once(cfg,
     assert any("its actor died" in line for line in said) and models.actor_restarts == 1, said
     new = ray.get_actor(served_model_actor(cfg.trainer.run_name, "judge"))
     (c,) = ray.get(new.generate.remote([7, 8, 9], 1, Sampling(temperature=1.0, max_tokens=8)))
-    assert len(c.token_ids) >= 1 and [s["server_id"] for s in models.servers()] == ["judge-0"]
+    assert len(c.token_ids) >= 1 and sorted(s["server_id"] for s in models.servers()) == ["judge-0", "rm-0"]
 
 
 @pytest.mark.redis
