@@ -21,6 +21,14 @@ Cases (:data:`FAULTS`, a case name -> :class:`Fault`; add one with its injector)
   byte for 90 s (past ``queue.timeout_s``), then freed: the run names the full disk, waits,
   and trains on to its last step without a restart by the user (``disk_full``, the
   ``recoveries/disk_full`` counter; issue 42's bound: named within 10 s);
+- ``judge_kill``: SIGKILL of the served judge's server process (``judge-0``, pid from
+  ``servers.json``'s ``models``) in the judge quickstart (``configs/judge_quickstart.yaml``, the
+  served assets in ``--served-assets``): its requests in flight are retried on the
+  replacement (issue 46's bar: the run goes on, no sample lost to the judge or scored twice,
+  ``fault_gap_s`` under 60 s). Besides the ledger it reports ``judge_errors`` (samples the
+  judge gave no score: lost to it), ``judge_requests``, ``judge_answered``, ``judge_failed``
+  and ``judge_retries`` (the model's counters: ``answered + failed = requests`` is every request
+  answered once) and ``judge_restarts`` (servers replaced);
 - ``random_scale``: 20 seeded ``async-rl scale`` requests between 1 and 2 servers
   (``rollout.cpus_per_server=0.5``, so two fit on 2 cores) at random moments, 2-20 s after the
   last answer, each with a random grace of 0, 5 or 30 s (:class:`RandomScale`): with a weight
@@ -88,6 +96,10 @@ class Fault:
     """More config overrides of the run."""
     disk_mb: int | None = None
     """The run directory on a tmpfs of this size of its own (root only), or on the output disk."""
+    config: str = "configs/quickstart.yaml"
+    """The run's config file."""
+    served: bool = False
+    """The run trains on the served-model assets (``--served-assets``: a judge and a teacher beside the student)."""
 
 
 class RandomScale:
@@ -179,6 +191,14 @@ def stop_engine(run_dir: Path) -> str:
     return f"SIGSTOP of {server}'s engine core process (pid {pid})"
 
 
+def kill_judge(run_dir: Path) -> str:
+    """SIGKILL of the served judge's server process ``judge-0`` (its actor; its engine dies with it)."""
+    server = next(s for s in json.loads((run_dir / "servers.json").read_text())["models"] if s["server_id"] == "judge-0")
+    pid = _checked(server["pid"], "InferenceServer")
+    os.kill(pid, signal.SIGKILL)
+    return f"SIGKILL of models.judge's server judge-0 (pid {pid})"
+
+
 def kill_redis(run_dir: Path) -> str:
     """SIGKILL of the run's embedded redis-server (the driver restarts it on its AOF)."""
     pid = redis_pid(run_dir)
@@ -209,6 +229,7 @@ FAULTS: dict[str, Fault] = {
     # 90 s: past queue.timeout_s (60 s), so every client of the queue gives up once; 512 MB: room
     # for what the pre-start check asks (2 checkpoints, a 128 MB AOF reserve, 256 MB of logs).
     "disk_full": Fault(FullDisk(90.0), "is full", disk_mb=512),
+    "judge_kill": Fault(kill_judge, "judge-0 died", config="configs/judge_quickstart.yaml", served=True),
     "random_scale": Fault(RandomScale(), "drained and stopped", steps=100_000, overrides=("rollout.cpus_per_server=0.5",)),
 }
 
@@ -216,6 +237,8 @@ FAULTS: dict[str, Fault] = {
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--assets", type=Path, default=Path("runs/bench/assets"), help="tiny assets dir (built if absent)")
+    ap.add_argument("--served-assets", type=Path, default=Path("runs/served/assets"),
+                    help="tiny served-model assets (student, judge, teacher) of the judge case (built if absent)")
     ap.add_argument("--out", type=Path, default=Path("runs/bench/self_healing"), help="run directories")
     ap.add_argument("--budget-min", type=float, default=15.0, help="minutes after the fault before a case is stopped")
     ap.add_argument("--cases", default=",".join(FAULTS), help="comma-separated subset of " + ", ".join(FAULTS))
@@ -228,11 +251,16 @@ def main() -> None:
         from async_rl.tiny import build_tiny_assets
 
         build_tiny_assets(args.assets, seed=0, task="addition")
+    if any(FAULTS[c].served for c in args.cases.split(",")) and not (args.served_assets / "assets.json").is_file():
+        from async_rl.tiny import build_tiny_assets
+
+        build_tiny_assets(args.served_assets, seed=0, task="served")
     results = {case: run_case(case, FAULTS[case], args) for case in args.cases.split(",")}
     if args.json is not None and args.json.is_file():  # the other cases' last results stay
         results = {**json.loads(args.json.read_text()).get("cases", {}), **results}
     flat = {f"{case}.{key}": value for case, r in results.items() for key, value in r.items() if not isinstance(value, (list, dict))}
-    report({**flat, "cases": results, "config": f"configs/quickstart.yaml trainer.total_steps={STEPS} trainer.save_every=10",
+    report({**flat, "cases": results, "config": f"each case's config (configs/quickstart.yaml; judge_kill: configs/judge_quickstart.yaml) "
+                                                f"trainer.total_steps={STEPS} trainer.save_every=10",
             "fault_at_step": FAULT_AT, "machine": f"{os.cpu_count()} cores, cpu"}, args.json)
 
 
@@ -247,8 +275,9 @@ def run_case(case: str, fault: Fault, args: argparse.Namespace) -> dict:
 
 
 def _run_case(case: str, fault: Fault, args: argparse.Namespace, run_dir: Path) -> dict:
-    run = ConsoleRun(quickstart_command(args.assets, run_dir, f"heal-{case}-{os.getpid()}",
-                                        f"trainer.total_steps={fault.steps}", "trainer.save_every=10", *fault.overrides), case)
+    assets = args.served_assets if fault.served else args.assets
+    run = ConsoleRun(quickstart_command(assets, run_dir, f"heal-{case}-{os.getpid()}", f"trainer.total_steps={fault.steps}",
+                                        "trainer.save_every=10", *fault.overrides, *_served_paths(fault, assets), config=ROOT / fault.config), case)
     while max(step_versions(run_dir), default=0) < FAULT_AT:
         if run.proc.poll() is not None:
             return {"exit_code": run.finish(), "error": f"the run ended before step {FAULT_AT}"}
@@ -265,6 +294,11 @@ def _run_case(case: str, fault: Fault, args: argparse.Namespace, run_dir: Path) 
             **steps_after(run_dir, injected_at, fault.steps), **ledger(run_dir), **(scaling.results() if scaling else {})}
 
 
+def _served_paths(fault: Fault, assets: Path) -> tuple[str, ...]:
+    """The served models' directories in ``assets`` (the judge case's judge)."""
+    return (f"models.judge.model_path={(assets / 'judge').resolve()}",) if fault.served else ()
+
+
 def steps_after(run_dir: Path, injected_at: float, total_steps: int = STEPS) -> dict:
     """The learner steps' timing from ``metrics.jsonl`` around a fault injected at ``injected_at`` (``time.time()``)."""
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
@@ -277,6 +311,9 @@ def steps_after(run_dir: Path, injected_at: float, total_steps: int = STEPS) -> 
             "longest_gap_s": max((gap for _, gap in gaps), default=None), "fault_gap_s": spanning[0] if spanning else None,
             "server_restarts": last.get("rollout/server_restarts"), "engine_deaths": last.get("rollout/engine_deaths"),
             "redis_restarts": last.get("queue/redis_restarts"), "learner_restarts": last.get("learner/restarts"),
+            **({"judge_errors": last.get("rollout/judge_errors"), "judge_restarts": last.get("models/judge/restarts"),
+                **{f"judge_{k}": last.get(f"models/judge/{k}") for k in ("requests", "answered", "failed", "retries", "latency_max_s")}}
+               if "models/judge/requests" in last else {}),
             **{key.removeprefix("recoveries/"): value for key, value in last.items() if key.startswith("recoveries/")}}
 
 
