@@ -166,9 +166,10 @@ class WorkerHost:
             rule_cfg, verdict_cfg = judge_reward_configs(spec.reward) if judge is not None else (spec.reward, None)
             self.rewards = RewardPool(rule_cfg)
             self.rewards.start()
-            if judge is not None and not spec.judge_classifies:
-                self.verdict_rewards = RewardPool(verdict_cfg)
-                self.verdict_rewards.start()
+            if judge is not None:
+                if not spec.judge_classifies:  # a reward model's probability is read by no function
+                    self.verdict_rewards = RewardPool(verdict_cfg)
+                    self.verdict_rewards.start()
                 judge_tokenizer = await asyncio.to_thread(_tokenizer, spec.judge_model_path)
                 client = ServedModelClient(served_model_actor(spec.run_name, judge.model), spec.judge_wait_s)
         except BaseException:

@@ -724,6 +724,40 @@ def test_a_judge_and_a_teacher_score_the_groups_of_a_worker_host(cfg, pool, judg
             assert max(abs(a - b) for a, b in zip(teacher, s.logprob_array())) < 1e-3
 
 
+@pytest.mark.redis
+def test_a_reward_model_judges_the_groups_of_a_worker_host(cfg, pool, judge):
+    """A reward model as ``rollout.reward.judge`` in a server's worker host (the judge alone,
+    ``rollout.reward.weight: 0``): each sample's reward is the served model's probability,
+    strictly between 0 and 1, with no function started to read it."""
+    from async_rl.rollout.host import WorkerHost
+
+    pool_, loop = pool
+    models, _, _ = judge
+    judged = load_config(None, [f"{k}={v}" for k, v in {
+        "learner.model_path": cfg.learner.model_path, "data.train_files": cfg.data.train_files, "data.max_prompt_length": 64,
+        "rollout.max_response_length": 16, "rollout.n": 4, "learner.batch_size": 2, "learner.max_tokens_per_microbatch": 512,
+        "models.rm.model_path": cfg.learner.model_path, "models.rm.task": "classify", "rollout.reward.judge.model": "rm",
+        "rollout.reward.weight": 0, "algorithm.max_staleness": 100}.items()])
+    rows, _ = read_prompt_rows(judged.data.train_files)
+    before = ray.get(models.actors["rm"].stats.remote())["models/rm/requests"]
+    with EmbeddedRedis() as url, ReplayQueue(url, judged.trainer.run_name, max_depth=64) as queue:
+        host = WorkerHost(WorkerHostSpec.from_config(judged, url), rows, _tokenizer(cfg), pool_.generate_fn(0)(), "server-0", "server-0#rm")
+
+        async def go():
+            await host.start()
+            readers = host.verdict_rewards  # none: nothing reads a probability
+            await _until(lambda: queue.stats()["depth"] >= 2, "2 groups scored by the reward model", 180, lambda: str(queue.stats()))
+            await host.stop(10.0)
+            return readers
+
+        assert loop.run_until_complete(go()) is None
+        groups = [g for _, g in queue.get(64, timeout=5)]
+    samples = [s for g in groups for s in g.samples]
+    assert len(groups) >= 2 and all(s.error is None for s in samples)
+    assert all(0.0 < s.reward == s.reward_components["judge"] < 1.0 for s in samples), [s.reward for s in samples]
+    assert ray.get(models.actors["rm"].stats.remote())["models/rm/requests"] - before >= len(samples)
+
+
 def _tokenizer(cfg):
     from transformers import AutoTokenizer
 
