@@ -5,6 +5,7 @@ sections share (LoRA ranks and targets, the API key's environment variable)."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
@@ -525,7 +526,13 @@ class ServedModelConfig:
     inference servers, never updated with the policy's weights."""
 
     model_path: str = ""
-    """Path of the model (a Hugging Face directory; a hub id where the hub is reachable). Required."""
+    """Path of the model (a Hugging Face directory; a hub id where the hub is reachable). Required; with ``url``, the directory of its config and tokenizer (the judge's prompts are rendered and tokenised here; the weights are not read)."""
+    url: str = ""
+    """An OpenAI-compatible server outside the run (``http://HOST:PORT/v1``) that answers this model's requests instead of servers of the run's own: a judge's generations, and a teacher's scoring where it is a vLLM server (its ``prompt_logprobs``); ``num_servers``, ``cpus_per_server``, ``gpus_per_server`` and ``vllm`` are then unused. Empty: the run starts the servers."""
+    api_key_env: str = ""
+    """With ``url``: the environment variable of the driver that holds the server's API key (sent as a bearer token; the key itself never goes in a config file); empty: no key."""
+    api_model: str = ""
+    """With ``url``: the model's name on that server (each request's ``model``); empty: this model's key (``judge``)."""
     task: Literal["generate", "classify"] = "generate"
     """``generate``: a language model that answers (a judge) and scores given tokens (a teacher); ``classify``: a reward model, a sequence classifier (``*ForSequenceClassification``) served by vLLM's pooling runner, whose score of a text is the probability of its last label (one label: its sigmoid)."""
     classifier_from_tokens: list[str] = field(default_factory=list)
@@ -546,10 +553,21 @@ class ServedModelConfig:
     def problems(self, name: str) -> list[str]:
         """What is wrong with ``models.<name>`` alone, a line each."""
         out = [] if self.model_path else [f"models.{name}.model_path is required: the model directory to serve"]
+        if self.url and not re.fullmatch(r"https?://[^\s/]+(/\S*)?", self.url):
+            out.append(f"models.{name}.url={self.url!r} is not an http(s) URL: the server's OpenAI API base, e.g. http://10.0.0.5:8000/v1")
+        if self.url and self.task == "classify":
+            out.append(f"models.{name}: a reward model (task: classify) outside the run (url) is not supported: serve it in the run (url: '')")
+        if self.api_key_env and not self.url:
+            out.append(f"models.{name}.api_key_env={self.api_key_env!r} is for a server outside the run: set models.{name}.url too, or remove it")
         if self.classifier_from_tokens and (self.task != "classify" or len(self.classifier_from_tokens) != 2):
             out.append(f"models.{name}.classifier_from_tokens={self.classifier_from_tokens} reads a language model as a reward model: "
                        f"it takes two tokens, [no, yes], and models.{name}.task=classify (it is {self.task!r})")
         return out
+
+    @property
+    def own_servers(self) -> int:
+        """Servers the run starts for this model: ``num_servers``, none for one outside the run (``url``)."""
+        return 0 if self.url else self.num_servers
 
     @property
     def answer_within_s(self) -> float:

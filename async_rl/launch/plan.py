@@ -117,7 +117,10 @@ def make_plan(cfg: Config) -> Plan:
         ProcessPlan(f"{name}-{i}", model.cpus_per_server, model.gpus_per_server,
                     f"vLLM engine of models.{name} ({model.model_path}), no weight updates"
                     + (", shares the cores of the rest" if model.cpus_per_server == 0 else ""))
-        for name, model in cfg.models.items() for i in range(model.num_servers)
+        for name, model in cfg.models.items() for i in range(model.own_servers)
+    ] + [
+        ProcessPlan(f"{name}-external", 0, 0, f"models.{name} on {model.url} (outside the run: not started, healed or resized by it)")
+        for name, model in cfg.models.items() if model.url
     ]
     plan = Plan(
         device=("cuda" if gpu else "cpu") + (_sharing(r.num_servers, gpu) if servers_gpu_share(r, lrn) else ""),
@@ -165,7 +168,7 @@ def _cpu_shortage(cfg: Config, plan: Plan) -> str:
     return (f"needs {plan.cpus_needed:g} CPUs for its actors (rollout.num_servers={r.num_servers} x rollout.cpus_per_server={r.cpus_per_server:g} "
             f"+ learner.world_size={lrn.world_size} x learner.cpus_per_rank={lrn.cpus_per_rank:g}"
             + "".join(f" + models.{name}.num_servers={m.num_servers} x models.{name}.cpus_per_server={m.cpus_per_server:g}"
-                      for name, m in cfg.models.items())
+                      for name, m in cfg.models.items() if not m.url)
             + f"), and the local Ray has {plan.cpus_here} "
             f"(ray.num_cpus={cfg.ray.num_cpus if cfg.ray.num_cpus is not None else 'null: every core'}): it would wait for the rest forever. "
             "Lower those keys (a served model with cpus_per_server=0 shares the cores of the rest), or raise ray.num_cpus "
@@ -192,6 +195,9 @@ def _check_files(cfg: Config, plan: Plan) -> None:
     for name, served in cfg.models.items():
         if not is_hub_id(served.model_path) and not (Path(served.model_path) / "config.json").is_file():
             plan.errors.append(f"models.{name}.model_path={served.model_path!r} is not a model directory (no config.json)")
+        if served.api_key_env and not os.environ.get(served.api_key_env):
+            plan.errors.append(f"models.{name}.api_key_env={served.api_key_env!r}: the driver's environment has no such variable "
+                               f"(export {served.api_key_env}=<the key of {served.url}>)")
     for key, path in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files)):
         if key == "data.train_files" and not path:
             plan.errors.append("data.train_files is empty: set it to a JSONL file of prompts")

@@ -73,6 +73,10 @@ async def _scale_model(run: RunContext, request: ScaleRequest, servers_changed: 
         error = f"the run serves no model {name!r} (its models: {', '.join(run.cfg.models) or 'none'})"
         run.say(f"scale of models.{name} refused: {error}")
         return ScaleReply(False, 0, error=error)
+    if url := run.cfg.models[name].url:
+        error = f"models.{name} is served outside the run ({url}): its servers are not the run's to resize"
+        run.say(f"scale of models.{name} refused: {error}")
+        return ScaleReply(False, models.num_servers(name), error=error)
     before = models.num_servers(name)
     model = run.cfg.models[name]
     if error := _shortage(servers, before, (model.cpus_per_server, model.gpus_per_server), f"models.{name}"):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +17,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from async_rl.config import Config
 from async_rl.rollout.engine_args import kv_cache_env, openai_api_settings, served_engine_kwargs
+from async_rl.rollout.external import ExternalModel
 from async_rl.rollout.pool import ServerSpec
 from async_rl.rollout.served import ServedModel
 from async_rl.rollout.types import served_model_actor
@@ -61,13 +63,18 @@ class ServedModels:
         """Start every model's actor and servers (concurrently); raises if one does not start.
         ``shared_cores``: on a pinned CPU run, the cores the models' vLLM threads run on (the
         policy servers' cores, ``VLLM_CPU_OMP_THREADS_BIND``); None: unpinned."""
-        self._specs = {name: self._spec(name, shared_cores) for name in self.cfg.models}
+        self._specs = {name: self._spec(name, shared_cores) for name, model in self.cfg.models.items() if not model.url}
         await asyncio.gather(*(self._start(name) for name in self.cfg.models))
 
     async def _start(self, name: str) -> None:
         model = self.cfg.models[name]
-        actor = ray.remote(ServedModel).options(name=served_model_actor(self.cfg.trainer.run_name, name), num_cpus=0, max_concurrency=10_000).remote(
-            name, self._specs[name], model.num_servers, model.request_timeout_s, model.max_attempts)
+        options = ray.remote(ExternalModel if model.url else ServedModel).options(
+            name=served_model_actor(self.cfg.trainer.run_name, name), num_cpus=0, max_concurrency=10_000)
+        if model.url:  # a server outside the run: its key from the driver's environment (never from a file)
+            key = os.environ.get(model.api_key_env) if model.api_key_env else None
+            actor = options.remote(name, model.url, model.api_model or name, key, model.request_timeout_s, model.max_attempts)
+        else:
+            actor = options.remote(name, self._specs[name], model.num_servers, model.request_timeout_s, model.max_attempts)
         try:
             self.healths[name] = list(await actor.start.remote())
         except BaseException:

@@ -44,6 +44,40 @@ def request_fault(error: BaseException) -> bool:
     return isinstance(error, (ValueError, TypeError)) or any(c.__name__ == "VLLMClientError" for c in type(error).__mro__)
 
 
+class RequestLedger:
+    """One served model's request counters and latencies, keyed for the run's metrics
+    (``models/<name>/...``): the one place they are counted, for the run's own servers
+    (:class:`ServedModel`) and a server outside the run (:class:`~async_rl.rollout.external.ExternalModel`)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.counters: Counter[str] = Counter()
+        """``requests``, ``answered``, ``failed`` (gave up), ``retries``, ``timeouts``, ``errors`` (attempts that raised), ``prompt_tokens``, ``generated_tokens``."""
+        self.latency_s = 0.0
+        """Summed seconds of the requests answered (their retries included)."""
+        self.latency_max_s = 0.0
+
+    def answered(self, started: float) -> None:
+        """A request that arrived at ``started`` (``time.monotonic()``) was answered now."""
+        elapsed = time.monotonic() - started
+        self.counters["answered"] += 1
+        self.latency_s += elapsed
+        self.latency_max_s = max(self.latency_max_s, elapsed)
+
+    def stats(self, running: int, servers: int, restarts: int) -> dict[str, float]:
+        """The counters since start, the mean and longest latency (seconds), the requests
+        running now, the servers and their replacements."""
+        answered = self.counters["answered"]
+        out = {f"models/{self.name}/{key}": float(self.counters[key])
+               for key in ("requests", "answered", "failed", "retries", "timeouts", "errors", "prompt_tokens", "generated_tokens")}
+        out[f"models/{self.name}/latency_mean_s"] = self.latency_s / answered if answered > 0 else 0.0
+        out[f"models/{self.name}/latency_max_s"] = self.latency_max_s
+        out[f"models/{self.name}/running"] = float(running)
+        out[f"models/{self.name}/servers"] = float(servers)
+        out[f"models/{self.name}/restarts"] = float(restarts)
+        return out
+
+
 class ServedModel:
     """The servers of one served model and the requests to them (run as a Ray actor).
 
@@ -68,11 +102,8 @@ class ServedModel:
         """``id()`` of the server handles found dead whose replacement is on its way."""
         self._running: Counter[int] = Counter()
         """Requests running on each server index (this actor's own count: the routing needs no round trip)."""
-        self.counters: Counter[str] = Counter()
-        """``requests``, ``answered``, ``failed`` (gave up), ``retries``, ``timeouts``, ``errors`` (attempts that raised), ``prompt_tokens``, ``generated_tokens``."""
-        self.latency_s = 0.0
-        """Summed seconds of the requests answered (their retries included)."""
-        self.latency_max_s = 0.0
+        self.ledger = RequestLedger(name)
+        self.counters = self.ledger.counters
 
     async def start(self) -> list[ServerHealth]:
         """Start every server (concurrently); returns their health."""
@@ -130,10 +161,7 @@ class ServedModel:
                 self.counters["errors"] += 1
                 last = f"{self.name}-{i}: {type(cause).__name__}: {cause}"
             else:
-                elapsed = time.monotonic() - started
-                self.counters["answered"] += 1
-                self.latency_s += elapsed
-                self.latency_max_s = max(self.latency_max_s, elapsed)
+                self.ledger.answered(started)
                 return result
             finally:
                 self._running[i] -= 1
@@ -185,15 +213,7 @@ class ServedModel:
     def stats(self) -> dict[str, float]:
         """The counters since start, the mean and longest request latency (seconds) and the
         requests running now, keyed for the run's metrics (``models/<name>/...``)."""
-        answered = self.counters["answered"]
-        out = {f"models/{self.name}/{key}": float(self.counters[key])
-               for key in ("requests", "answered", "failed", "retries", "timeouts", "errors", "prompt_tokens", "generated_tokens")}
-        out[f"models/{self.name}/latency_mean_s"] = self.latency_s / answered if answered > 0 else 0.0
-        out[f"models/{self.name}/latency_max_s"] = self.latency_max_s
-        out[f"models/{self.name}/running"] = float(sum(self._running.values()))
-        out[f"models/{self.name}/servers"] = float(self.pool.num_servers)
-        out[f"models/{self.name}/restarts"] = float(self.pool.restarts)
-        return out
+        return self.ledger.stats(sum(self._running.values()), self.pool.num_servers, self.pool.restarts)
 
     async def shutdown(self) -> None:
         """Stop every server."""

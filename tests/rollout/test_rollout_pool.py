@@ -578,6 +578,48 @@ def test_a_served_model_generates_and_scores_given_tokens(cfg, judge):
     assert ray.get(actor.stats.remote())["models/judge/retries"] == stats["models/judge/retries"]
 
 
+def test_a_model_outside_the_run_answers_through_its_openai_api(cfg, judge, monkeypatch):
+    """``models.<name>.url``: a model on an OpenAI-compatible server outside the run (here the
+    judge's own vLLM API, with its key from the variable ``api_key_env`` names) answers as the
+    served judge does: the same greedy text, the same prompt log-probs (vLLM's extension); it
+    is listed, measured, refused a resize; a wrong key is refused at once (not retried), a
+    server that does not answer stops the start."""
+    from async_rl.launch.served_models import ServedModels
+    from async_rl.rollout.external import ExternalModel, RequestRefused
+    from async_rl.rollout.types import ServedModelError
+
+    models, _, loop = judge
+    url = next(s["openai_url"] for s in models.servers() if s["server_id"] == "judge-0")
+    monkeypatch.setenv("ASYNC_RL_TEST_JUDGE_KEY", API_KEY)
+    outside = replace(cfg, models=load_config(None, [f"models.ext.model_path={cfg.learner.model_path}", f"models.ext.url={url}",
+                                                     "models.ext.api_model=judge", "models.ext.api_key_env=ASYNC_RL_TEST_JUDGE_KEY"]).models)
+    ext = ServedModels(outside, [].append)
+    loop.run_until_complete(asyncio.wait_for(ext.start(None), 60))
+    try:
+        assert [(s["model"], s["server_id"], s["openai_url"]) for s in ext.servers()] == [("ext", "ext-external", url)]
+        actor, judge_actor = ext.actors["ext"], models.actors["judge"]
+        prompt, greedy = [1, 2, 3, 4, 5], Sampling(temperature=0.0, max_tokens=8, ignore_eos=True)
+        (theirs,), (ours,) = ray.get([actor.generate.remote(prompt, 1, greedy), judge_actor.generate.remote(prompt, 1, greedy)])
+        assert theirs.text == ours.text and theirs.finish_reason == ours.finish_reason == "length"
+        scored, expected = ray.get([actor.prompt_logprobs.remote(prompt + ours.token_ids), judge_actor.prompt_logprobs.remote(prompt + ours.token_ids)])
+        assert len(scored) == len(expected) == len(prompt) + 7 and max(abs(a - b) for a, b in zip(scored, expected)) < 1e-4
+        stats = ray.get(actor.stats.remote())
+        assert (stats["models/ext/answered"], stats["models/ext/failed"], stats["models/ext/generated_tokens"]) == (2, 0, 8)
+        with pytest.raises(Exception, match="not the run's to resize"):
+            loop.run_until_complete(ext.scale("ext", 2, 0.0))
+    finally:
+        loop.run_until_complete(ext.shutdown())
+    wrong = ray.remote(ExternalModel).remote("ext", url, "judge", "not-the-key", 10.0, 3)
+    with pytest.raises(RequestRefused, match="401.*api_key_env"):
+        ray.get(wrong.generate.remote(prompt, 1, greedy))
+    assert ray.get(wrong.stats.remote())["models/ext/retries"] == 0
+    gone = ray.remote(ExternalModel).remote("ext", "http://127.0.0.1:9/v1", "judge", None, 5.0, 2)
+    with pytest.raises(ServedModelError, match="does not answer"):
+        ray.get(gone.start.remote())
+    ray.kill(wrong)
+    ray.kill(gone)
+
+
 def test_a_reward_model_scores_as_its_language_model_answers(cfg, judge):
     """A language model served as a reward model (``task: classify``,
     ``classifier_from_tokens: [n, y]``): its score of a text is the probability of ``y``
