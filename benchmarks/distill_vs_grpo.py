@@ -69,6 +69,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench" / "distill-vs-grpo")
     ap.add_argument("--target-points", type=float, default=20.0)
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--distill-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="an override of the distill arm alone (e.g. algorithm.distill.reward_coef=1.0: distillation with the task reward)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--plot", action="store_true", help="write the curves beside the JSON (.png)")
     args = ap.parse_args()
@@ -79,7 +81,7 @@ def main() -> None:
         build_tiny_assets(assets, seed=0, task="served")
     manifest = json.loads((assets / "assets.json").read_text())
     steps = [f"trainer.total_steps={args.steps}", "trainer.val_every=10"]
-    arms = {"distill": run_arm("distill", assets, args.out / "distill", steps, teacher=True),
+    arms = {"distill": run_arm("distill", assets, args.out / "distill", steps + args.distill_set, teacher=True),
             "grpo": run_arm("grpo", assets, args.out / "grpo", steps, teacher=False)}
     for arm in arms.values():
         reached = first_gain(arm["val"], args.target_points)
@@ -93,7 +95,7 @@ def main() -> None:
         "distill_seconds_to_target": d["seconds_to_target"], "grpo_seconds_to_target": g["seconds_to_target"],
         "target_met": d["samples_to_target"] is not None and (g["samples_to_target"] is None or d["samples_to_target"] < g["samples_to_target"]),
         "base_accuracy": manifest["base_accuracy"], "teacher_accuracy": manifest.get("teacher_accuracy"),
-        "steps": args.steps, "arms": arms,
+        "steps": args.steps, "distill_overrides": args.distill_set, "arms": arms,
         "differences": ["the distill arm serves the teacher on the policy's cores (models.teacher.cpus_per_server=0): its wall time "
                         "pays for one prefill per sample; the grpo arm serves nothing beside the policy"],
         "machine": "2 cores, cpu",

@@ -3,6 +3,7 @@ tiny assets, the CLI in a subprocess, and what the run left in Redis and the pro
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import json
@@ -10,7 +11,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -258,3 +259,13 @@ def fill_disk(filler: Path) -> None:
             except OSError as exc:
                 if exc.errno != errno.ENOSPC:
                     raise
+
+
+async def until(check: Callable[[], bool], what: str, timeout_s: float, state: Callable[[], str]) -> None:
+    """Wait until ``check()`` holds; past ``timeout_s`` fail, saying ``what`` did not happen
+    and ``state()`` (a hang must fail with what it waited on, not at the suite's timeout)."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not within {timeout_s:g} s; {state()}")
+        await asyncio.sleep(0.1)
