@@ -103,7 +103,6 @@ class ServedModel:
         self._running: Counter[int] = Counter()
         """Requests running on each server index (this actor's own count: the routing needs no round trip)."""
         self.ledger = RequestLedger(name)
-        self.counters = self.ledger.counters
 
     async def start(self) -> list[ServerHealth]:
         """Start every server (concurrently); returns their health."""
@@ -112,32 +111,32 @@ class ServedModel:
     async def generate(self, prompt_token_ids: list[int], n: int, sampling: Sampling) -> list[Completion]:
         """Sample ``n`` responses to one tokenised prompt (a judge's verdicts)."""
         out = await self._call("generate", prompt_token_ids, n, sampling)
-        self.counters["prompt_tokens"] += len(prompt_token_ids)
-        self.counters["generated_tokens"] += sum(len(c.token_ids) for c in out)
+        self.ledger.counters["prompt_tokens"] += len(prompt_token_ids)
+        self.ledger.counters["generated_tokens"] += sum(len(c.token_ids) for c in out)
         return out
 
     async def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
         """The model's log-probability of each token of ``token_ids`` after those before it
         (``len - 1`` floats): a teacher's scoring of a student's prompt and response."""
         out = await self._call("prompt_logprobs", token_ids)
-        self.counters["prompt_tokens"] += len(token_ids)
+        self.ledger.counters["prompt_tokens"] += len(token_ids)
         return out
 
     async def classify(self, token_ids: list[int]) -> list[float]:
         """A reward model's probability of each label for ``token_ids`` (``task: classify``)."""
         out = await self._call("classify", token_ids)
-        self.counters["prompt_tokens"] += len(token_ids)
+        self.ledger.counters["prompt_tokens"] += len(token_ids)
         return out
 
     async def _call(self, method: str, *args: Any) -> Any:
         """``method(*args)`` on the least busy server, tried on up to ``max_attempts`` servers."""
         started = time.monotonic()
-        self.counters["requests"] += 1
+        self.ledger.counters["requests"] += 1
         tried: list[int] = []
         last = "no server started"
         for attempt in range(self.max_attempts):
             if attempt:
-                self.counters["retries"] += 1
+                self.ledger.counters["retries"] += 1
             i = await self._pick(tried, started)
             if i is None:
                 break
@@ -147,25 +146,25 @@ class ServedModel:
             try:
                 result = await asyncio.wait_for(getattr(handle, method).remote(*args), self.request_timeout_s)
             except asyncio.TimeoutError:
-                self.counters["timeouts"] += 1
+                self.ledger.counters["timeouts"] += 1
                 last = f"{self.name}-{i} did not answer within request_timeout_s={self.request_timeout_s:g} s"
             except RayActorError as exc:
-                self.counters["errors"] += 1
+                self.ledger.counters["errors"] += 1
                 last = f"{self.name}-{i} died ({type(exc).__name__})"
                 await self._replace(i, handle, f"died ({type(exc).__name__}) during a request")
             except RayTaskError as exc:
                 cause = exc.cause if isinstance(exc.cause, BaseException) else exc
                 if request_fault(cause):  # no server would answer it
-                    self.counters["failed"] += 1
+                    self.ledger.counters["failed"] += 1
                     raise cause from None
-                self.counters["errors"] += 1
+                self.ledger.counters["errors"] += 1
                 last = f"{self.name}-{i}: {type(cause).__name__}: {cause}"
             else:
                 self.ledger.answered(started)
                 return result
             finally:
                 self._running[i] -= 1
-        self.counters["failed"] += 1
+        self.ledger.counters["failed"] += 1
         raise ServedModelError(f"models.{self.name}: a {method} request failed on {len(tried)} server(s) "
                                f"(max_attempts={self.max_attempts}); the last: {last}")
 
