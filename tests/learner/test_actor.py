@@ -15,7 +15,7 @@ from async_rl.sync.auth import RunSecret
 from async_rl.learner.checkpoint import list_checkpoints
 from async_rl.queue import ReplayQueue
 
-pytestmark = [pytest.mark.redis, pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.redis, pytest.mark.ray, pytest.mark.dist, pytest.mark.slow]  # its two LearnerActor ranks form a process group
 
 
 @pytest.mark.integration
