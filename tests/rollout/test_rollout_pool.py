@@ -652,6 +652,48 @@ def test_a_reward_model_scores_as_its_language_model_answers(cfg, judge):
     assert [s.reward for s in scores] == pytest.approx([2.0 * p for p in expected[:2]], abs=2e-4) and scorer.counters.errors == 0
 
 
+@pytest.mark.slow
+def test_a_killed_served_server_is_replaced_and_every_request_answered_once(cfg, judge):
+    """A served model's server SIGKILLed while requests run on it, at default settings: every
+    request gets exactly one answer (those in flight retried on the replacement), the server
+    is replaced and the driver's console says so once; the model's actor killed is restarted
+    under its name by the driver's health check, its servers with it. (Resizing a served
+    model is the pool's ``scale_to``, tested in tests/rollout/test_worker_host.py, and the
+    request of ``async-rl scale --model`` in tests/launch/test_scale.py.)"""
+    from async_rl.rollout.types import served_model_actor
+
+    models, said, loop = judge
+    actor = models.actors["judge"]
+    before = ray.get(actor.stats.remote())
+    pid = ray.get(actor.health.remote())[0].pid
+    sampling = Sampling(temperature=1.0, max_tokens=240, ignore_eos=True)
+
+    async def go():
+        calls = [actor.generate.remote([1, 2, 3, i], 2, sampling) for i in range(8)]
+        await until(lambda: ray.get(actor.health.remote())[0].running_requests > 0, "requests running", 60, lambda: "")
+        os.kill(pid, signal.SIGKILL)
+        answers = await asyncio.wait_for(asyncio.gather(*calls), 240)
+        await models.watch_once()
+        return answers
+
+    answers = loop.run_until_complete(go())
+    assert all(len(a) == 2 and all(len(c.token_ids) == 240 for c in a) for a in answers)
+    after = ray.get(actor.stats.remote())
+    assert after["models/judge/answered"] - before["models/judge/answered"] == 8
+    assert after["models/judge/failed"] == before["models/judge/failed"]
+    assert after["models/judge/retries"] > before["models/judge/retries"] and after["models/judge/restarts"] == before["models/judge/restarts"] + 1
+    assert [line for line in said if "judge-0 died" in line and line.startswith("models.judge: ")] != [], said
+    served = [s for s in models.servers() if s["model"] == "judge"]
+    assert [s["server_id"] for s in served] == ["judge-0"] and served[0]["pid"] != pid
+
+    ray.kill(actor, no_restart=True)  # the model's actor itself dies: found by the next check, restarted under its name
+    assert loop.run_until_complete(asyncio.wait_for(models.watch_once(), 300)) is True  # a new server listed: servers.json rewritten
+    assert any("its actor died" in line for line in said) and models.actor_restarts == 1, said
+    new = ray.get_actor(served_model_actor(cfg.trainer.run_name, "judge"))
+    (c,) = ray.get(new.generate.remote([7, 8, 9], 1, Sampling(temperature=1.0, max_tokens=8)))
+    assert len(c.token_ids) >= 1 and sorted(s["server_id"] for s in models.servers()) == ["judge-0", "rm-0"]
+
+
 @pytest.mark.redis
 def test_a_judge_and_a_teacher_score_the_groups_of_a_worker_host(cfg, pool, judge, tmp_path):
     """``rollout.reward.judge`` end to end in a server's worker host: each response goes to the

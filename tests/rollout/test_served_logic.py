@@ -1,6 +1,6 @@
 """The served models' pure logic (rollout/served.py): what counts as a request's own fault,
 and the request ledger behind ``models/<name>/*``. The actors themselves, on real vLLM
-engines, are tests/rollout/test_rollout_pool.py's and test_served_healing.py's."""
+engines, are tests/rollout/test_rollout_pool.py's."""
 
 from __future__ import annotations
 
