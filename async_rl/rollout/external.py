@@ -128,10 +128,11 @@ class ExternalModel:
                     if response.status_code != 429 and response.status_code < 500:
                         counters["failed"] += 1
                         raise RequestRefused(f"models.{self.name}: {self.url} refused the request ({response.status_code}: {text})"
-                                             + (" - check the key in models.<name>.api_key_env's variable" if response.status_code in (401, 403) else ""))
+                                             + (f" - check the key in models.{self.name}.api_key_env's variable" if response.status_code in (401, 403) else ""))
                     counters["errors"] += 1
                     last = f"{response.status_code}: {text}"
-                await asyncio.sleep(RETRY_PAUSE_S)
+                if attempt + 1 < self.max_attempts:  # no pause after the last attempt
+                    await asyncio.sleep(RETRY_PAUSE_S)
         finally:
             self._running -= 1
         counters["failed"] += 1
