@@ -24,6 +24,7 @@ last10, critic_explained_variance_max (with a critic), plus the command and sett
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -82,6 +83,8 @@ def main() -> None:
         "train_wall_s": train_wall_s,
         "assets_s": assets_s,
         "assets_built": assets_built,  # False: they were there already and assets_s is ~0
+        # What the assets measured of their models (base, teacher, judge: the judge's own accuracy).
+        "assets_accuracy": {k: v for k, v in json.loads((ROOT / assets / "assets.json").read_text()).items() if "accuracy" in k},
         "steps": val[-1]["version"],
         "target_reached_s": None if reached is None else reached["elapsed_s"],
         "target_met": reached is not None and reached["elapsed_s"] <= 60 * args.target_min,

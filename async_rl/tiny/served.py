@@ -3,12 +3,14 @@ the addition assets (the student and its data, :mod:`async_rl.tiny.text`) and, b
 
     out_dir/teacher/   the student's tokenizer and architecture, its warm-start continued to
                        greedy accuracy near 90 %: a distillation teacher (``algorithm.distill``)
-    out_dir/judge/     a model of the same size trained from scratch to answer the judge's
-                       question ``"<ground truth> = <response>?"`` with yes or no
+    out_dir/judge/     the student's warm-start trained to answer the judge's question
+                       ``"<ground truth> = <response>?"`` with yes or no
 
-``assets.json`` gains ``teacher_accuracy`` (greedy, the validation split) and
+``assets.json`` gains ``teacher_accuracy`` (greedy, the validation split),
 ``judge_accuracy`` (held-out pairs drawn from the validation split: the ground truth against
-its own answer, near misses and the model's kind of junk).
+itself and against wrong answers, :func:`judge_pairs`) and
+``judge_accuracy_on_student_samples`` (the student's own sampled answers to the validation
+rows, judged: where the quickstart reads its reward).
 """
 
 from __future__ import annotations
@@ -32,14 +34,17 @@ JUDGE_TEMPLATE = "{{ ground_truth }} = {{ response }}?"
 """The judge quickstart's ``rollout.reward.judge.template``: what the tiny judge is trained on."""
 TEACHER_WARM_START = WarmStart(band=(0.80, 1.0), target=0.90, max_steps=4000)
 """The teacher: the student's warm-start continued until greedy accuracy reaches 90 %."""
-JUDGE_WARM_START = WarmStart(band=(0.75, 1.0), target=0.95, max_steps=2000, eval_every=50)
-"""The judge: trained from scratch until 95 % of held-out pairs are judged right, or 2,000 steps
-(the seed-0 build plateaus at 81.5 % from about step 550: a fallible judge, its accuracy in
-``assets.json``)."""
+JUDGE_WARM_START = WarmStart(lr=3e-4, band=(0.90, 1.0), target=0.97, max_steps=3000, eval_every=50)
+"""The judge: the student's warm-start trained until 97 % of held-out pairs are judged right
+(1,250-1,750 steps, about a minute on one core, for seeds 0-2), kept at its last evaluation of
+90 % or more. At lr 1e-3 seeds 0 and 1 of three stayed below 70 %: they never learned to
+compare digits, only lengths."""
 JUDGE_PAIRS = 4000
 """Training pairs of the judge (half equal, half not)."""
 JUDGE_HELD_OUT = 400
 """Held-out pairs (from the validation rows) the judge's accuracy is measured on."""
+JUDGE_SAMPLES_PER_ROW = 2
+"""The student's samples per validation row the judge's accuracy on them is measured on."""
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 """The student's tokenizer files the teacher and the judge get."""
 
@@ -61,15 +66,17 @@ def build_served_assets(out_dir: str | Path, seed: int = 0, progress: Callable[[
         val = warm_start.evaluated(val) if warm_start is not None else val
         teacher_steps, teacher_acc = _teacher(student, tokenizer, train, val, seed, progress, report.model_dir, out / "teacher",
                                                warm_start or TEACHER_WARM_START)
-        judge_steps, judge_acc = _judge(student, tokenizer, train, val, seed, progress, report.model_dir, out / "judge", warm_start or JUDGE_WARM_START)
+        judge_steps, judge_acc, judge_acc_samples = _judge(student, tokenizer, train, val, seed, progress, report.model_dir, out / "judge", warm_start or JUDGE_WARM_START)
     manifest = json.loads(report.manifest_path.read_text())
-    manifest.update(teacher_accuracy=teacher_acc, teacher_sft_steps=teacher_steps, judge_accuracy=judge_acc, judge_sft_steps=judge_steps,
+    manifest.update(teacher_accuracy=teacher_acc, teacher_sft_steps=teacher_steps, judge_accuracy=judge_acc,
+                    judge_accuracy_on_student_samples=judge_acc_samples, judge_sft_steps=judge_steps,
                     judge_template=JUDGE_TEMPLATE)
     manifest["task"]["name"] = "served"
     manifest["timings_s"]["served_models"] = round(time.perf_counter() - t0, 2)
     report.manifest_path.write_text(json.dumps(manifest, indent=1) + "\n")
     progress(f"[assets] teacher greedy val accuracy {teacher_acc:.1%} ({teacher_steps} more SFT steps); "
-             f"judge accuracy {judge_acc:.1%} on held-out pairs ({judge_steps} SFT steps) -> {out}")
+             f"judge accuracy {judge_acc:.1%} on held-out pairs, {judge_acc_samples:.1%} on the student's own answers "
+             f"({judge_steps} SFT steps) -> {out}")
     return report
 
 
@@ -87,8 +94,9 @@ def _teacher(student: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerBase, trai
 
 def judge_pairs(rows: Sequence[Row], count: int, seed: int) -> list[tuple[str, str, bool]]:
     """``count`` pairs ``(ground truth, response, equal)``: half a row's answer against itself,
-    half against a near miss (off by 1, 2, 10 or 100, digits swapped, a digit dropped or added,
-    junk after it): the judge must read every digit."""
+    half against a wrong answer, mostly of the kind a sampling student writes (60 % one digit
+    changed, 20 % off by 1-3, 9 or 11: the same length, so only the digits tell), the rest near
+    misses of other shapes (off by 10 or 100, digits swapped, a digit dropped or added, junk)."""
     rng = random.Random(seed)
     pairs = []
     for i in range(count):
@@ -98,29 +106,46 @@ def judge_pairs(rows: Sequence[Row], count: int, seed: int) -> list[tuple[str, s
             continue
         wrong = truth
         while wrong == truth:
-            kind = rng.randrange(5)
-            if kind == 0:
-                wrong = str(max(0, int(truth) + rng.choice((-100, -10, -2, -1, 1, 2, 10, 100))))
-            elif kind == 1 and len(truth) > 1:
-                j = rng.randrange(len(truth) - 1)
-                wrong = truth[:j] + truth[j + 1] + truth[j] + truth[j + 2:]
-            elif kind == 2 and len(truth) > 1:
+            kind = rng.random()
+            if kind < 0.6:
                 j = rng.randrange(len(truth))
-                wrong = truth[:j] + truth[j + 1:]
-            elif kind == 3:
-                wrong = truth + str(rng.randrange(10))
+                wrong = truth[:j] + str(rng.randrange(10)) + truth[j + 1:]
+            elif kind < 0.8:
+                wrong = str(max(0, int(truth) + rng.choice((-11, -9, -3, -2, -1, 1, 2, 3, 9, 11))))
             else:
-                wrong = truth[:-1] + str(rng.randrange(10)) if rng.random() < 0.5 else str(rng.randrange(10, 200))
+                wrong = _near_miss(truth, rng)
         pairs.append((truth, wrong, False))
     return pairs
 
 
+def _near_miss(truth: str, rng: random.Random) -> str:
+    """``truth`` off by 10 or 100, two digits swapped, a digit dropped or added, or junk
+    (possibly ``truth`` itself: the caller draws again)."""
+    kind = rng.randrange(5)
+    if kind == 0:
+        return str(max(0, int(truth) + rng.choice((-100, -10, 10, 100))))
+    if kind == 1 and len(truth) > 1:
+        j = rng.randrange(len(truth) - 1)
+        return truth[:j] + truth[j + 1] + truth[j] + truth[j + 2:]
+    if kind == 2 and len(truth) > 1:
+        j = rng.randrange(len(truth))
+        return truth[:j] + truth[j + 1:]
+    if kind == 3:
+        return truth + str(rng.randrange(10))
+    return str(rng.randrange(10, 200))
+
+
 def _judge(student: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerBase, train: Sequence[Row], val: Sequence[Row], seed: int,
-           progress: Callable[[str], None], student_dir: Path, out: Path, schedule: WarmStart) -> tuple[int, float]:
-    """A model of the student's size, from scratch, trained on :func:`judge_pairs` of the
-    training rows until ``schedule``'s accuracy on pairs of the validation rows."""
-    torch.manual_seed(seed + 2)
-    judge = Qwen2ForCausalLM(copy.deepcopy(student.config))
+           progress: Callable[[str], None], student_dir: Path, out: Path, schedule: WarmStart) -> tuple[int, float, float]:
+    """The student's warm-start trained on :func:`judge_pairs` of the training rows until
+    ``schedule``'s accuracy on pairs of the validation rows, saved to ``out``; returns (steps,
+that accuracy, :func:`_accuracy_on_samples`).
+
+    Warm-started, not from scratch: the student already reads digits, and a judge of this size
+    trained from scratch learned only to compare lengths (81 % of held-out near misses, 18 % of
+    the student's own samples judged right: it said yes to nearly every wrong answer of the
+    right length)."""
+    judge = copy.deepcopy(student)
     question = lambda truth, response: f"{truth} = {response}?"  # noqa: E731 - JUDGE_TEMPLATE rendered
     examples = [(prompt_ids(tokenizer, question(t, r)), tokenizer.encode("yes" if ok else "no", add_special_tokens=False))
                 for t, r, ok in judge_pairs(train, JUDGE_PAIRS, seed)]
@@ -134,7 +159,19 @@ def _judge(student: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerBase, train:
     steps, acc = sft_until_band(judge, len(examples), lambda batch: sft_loss(judge, [examples[i] for i in batch], eos, pad), accuracy,
                                 seed + 2, progress, schedule)
     _save(judge, student_dir, out)
-    return steps, acc
+    return steps, acc, _accuracy_on_samples(judge, student, tokenizer, val, seed)
+
+
+def _accuracy_on_samples(judge: Qwen2ForCausalLM, student: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerBase, val: Sequence[Row],
+                         seed: int) -> float:
+    """The fraction of the student's own answers (:data:`JUDGE_SAMPLES_PER_ROW` at temperature 1
+    to each validation row, as the quickstart's policy starts) that ``judge`` judges right: the
+    judge's accuracy where its reward is read, which held-out pairs do not show."""
+    torch.manual_seed(seed + 3)
+    answers = generate_from_ids(student, tokenizer, [prompt_ids(tokenizer, r.problem) for r in val], JUDGE_SAMPLES_PER_ROW, 16)
+    truths = [val[i // JUDGE_SAMPLES_PER_ROW].answer for i in range(len(answers))]
+    verdicts = generate_from_ids(judge, tokenizer, [prompt_ids(tokenizer, f"{t} = {a.strip()}?") for t, a in zip(truths, answers)], 0, 4)
+    return sum(v.strip().startswith("yes" if a.strip() == t else "no") for v, a, t in zip(verdicts, answers, truths)) / len(answers)
 
 
 def _save(model: Qwen2ForCausalLM, student_dir: Path, out: Path) -> None:

@@ -20,11 +20,13 @@ from run_helpers import ROOT
 pytestmark = [pytest.mark.slow, pytest.mark.assets]
 
 
-def test_judge_pairs_are_half_equal_and_the_rest_near_misses() -> None:
+def test_judge_pairs_are_half_equal_and_the_rest_mostly_wrong_in_a_digit_only() -> None:
     rows = [Row("What is 12+34?", "46"), Row("What is 50+57?", "107")]
-    pairs = judge_pairs(rows, 200, seed=3)
-    assert sum(ok for _, _, ok in pairs) == 100 and all((t == r) == ok for t, r, ok in pairs)
-    assert judge_pairs(rows, 200, seed=3) == pairs
+    pairs = judge_pairs(rows, 400, seed=3)
+    assert sum(ok for _, _, ok in pairs) == 200 and all((t == r) == ok for t, r, ok in pairs)
+    wrong = [(t, r) for t, r, ok in pairs if not ok]
+    assert sum(len(t) == len(r) for t, r in wrong) >= 0.7 * len(wrong)  # a length tells no more than 30 % of them
+    assert judge_pairs(rows, 400, seed=3) == pairs
 
 
 def test_served_assets_build_and_both_quickstarts_plan_on_them(tmp_path) -> None:
@@ -34,6 +36,7 @@ def test_served_assets_build_and_both_quickstarts_plan_on_them(tmp_path) -> None
     manifest = json.loads(report.manifest_path.read_text())
     assert manifest["task"]["name"] == "served" and manifest["teacher_sft_steps"] == 10 and manifest["judge_sft_steps"] == 10
     assert 0.0 <= manifest["judge_accuracy"] <= 1.0 and 0.0 <= manifest["teacher_accuracy"] <= 1.0
+    assert 0.0 <= manifest["judge_accuracy_on_student_samples"] <= 1.0
     assert manifest["judge_template"] == "{{ ground_truth }} = {{ response }}?"
     for name in ("teacher", "judge"):  # model directories vLLM and transformers load, with the student's tokenizer
         assert (out / name / "config.json").is_file() and (out / name / "model.safetensors").is_file()
