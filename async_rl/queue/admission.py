@@ -39,11 +39,14 @@ from async_rl.queue.keys import VERSIONS_MAXLEN, RunKeys
 
 __all__ = ["AdmissionLedger", "Reconciled", "Ticket"]
 
-# KEYS: counters, inflight, returned. ARGV: B, eta, owner, limit.
-# AReaL's rule: start a group only while groups_started < (v + eta + 1) * B. At most
-# ceil(B / producers) a call when the driver recorded how many worker loops admit
-# (``producers``): a version opens B slots, and each loop gets its share instead of the first
-# to ask taking every slot for its free ones (benchmarks/scale_sim.py). Checking,
+# KEYS: counters, inflight, returned. ARGV: B, eta, owner, limit, held.
+# AReaL's rule: start a group only while groups_started < (v + eta + 1) * B. When the driver
+# recorded how many worker loops admit (``producers``), a loop gets at most ceil(B / producers)
+# a call, and holds at most ceil((eta + 1) * B / producers) open tickets (``held``: its own,
+# counted by the caller): a version opens B slots and the window holds (eta + 1) * B, and
+# each loop gets its share of both instead of the first to ask taking every slot for its free
+# ones and the others idling (benchmarks/scale_sim.py). The shares round up, so loops that
+# all ask fill the window. Checking,
 # counting and claiming in one script makes it exact however many producers race, and
 # leaves no moment where a slot is counted without its prompt being recorded. Up to
 # ``limit`` groups in one call (a worker with many free slots claims them in one round
@@ -55,7 +58,8 @@ local open = (v + tonumber(ARGV[2]) + 1) * tonumber(ARGV[1]) - started
 local n = math.min(open, tonumber(ARGV[4]))
 local producers = tonumber(redis.call('HGET', KEYS[1], 'producers') or '0')
 if producers > 0 then
-  n = math.min(n, math.ceil(tonumber(ARGV[1]) / producers))
+  local b = tonumber(ARGV[1])
+  n = math.min(n, math.ceil(b / producers), math.ceil((tonumber(ARGV[2]) + 1) * b / producers) - tonumber(ARGV[5]))
 end
 if n <= 0 then
   return false
@@ -215,7 +219,8 @@ class AdmissionLedger:
 
     def set_producers(self, producers: int) -> None:
         """Record how many rollout worker loops admit groups now (the driver, whenever its
-        pool's size changes): an admission call then gets at most ``ceil(B / producers)``."""
+        pool's size changes): an admission call then gets at most ``ceil(B / producers)``, and
+        a loop holding ``ceil((eta + 1) * B / producers)`` open tickets none (:meth:`admit`)."""
         if producers < 1:
             raise ValueError(f"need at least 1 producer, got {producers}")
         self._client.hset(self._keys.counters, "producers", producers)
@@ -228,17 +233,19 @@ class AdmissionLedger:
         reply = self._client.xread({self._keys.versions: after}, count=VERSIONS_MAXLEN, block=max(1, round(timeout_s * 1000)))
         return reply[0][1][-1][0].decode() if reply else after
 
-    def admit(self, batch_size: int, max_staleness: int, owner: str, call_id: str, limit: int = 1) -> list[Ticket]:
+    def admit(self, batch_size: int, max_staleness: int, owner: str, call_id: str, limit: int = 1, held: int = 0) -> list[Ticket]:
         """Up to ``limit`` :class:`Ticket` s, as many as AReaL's rule lets start (none: empty).
 
         ``owner`` (e.g. ``server-0``) is recorded with the claimed prompts, for ``redis-cli``
-        readers and diagnostics. ``call_id`` (here and below) is unique per call and the
-        same for its retries: a retry whose first try was admitted returns those tickets."""
+        readers and diagnostics. ``held``: the open tickets of the calling worker loop (with
+        ``producers`` recorded, a loop holding its share of the window gets none). ``call_id``
+        (here and below) is unique per call and the same for its retries: a retry whose first
+        try was admitted returns those tickets."""
         if batch_size <= 0 or max_staleness < 0:
             raise ValueError("need batch_size > 0 and max_staleness >= 0")
-        if limit < 1:
-            raise ValueError(f"admit at least 1 group per call, not limit={limit}")
-        admitted = self._admit(self._claim_keys, [batch_size, max_staleness, owner, limit], call_id)
+        if limit < 1 or held < 0:
+            raise ValueError(f"admit at least 1 group per call holding none or more, not limit={limit}, held={held}")
+        admitted = self._admit(self._claim_keys, [batch_size, max_staleness, owner, limit, held], call_id)
         if admitted is None:
             return []
         return [Ticket(int(index), claim.decode()) for index, claim in zip(admitted[::2], admitted[1::2], strict=True)]

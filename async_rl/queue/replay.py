@@ -380,11 +380,11 @@ class ReplayQueue:
         (:meth:`AdmissionLedger.wait_for_version`); the newest id seen."""
         return self._call("wait_for_version", lambda: self._ledger.wait_for_version(after, timeout_s))
 
-    def admit(self, batch_size: int, max_staleness: int, owner: str, limit: int = 1) -> list[Ticket]:
+    def admit(self, batch_size: int, max_staleness: int, owner: str, limit: int = 1, held: int = 0) -> list[Ticket]:
         """AReaL admission and prompt claims (:meth:`AdmissionLedger.admit`): up to ``limit``
         tickets, each to end with :meth:`put` or :meth:`abandon`; none while the rule holds
-        producers back."""
-        return self._once("admit", lambda call_id: self._ledger.admit(batch_size, max_staleness, owner, call_id, limit))
+        producers back, or while the caller's ``held`` open tickets are its share of the window."""
+        return self._once("admit", lambda call_id: self._ledger.admit(batch_size, max_staleness, owner, call_id, limit, held))
 
     def abandon(self, ticket: Ticket, *, return_prompt: bool) -> bool:
         """End ``ticket`` without a group (:meth:`AdmissionLedger.abandon`)."""

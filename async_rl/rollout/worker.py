@@ -189,7 +189,7 @@ class RolloutWorker:
                 # for a burst (a version opens admission for B groups) instead of one each.
                 room = self.settings.max_inflight if max_groups is None else max_groups - started
                 taken = [slot, *await _GenerationSlot.take_free(slots, room - 1)]
-                tickets = await self._admit(stop, len(taken))
+                tickets = await self._admit(stop, len(taken), lambda: sum(not t.done() for t in inflight))
                 for unused in taken[len(tickets):]:
                     unused.release()
                 if not tickets:
@@ -220,15 +220,16 @@ class RolloutWorker:
         log.info("skipped prompt of line %d: %d tokens > data.max_prompt_length=%d", row.line, len(ids), self.settings.max_prompt_length)
         return None
 
-    async def _admit(self, stop: asyncio.Event, limit: int) -> list[Ticket]:
+    async def _admit(self, stop: asyncio.Event, limit: int, held: Callable[[], int]) -> list[Ticket]:
         """Up to ``limit`` tickets once admission lets any start (asking again when a version
-        is published, or after ``admit_wait_s``); none once ``stop`` is set."""
+        is published, or after ``admit_wait_s``); none once ``stop`` is set. ``held()``: this
+        loop's open tickets at each ask (admission holds a loop to its share of the window)."""
         t0 = time.monotonic()
         try:
             while not stop.is_set():
                 owner = self.settings.owner or self.settings.server_id
                 claim = asyncio.ensure_future(asyncio.to_thread(self.queue.admit, self.settings.batch_size, self.settings.max_staleness,
-                                                                owner, limit))
+                                                                owner, limit, held()))
                 called = time.monotonic()
                 try:
                     tickets = await asyncio.shield(claim)

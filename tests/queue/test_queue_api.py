@@ -187,6 +187,23 @@ def test_a_call_gets_at_most_its_producers_share_of_a_batch(queue: ReplayQueue) 
 
 
 @pytest.mark.redis
+def test_a_loop_holding_its_share_of_the_window_gets_no_more(queue: ReplayQueue) -> None:
+    """With the producers recorded, a loop holding ceil((eta + 1) x B / producers) open
+    tickets gets none until it holds fewer (a slot the others would otherwise wait a version
+    for), and one holding fewer gets the difference at most; the shares round up, so loops
+    that all ask fill the window (B 4, eta 1, 3 loops: a share of 3, the window 8)."""
+    queue.set_producers(3)
+    assert len(queue.admit(4, 1, "a", limit=8, held=0)) == 2  # ceil(4 / 3) a call
+    assert len(queue.admit(4, 1, "a", limit=8, held=2)) == 1  # its share of the window: 3
+    assert queue.admit(4, 1, "a", limit=8, held=3) == []
+    got = [len(queue.admit(4, 1, owner, limit=8, held=held)) for owner, held in (("b", 0), ("b", 2), ("c", 0))]
+    assert got == [2, 1, 2]  # the window's 8: a 3, b 3, c 2 (what is left)
+    assert queue.admit(4, 1, "c", limit=8, held=2) == []  # the rule's bound, as before
+    with pytest.raises(ValueError, match="held=-1"):
+        queue.admit(4, 1, "a", held=-1)
+
+
+@pytest.mark.redis
 def test_raise_version_never_lowers_the_published_version(queue: ReplayQueue) -> None:
     """The driver's watchdog races the learner's announcements: it may only raise the version."""
     queue.publish_version(5)

@@ -97,8 +97,8 @@ def test_free_slots_are_claimed_in_one_admission_call() -> None:
         admitted: list[tuple[int, int]] = []  # (limit asked, tickets got) of each call that got some
         admit = queue.admit
 
-        def spy(batch_size: int, max_staleness: int, owner: str, limit: int = 1) -> list:
-            tickets = admit(batch_size, max_staleness, owner, limit)
+        def spy(batch_size: int, max_staleness: int, owner: str, limit: int = 1, held: int = 0) -> list:
+            tickets = admit(batch_size, max_staleness, owner, limit, held)
             if tickets:
                 admitted.append((limit, len(tickets)))
             return tickets
@@ -114,6 +114,40 @@ def test_free_slots_are_claimed_in_one_admission_call() -> None:
         assert queue.stats()["groups_started"] == 12 and queue.stats()["inflight"] == 0
 
 
+def test_a_worker_holds_no_more_than_its_share_of_the_window() -> None:
+    """With 4 producers recorded, B 8 and eta 1, a worker of 16 free slots holds at most
+    ceil(2 x 8 / 4) = 4 open tickets: it counts its own for each admission call, and asks
+    again as its groups end (the other loops' share is left to them)."""
+    rows = [PromptRow(i + 1, f"{i}+1", str(i + 1)) for i in range(50)]
+
+    async def slow(prompt_token_ids: list[int], n: int, sampling: Sampling) -> list[Completion]:
+        await asyncio.sleep(0.05)
+        return [Completion([5, 6], [-0.5, -0.7], [0, 0], "stop", "11") for _ in range(n)]
+
+    with EmbeddedRedis() as url, ReplayQueue(url, run="share", max_depth=10_000) as queue, \
+            RewardPool(RewardConfig(num_workers=1)) as rewards:
+        queue.set_producers(4)
+        settings = WorkerSettings(run_id="share", server_id="server-0", n=2, sampling=Sampling(max_tokens=4),
+                                  batch_size=8, max_staleness=1, max_inflight=16, shuffle=False)
+        calls: list[tuple[int, int]] = []  # (held, got) of each admission call
+        admit = queue.admit
+
+        def spy(batch_size: int, max_staleness: int, owner: str, limit: int = 1, held: int = 0) -> list:
+            tickets = admit(batch_size, max_staleness, owner, limit, held)
+            calls.append((held, len(tickets)))
+            return tickets
+
+        queue.admit = spy  # type: ignore[method-assign]
+
+        async def run() -> None:
+            worker = RolloutWorker(settings, queue, rows, lambda text: [1, 2, 3], RewardScorer(rewards, rewards.cfg, 4), lambda: slow)
+            await worker.run(asyncio.Event(), max_groups=12)
+
+        asyncio.run(run())
+        assert calls[0] == (0, 2) and max(held + got for held, got in calls) == 4, calls  # ceil(8 / 4) a call, 4 held at most
+        assert sum(got for _, got in calls) == 12 and queue.stats()["inflight"] == 0
+
+
 def test_a_closed_admission_is_waited_on_not_polled_and_a_published_version_opens_it_at_once() -> None:
     """At the default ``admit_wait_s`` (1 s): while the staleness bound holds a worker back it
     asks Redis about once a second (it polled every 20 ms, a core of Redis at 1,024 servers:
@@ -127,8 +161,8 @@ def test_a_closed_admission_is_waited_on_not_polled_and_a_published_version_open
         calls: list[tuple[float, int]] = []  # (when, tickets) of every admission call
         admit = queue.admit
 
-        def spy(batch_size: int, max_staleness: int, owner: str, limit: int = 1) -> list:
-            tickets = admit(batch_size, max_staleness, owner, limit)
+        def spy(batch_size: int, max_staleness: int, owner: str, limit: int = 1, held: int = 0) -> list:
+            tickets = admit(batch_size, max_staleness, owner, limit, held)
             calls.append((time.monotonic(), len(tickets)))
             return tickets
 
