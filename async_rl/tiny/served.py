@@ -139,39 +139,44 @@ def _judge(student: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerBase, train:
            progress: Callable[[str], None], student_dir: Path, out: Path, schedule: WarmStart) -> tuple[int, float, float]:
     """The student's warm-start trained on :func:`judge_pairs` of the training rows until
     ``schedule``'s accuracy on pairs of the validation rows, saved to ``out``; returns (steps,
-that accuracy, :func:`_accuracy_on_samples`).
+    that accuracy, :func:`_accuracy_on_samples`).
 
     Warm-started, not from scratch: the student already reads digits, and a judge of this size
     trained from scratch learned only to compare lengths (81 % of held-out near misses, 18 % of
     the student's own samples judged right: it said yes to nearly every wrong answer of the
     right length)."""
     judge = copy.deepcopy(student)
-    question = lambda truth, response: f"{truth} = {response}?"  # noqa: E731 - JUDGE_TEMPLATE rendered
-    examples = [(prompt_ids(tokenizer, question(t, r)), tokenizer.encode("yes" if ok else "no", add_special_tokens=False))
+    examples = [(prompt_ids(tokenizer, _question(t, r)), tokenizer.encode("yes" if ok else "no", add_special_tokens=False))
                 for t, r, ok in judge_pairs(train, JUDGE_PAIRS, seed)]
     held_out = judge_pairs(val, JUDGE_HELD_OUT, seed + 1)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-
-    def accuracy() -> float:
-        answers = generate_from_ids(judge, tokenizer, [prompt_ids(tokenizer, question(t, r)) for t, r, _ in held_out], 0, 4)
-        return sum(a.strip().startswith("yes" if ok else "no") for a, (_, _, ok) in zip(answers, held_out)) / len(held_out)
-
-    steps, acc = sft_until_band(judge, len(examples), lambda batch: sft_loss(judge, [examples[i] for i in batch], eos, pad), accuracy,
-                                seed + 2, progress, schedule)
+    steps, acc = sft_until_band(judge, len(examples), lambda batch: sft_loss(judge, [examples[i] for i in batch], eos, pad),
+                                lambda: _judged_right(judge, tokenizer, held_out), seed + 2, progress, schedule)
     _save(judge, student_dir, out)
     return steps, acc, _accuracy_on_samples(judge, student, tokenizer, val, seed)
 
 
+def _question(truth: str, response: str) -> str:
+    """:data:`JUDGE_TEMPLATE` rendered."""
+    return f"{truth} = {response}?"
+
+
+def _judged_right(judge: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerBase, pairs: Sequence[tuple[str, str, bool]]) -> float:
+    """The fraction of ``pairs`` ``(ground truth, response, equal)`` whose greedy verdict
+    (``yes`` or ``no``) is right."""
+    verdicts = generate_from_ids(judge, tokenizer, [prompt_ids(tokenizer, _question(t, r)) for t, r, _ in pairs], 0, 4)
+    return sum(v.strip().startswith("yes" if ok else "no") for v, (_, _, ok) in zip(verdicts, pairs)) / len(pairs)
+
+
 def _accuracy_on_samples(judge: Qwen2ForCausalLM, student: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerBase, val: Sequence[Row],
                          seed: int) -> float:
-    """The fraction of the student's own answers (:data:`JUDGE_SAMPLES_PER_ROW` at temperature 1
-    to each validation row, as the quickstart's policy starts) that ``judge`` judges right: the
-    judge's accuracy where its reward is read, which held-out pairs do not show."""
+    """:func:`_judged_right` of the student's own answers (:data:`JUDGE_SAMPLES_PER_ROW` at
+    temperature 1 to each validation row, up to the judge quickstart's 16 tokens): the judge's
+    accuracy where its reward is read, which held-out pairs do not show."""
     torch.manual_seed(seed + 3)
     answers = generate_from_ids(student, tokenizer, [prompt_ids(tokenizer, r.problem) for r in val], JUDGE_SAMPLES_PER_ROW, 16)
     truths = [val[i // JUDGE_SAMPLES_PER_ROW].answer for i in range(len(answers))]
-    verdicts = generate_from_ids(judge, tokenizer, [prompt_ids(tokenizer, f"{t} = {a.strip()}?") for t, a in zip(truths, answers)], 0, 4)
-    return sum(v.strip().startswith("yes" if a.strip() == t else "no") for v, a, t in zip(verdicts, answers, truths)) / len(answers)
+    return _judged_right(judge, tokenizer, [(t, a.strip(), a.strip() == t) for t, a in zip(truths, answers)])
 
 
 def _save(model: Qwen2ForCausalLM, student_dir: Path, out: Path) -> None:

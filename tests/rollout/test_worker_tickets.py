@@ -15,7 +15,7 @@ from async_rl.config import RewardConfig
 from async_rl.data.prompts import PromptRow
 from async_rl.queue import EmbeddedRedis, ReplayQueue
 from async_rl.rewards import RewardPool, RewardScorer
-from async_rl.rollout.types import Completion, Sampling
+from async_rl.rollout.types import Completion, GenerateFn, Sampling
 from async_rl.rollout.worker import RolloutWorker, WorkerSettings
 
 pytestmark = [pytest.mark.redis]
@@ -86,66 +86,57 @@ def test_groups_being_scored_do_not_hold_generation_back(tmp_path) -> None:
         assert queue.stats()["inflight"] == 0
 
 
-def test_free_slots_are_claimed_in_one_admission_call() -> None:
-    """When a version opens admission, a worker claims every free slot in one round trip
-    (not one call per group, each waiting for the server's busy event loop)."""
+def _admission_calls(settings: WorkerSettings, generate: GenerateFn, producers: int = 0) -> tuple[list[tuple[int, int, int]], dict]:
+    """A worker of ``settings`` run for 12 groups on a real Redis (``producers`` recorded when
+    not 0): ``(limit asked, held, tickets got)`` of each of its admission calls, and the
+    queue's stats after it."""
     rows = [PromptRow(i + 1, f"{i}+1", str(i + 1)) for i in range(50)]
-    with EmbeddedRedis() as url, ReplayQueue(url, run="burst", max_depth=10_000) as queue, \
+    with EmbeddedRedis() as url, ReplayQueue(url, run=settings.run_id, max_depth=10_000) as queue, \
             RewardPool(RewardConfig(num_workers=1)) as rewards:
-        settings = WorkerSettings(run_id="burst", server_id="server-0", n=2, sampling=Sampling(max_tokens=4),
-                                  batch_size=12, max_staleness=0, max_inflight=16, shuffle=False)
-        admitted: list[tuple[int, int]] = []  # (limit asked, tickets got) of each call that got some
+        if producers:
+            queue.set_producers(producers)
+        calls: list[tuple[int, int, int]] = []
         admit = queue.admit
 
         def spy(batch_size: int, max_staleness: int, owner: str, limit: int = 1, held: int = 0) -> list:
             tickets = admit(batch_size, max_staleness, owner, limit, held)
-            if tickets:
-                admitted.append((limit, len(tickets)))
+            calls.append((limit, held, len(tickets)))
             return tickets
 
         queue.admit = spy  # type: ignore[method-assign]
 
         async def run() -> None:
-            worker = RolloutWorker(settings, queue, rows, lambda text: [1, 2, 3], RewardScorer(rewards, rewards.cfg, 4), lambda: _generate)
+            worker = RolloutWorker(settings, queue, rows, lambda text: [1, 2, 3], RewardScorer(rewards, rewards.cfg, 4), lambda: generate)
             await worker.run(asyncio.Event(), max_groups=12)
 
         asyncio.run(run())
-        assert admitted[0] == (12, 12)  # max_groups left 12 of the 16 slots to ask for; the rule gave all
-        assert queue.stats()["groups_started"] == 12 and queue.stats()["inflight"] == 0
+        return calls, queue.stats()
+
+
+def test_free_slots_are_claimed_in_one_admission_call() -> None:
+    """When a version opens admission, a worker claims every free slot in one round trip
+    (not one call per group, each waiting for the server's busy event loop)."""
+    settings = WorkerSettings(run_id="burst", server_id="server-0", n=2, sampling=Sampling(max_tokens=4),
+                              batch_size=12, max_staleness=0, max_inflight=16, shuffle=False)
+    calls, stats = _admission_calls(settings, _generate)
+    assert [(limit, got) for limit, _, got in calls if got][0] == (12, 12)  # max_groups left 12 of the 16 slots to ask for; the rule gave all
+    assert stats["groups_started"] == 12 and stats["inflight"] == 0
 
 
 def test_a_worker_holds_no_more_than_its_share_of_the_window() -> None:
     """With 4 producers recorded, B 8 and eta 1, a worker of 16 free slots holds at most
     ceil(2 x 8 / 4) = 4 open tickets: it counts its own for each admission call, and asks
     again as its groups end (the other loops' share is left to them)."""
-    rows = [PromptRow(i + 1, f"{i}+1", str(i + 1)) for i in range(50)]
 
     async def slow(prompt_token_ids: list[int], n: int, sampling: Sampling) -> list[Completion]:
         await asyncio.sleep(0.05)
         return [Completion([5, 6], [-0.5, -0.7], [0, 0], "stop", "11") for _ in range(n)]
 
-    with EmbeddedRedis() as url, ReplayQueue(url, run="share", max_depth=10_000) as queue, \
-            RewardPool(RewardConfig(num_workers=1)) as rewards:
-        queue.set_producers(4)
-        settings = WorkerSettings(run_id="share", server_id="server-0", n=2, sampling=Sampling(max_tokens=4),
-                                  batch_size=8, max_staleness=1, max_inflight=16, shuffle=False)
-        calls: list[tuple[int, int]] = []  # (held, got) of each admission call
-        admit = queue.admit
-
-        def spy(batch_size: int, max_staleness: int, owner: str, limit: int = 1, held: int = 0) -> list:
-            tickets = admit(batch_size, max_staleness, owner, limit, held)
-            calls.append((held, len(tickets)))
-            return tickets
-
-        queue.admit = spy  # type: ignore[method-assign]
-
-        async def run() -> None:
-            worker = RolloutWorker(settings, queue, rows, lambda text: [1, 2, 3], RewardScorer(rewards, rewards.cfg, 4), lambda: slow)
-            await worker.run(asyncio.Event(), max_groups=12)
-
-        asyncio.run(run())
-        assert calls[0] == (0, 2) and max(held + got for held, got in calls) == 4, calls  # ceil(8 / 4) a call, 4 held at most
-        assert sum(got for _, got in calls) == 12 and queue.stats()["inflight"] == 0
+    settings = WorkerSettings(run_id="share", server_id="server-0", n=2, sampling=Sampling(max_tokens=4),
+                              batch_size=8, max_staleness=1, max_inflight=16, shuffle=False)
+    calls, stats = _admission_calls(settings, slow, producers=4)
+    assert calls[0][1:] == (0, 2) and max(held + got for _, held, got in calls) == 4, calls  # ceil(8 / 4) a call, 4 held at most
+    assert sum(got for _, _, got in calls) == 12 and stats["inflight"] == 0
 
 
 def test_a_closed_admission_is_waited_on_not_polled_and_a_published_version_opens_it_at_once() -> None:
