@@ -312,9 +312,12 @@ class SimServer:
         self.queue.close()
 
 
-@ray.remote(num_cpus=0)
+@ray.remote(num_cpus=0, max_concurrency=100_000)
 class SimHost:
-    """Many simulated servers in one process (an asyncio actor)."""
+    """Many simulated servers in one process (an asyncio actor). Its concurrency is unbounded
+    (Ray's default for an async actor is 1,000 calls at once): each server's engine-death
+    watch is a call held open, and with 512 of them the health checks would queue behind
+    them (a run's servers are actors of their own)."""
 
     def __init__(self, spec: HostSpec):
         self.spec = spec

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import functools
 import random
 import time
 from dataclasses import dataclass
@@ -114,6 +115,19 @@ class WorkerCounters:
     """Seconds queue calls found the queue's Redis unreachable for their whole timeout (the worker waited)."""
 
 
+@functools.lru_cache(maxsize=2)
+def epoch_order(seed: int, epoch: int, rows: int) -> tuple[int, ...]:
+    """The seeded permutation of ``rows`` row positions served in ``epoch``.
+
+    Cached per process: every worker loop of a process (and a loop's next start) shares one
+    permutation instead of shuffling its own (0.1-0.2 s of CPU for 200k rows each); the two
+    newest epochs are kept, so loops crossing an epoch boundary at different times do not
+    rebuild it."""
+    order = list(range(rows))
+    random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    return tuple(order)
+
+
 class RolloutWorker:
     """Continuously generates groups into the replay queue.
 
@@ -158,7 +172,6 @@ class RolloutWorker:
         self.report = report
         self.teacher = teacher
         self.counters = WorkerCounters()
-        self._orders: dict[int, list[int]] = {}
         self._queue_away = False
         """A queue call found Redis unreachable and none has succeeded since (said once per outage)."""
         self._version_seen = "0-0"
@@ -169,11 +182,7 @@ class RolloutWorker:
         epoch, pos = divmod(index, len(self.rows))
         if not self.settings.shuffle:
             return self.rows[pos]
-        if epoch not in self._orders:
-            order = list(range(len(self.rows)))
-            random.Random(self.settings.seed * 1_000_003 + epoch).shuffle(order)
-            self._orders = {epoch: order}  # keep one epoch's permutation only
-        return self.rows[self._orders[epoch][pos]]
+        return self.rows[epoch_order(self.settings.seed, epoch, len(self.rows))[pos]]
 
     async def run(self, stop: asyncio.Event, max_groups: int | None = None) -> WorkerCounters:
         """Generate until ``stop`` is set (or ``max_groups`` were started); waits for groups in flight."""
