@@ -31,8 +31,9 @@ less the update pauses), driver CPU (this process, Ray's threads included), Redi
 commands/s, admission latency p50/p99 (every ``admit`` call of every server), queue depth,
 the time to heal a killed server (its engine dies: tickets left open, the driver's watch
 ends them and starts a replacement; until the replacement's first group) and to scale by
-+10 % and -10 % (until every added server put a group / every removed one stopped), and
-after a graceful stop and a drained queue: prompts lost and duplicated (both must be 0).
++10 % and -10 % (until every added server put a group / every removed one stopped), each
+the median of ``--repeats`` events (one event's time depends on where in the learner's step
+it falls: slots open when a version is published), and after a graceful stop and a drained queue: prompts lost and duplicated (both must be 0).
 
 Targets (issue 47, fixed before the first run): at 1,024 servers delivered >= 0.95 x offered
 at the 1,024-GPU load, driver < 10 % of a core, Redis < 50 % of a core (payload included),
@@ -589,17 +590,26 @@ async def measure(servers: int, args: argparse.Namespace, load: Load) -> dict[st
         }
         point["delivered_fraction"] = point["groups_per_s"] / point["offered_groups_per_s"]
 
-        # Heal: server 0's engine dies; the driver's watch ends its tickets and starts a replacement.
-        killed_at = await driver.host_of(0).kill.remote(0)
-        point["heal_s"] = await wait_first_puts(driver, [0], killed_at)
-        # Scale +10 %, then -10 % (the newest servers go).
+        # Each figure is one event's and varies with where in the learner's step it falls (a
+        # slot opens when a version is published, every few seconds): --repeats of each, the
+        # median compared. Heal: server r's engine dies; the driver's watch ends its tickets
+        # and starts a replacement (servers 0, 1, 2... : the same accelerators at every N).
+        heals = []
+        for r in range(args.repeats):
+            killed_at = await driver.host_of(r).kill.remote(r)
+            heals.append(await wait_first_puts(driver, [r], killed_at))
+        # Scale +10 %, then -10 % (the added servers go), --repeats times (fresh indices each).
         step = max(1, math.ceil(0.1 * servers))
-        added = list(range(servers, servers + step))
-        since = time.time()
-        await driver.add(added)
-        point["scale_up_s"] = await wait_first_puts(driver, added, since)
-        since = time.time()
-        point["scale_down_s"] = await driver.remove(added) - since
+        ups, downs = [], []
+        for r in range(args.repeats):
+            added = list(range(servers + r * step, servers + (r + 1) * step))
+            since = time.time()
+            await driver.add(added)
+            ups.append(await wait_first_puts(driver, added, since))
+            since = time.time()
+            downs.append(await driver.remove(added) - since)
+        point.update(heal_s=statistics.median(heals), scale_up_s=statistics.median(ups), scale_down_s=statistics.median(downs),
+                     heals_s=heals, scale_ups_s=ups, scale_downs_s=downs)
 
         # A graceful stop, the queue drained, then every claimed prompt accounted for.
         stop.set()
@@ -688,6 +698,7 @@ def main() -> int:
     parser.add_argument("--token-scale", type=int, default=16, help="a response carries 1/this of its tokens")
     parser.add_argument("--warmup", type=float, default=30.0, help="seconds before the measured window")
     parser.add_argument("--seconds", type=float, default=60.0, help="measured window, seconds")
+    parser.add_argument("--repeats", type=int, default=3, help="heals and scale steps at each N (their medians compared)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", action="store_true", help="write a PNG beside --json")
     args = parser.parse_args()
@@ -698,7 +709,7 @@ def main() -> int:
         "machine": f"{os.uname().machine}, {os.cpu_count()} cores", "load": asdict(load),
         "mean_response_tokens": load.mean_tokens(), "groups_per_s_per_server": load.groups_per_s(),
         "token_scale": args.token_scale, "hosts": args.hosts, "max_staleness": args.max_staleness,
-        "max_inflight": args.max_inflight, "warmup_s": args.warmup, "window_s": args.seconds,
+        "max_inflight": args.max_inflight, "warmup_s": args.warmup, "window_s": args.seconds, "repeats": args.repeats,
         "health_period_s": HEALTH_PERIOD_S, "stats_period_s": STATS_PERIOD_S, "byte_cost": costs,
         "real_runs": real_run_loads(load), "weight_path": {"assumptions": asdict(WeightPath()), "rows": WeightPath().table()},
         "points": [],

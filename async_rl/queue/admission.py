@@ -37,16 +37,24 @@ import redis
 from async_rl.queue.client import OnceScript
 from async_rl.queue.keys import VERSIONS_MAXLEN, RunKeys
 
-__all__ = ["AdmissionLedger", "Reconciled", "Ticket"]
+__all__ = ["IDLE_LOOP_TTL_MS", "AdmissionLedger", "Reconciled", "Ticket"]
 
-# KEYS: counters, inflight, returned. ARGV: B, eta, owner, limit, held.
+IDLE_LOOP_TTL_MS = 3000
+"""How long an idle worker loop's refused ask keeps a slot reserved for it (ms): it asks
+again within ``WorkerSettings.admit_wait_s`` (1 s) or at the next published version."""
+
+# KEYS: counters, inflight, returned, idle. ARGV: B, eta, owner, limit, held, idle TTL (ms).
 # AReaL's rule: start a group only while groups_started < (v + eta + 1) * B. When the driver
 # recorded how many worker loops admit (``producers``), a loop gets at most ceil(B / producers)
 # a call, and holds at most ceil((eta + 1) * B / producers) open tickets (``held``: its own,
 # counted by the caller): a version opens B slots and the window holds (eta + 1) * B, and
 # each loop gets its share of both instead of the first to ask taking every slot for its free
 # ones and the others idling (benchmarks/scale_sim.py). The shares round up, so loops that
-# all ask fill the window. Checking,
+# all ask fill the window. An idle loop (``held`` 0: a new or replaced server) that is
+# refused is recorded in ``idle`` (KEYS[4], owner -> the time it asked, ms); while it waits,
+# a busy loop (``held`` > 0) leaves it a slot: the next slots go to the accelerators with
+# nothing to do, not to the ones still working. An entry older than ARGV[6] ms is gone (the
+# loop stopped asking: an idle loop asks at least once a second). Checking,
 # counting and claiming in one script makes it exact however many producers race, and
 # leaves no moment where a slot is counted without its prompt being recorded. Up to
 # ``limit`` groups in one call (a worker with many free slots claims them in one round
@@ -60,6 +68,19 @@ local producers = tonumber(redis.call('HGET', KEYS[1], 'producers') or '0')
 if producers > 0 then
   local b = tonumber(ARGV[1])
   n = math.min(n, math.ceil(b / producers), math.ceil((tonumber(ARGV[2]) + 1) * b / producers) - tonumber(ARGV[5]))
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now - tonumber(ARGV[6]))
+  if tonumber(ARGV[5]) == 0 then
+    if n <= 0 then
+      redis.call('ZADD', KEYS[4], now, ARGV[3])
+      redis.call('PEXPIRE', KEYS[4], ARGV[6])
+      return false
+    end
+    redis.call('ZREM', KEYS[4], ARGV[3])
+  else
+    n = math.min(n, open - redis.call('ZCARD', KEYS[4]))
+  end
 end
 if n <= 0 then
   return false
@@ -245,7 +266,7 @@ class AdmissionLedger:
             raise ValueError("need batch_size > 0 and max_staleness >= 0")
         if limit < 1 or held < 0:
             raise ValueError(f"admit at least 1 group per call holding none or more, not limit={limit}, held={held}")
-        admitted = self._admit(self._claim_keys, [batch_size, max_staleness, owner, limit, held], call_id)
+        admitted = self._admit([*self._claim_keys, self._keys.idle], [batch_size, max_staleness, owner, limit, held, IDLE_LOOP_TTL_MS], call_id)
         if admitted is None:
             return []
         return [Ticket(int(index), claim.decode()) for index, claim in zip(admitted[::2], admitted[1::2], strict=True)]

@@ -34,6 +34,9 @@ class RunKeys:
     - ``versions``: stream of the published versions (field ``version``; the newest
       :data:`VERSIONS_MAXLEN` kept), appended whenever the published version rises: rollout
       workers waiting on a closed admission block on it (``XREAD BLOCK``) instead of polling.
+    - ``idle``: sorted set of the worker loops with no open ticket that admission refused
+      (owner -> when it asked, ms since the epoch): busy loops leave them a slot each;
+      entries expire after :data:`~async_rl.queue.admission.IDLE_LOOP_TTL_MS`.
     - ``rollout_stats``: hash of the rollout workers' cumulative counters (``groups_put``,
       ``tokens_generated``, ``reward_errors``, ...), added to by every worker host.
     - ``failures``: stream of msgspec-encoded :class:`~async_rl.records.FailureReport`
@@ -81,6 +84,10 @@ class RunKeys:
     @property
     def versions(self) -> str:
         return f"{self.run}:versions"
+
+    @property
+    def idle(self) -> str:
+        return f"{self.run}:idle"
 
     @property
     def rollout_stats(self) -> str:

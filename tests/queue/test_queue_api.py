@@ -204,6 +204,28 @@ def test_a_loop_holding_its_share_of_the_window_gets_no_more(queue: ReplayQueue)
 
 
 @pytest.mark.redis
+def test_a_refused_idle_loop_gets_the_next_slot_before_busy_ones(queue: ReplayQueue) -> None:
+    """An idle loop (no open ticket: a new or replaced server) that admission refuses is
+    recorded; while it keeps asking, busy loops leave it a slot, so the next one opened goes
+    to an accelerator with nothing to do. Once it stops asking (its entry expires) the busy
+    loops get the slots again (B 4, eta 0, 2 loops: a share of 2 a call and of the window)."""
+    queue.set_producers(2)
+    assert len(queue.admit(4, 0, "a", limit=8, held=0)) == 2
+    assert len(queue.admit(4, 0, "b", limit=8, held=0)) == 2
+    assert queue.admit(4, 0, "new", limit=8, held=0) == []  # the window is full: "new" waits, recorded
+    queue.publish_version(1)  # 4 slots open
+    assert len(queue.admit(4, 0, "a", limit=8, held=0)) == 2  # idle too (its groups were put): its share
+    assert len(queue.admit(4, 0, "b", limit=8, held=1)) == 1  # one of the two left...
+    assert queue.admit(4, 0, "b", limit=8, held=1) == []  # ...the other is kept for "new"
+    assert len(queue.admit(4, 0, "new", limit=8, held=0)) == 1
+    queue.publish_version(2)
+    assert len(queue.admit(4, 0, "late", limit=8, held=0)) == 2  # slots open: an idle loop is served, not recorded
+    queue.client.zadd(queue.keys.idle, {"gone": 0})  # a loop that stopped asking long ago
+    assert len(queue.admit(4, 0, "b", limit=8, held=1)) == 1  # its entry expired: no slot is kept for it
+    assert queue.client.zcard(queue.keys.idle) == 0
+
+
+@pytest.mark.redis
 def test_raise_version_never_lowers_the_published_version(queue: ReplayQueue) -> None:
     """The driver's watchdog races the learner's announcements: it may only raise the version."""
     queue.publish_version(5)
