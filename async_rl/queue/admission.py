@@ -53,8 +53,10 @@ again within ``WorkerSettings.admit_wait_s`` (1 s) or at the next published vers
 # all ask fill the window. An idle loop (``held`` 0: a new or replaced server) that is
 # refused is recorded in ``idle`` (KEYS[4], owner -> the time it asked, ms); while it waits,
 # a busy loop (``held`` > 0) leaves it a slot: the next slots go to the accelerators with
-# nothing to do, not to the ones still working. An entry older than ARGV[6] ms is gone (the
-# loop stopped asking: an idle loop asks at least once a second). Checking,
+# nothing to do, not to the ones still working. An entry older than ARGV[6] ms is dropped
+# when the next idle loop is refused, and the whole set expires ARGV[6] ms after the last
+# refusal (a loop that stopped asking keeps no slot; an idle loop asks at least once a
+# second). A busy loop's ask costs one command more (ZCARD), an idle one's one or four. Checking,
 # counting and claiming in one script makes it exact however many producers race, and
 # leaves no moment where a slot is counted without its prompt being recorded. Up to
 # ``limit`` groups in one call (a worker with many free slots claims them in one round
@@ -68,11 +70,11 @@ local producers = tonumber(redis.call('HGET', KEYS[1], 'producers') or '0')
 if producers > 0 then
   local b = tonumber(ARGV[1])
   n = math.min(n, math.ceil(b / producers), math.ceil((tonumber(ARGV[2]) + 1) * b / producers) - tonumber(ARGV[5]))
-  local t = redis.call('TIME')
-  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now - tonumber(ARGV[6]))
   if tonumber(ARGV[5]) == 0 then
     if n <= 0 then
+      local t = redis.call('TIME')
+      local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+      redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now - tonumber(ARGV[6]))
       redis.call('ZADD', KEYS[4], now, ARGV[3])
       redis.call('PEXPIRE', KEYS[4], ARGV[6])
       return false

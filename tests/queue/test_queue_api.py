@@ -12,7 +12,7 @@ from queue_workers import make_group
 from reply_cutter import ReplyCutter
 
 from async_rl.queue import Drop, EmbeddedRedis, QueueUnavailableError, ReplayQueue, Staleness, Ticket, TicketEndedError
-from async_rl.queue.admission import admission_limit
+from async_rl.queue.admission import IDLE_LOOP_TTL_MS, admission_limit
 from async_rl.records import Failure, FailureReport, RolloutGroup, decode, encode
 
 
@@ -218,11 +218,14 @@ def test_a_refused_idle_loop_gets_the_next_slot_before_busy_ones(queue: ReplayQu
     assert len(queue.admit(4, 0, "b", limit=8, held=1)) == 1  # one of the two left...
     assert queue.admit(4, 0, "b", limit=8, held=1) == []  # ...the other is kept for "new"
     assert len(queue.admit(4, 0, "new", limit=8, held=0)) == 1
+    assert queue.client.zcard(queue.keys.idle) == 0
     queue.publish_version(2)
     assert len(queue.admit(4, 0, "late", limit=8, held=0)) == 2  # slots open: an idle loop is served, not recorded
+    assert len(queue.admit(4, 0, "a", limit=8, held=0)) == 2  # the window is full again
     queue.client.zadd(queue.keys.idle, {"gone": 0})  # a loop that stopped asking long ago
-    assert len(queue.admit(4, 0, "b", limit=8, held=1)) == 1  # its entry expired: no slot is kept for it
-    assert queue.client.zcard(queue.keys.idle) == 0
+    assert queue.admit(4, 0, "new2", limit=8, held=0) == []
+    assert queue.client.zrange(queue.keys.idle, 0, -1) == [b"new2"]  # the next refusal dropped the old entry
+    assert 0 < queue.client.pttl(queue.keys.idle) <= IDLE_LOOP_TTL_MS  # and the set expires unless one asks again
 
 
 @pytest.mark.redis
