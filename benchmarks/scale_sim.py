@@ -511,6 +511,21 @@ def redis_counters(client: Any) -> tuple[float, int]:
     return float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"]), int(stats["total_commands_processed"])
 
 
+def command_stats(client: Any) -> dict[str, tuple[int, float]]:
+    """Per Redis command (those scripts call included): calls and CPU microseconds so far."""
+    return {name.removeprefix("cmdstat_"): (int(v["calls"]), float(v["usec"])) for name, v in client.info("commandstats").items()}
+
+
+def command_deltas(before: dict[str, tuple[int, float]], after: dict[str, tuple[int, float]], groups: int) -> dict[str, dict[str, float]]:
+    """Per command run in the window: calls a group, and its share of the CPU Redis spent in
+    commands (the rest of Redis's CPU is its event loop, the AOF's fsync and the replies)."""
+    calls = {name: n - before.get(name, (0, 0.0))[0] for name, (n, _) in after.items()}
+    usec = {name: u - before.get(name, (0, 0.0))[1] for name, (_, u) in after.items()}
+    total = max(sum(usec.values()), 1e-9)
+    return {name: {"per_group": calls[name] / max(groups, 1), "cpu_share": usec[name] / total}
+            for name in sorted(usec, key=lambda n: -usec[n]) if calls[name] > 0}
+
+
 def entries_added(client: Any) -> int:
     """Groups appended to the run's stream so far."""
     return int(client.xinfo_stream(RunKeys(RUN).rollouts)["entries-added"])
@@ -567,8 +582,10 @@ async def measure(servers: int, args: argparse.Namespace, load: Load) -> dict[st
         cpu0 = {name: sum(p.cpu_times().user + p.cpu_times().system for p in ps) for name, ps in procs.items()}
         me = psutil.Process()
         driver0, (redis0, cmds0), added0, t0 = me.cpu_times(), redis_counters(client), entries_added(client), time.monotonic()
+        by_command0 = command_stats(client)
         await asyncio.sleep(args.seconds)
         driver1, (redis1, cmds1), added1, t1 = me.cpu_times(), redis_counters(client), entries_added(client), time.monotonic()
+        by_command1 = command_stats(client)
         cpu1 = {name: sum(p.cpu_times().user + p.cpu_times().system for p in ps) for name, ps in procs.items()}
         window = t1 - t0
         groups = added1 - added0
@@ -587,6 +604,7 @@ async def measure(servers: int, args: argparse.Namespace, load: Load) -> dict[st
             "queue_depth_max": max(driver.depths, default=0),
             "health_sweep_s": max(driver.health_sweeps_s, default=float("nan")),
             "cores": {name: (cpu1[name] - cpu0[name]) / window for name in procs},
+            "redis_commands": command_deltas(by_command0, by_command1, groups),
         }
         point["delivered_fraction"] = point["groups_per_s"] / point["offered_groups_per_s"]
 
@@ -720,7 +738,7 @@ def main() -> int:
         carried_mb_per_s = point["groups_per_s"] * costs["carried_mb_per_group"]
         point["redis_cores_at_full_payload"] = point["redis_cores"] + (full_mb_per_s - carried_mb_per_s) * costs["redis_cpu_ms_per_mb"] / 1000
         result["points"].append(point)
-        print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in point.items() if k != "cores"), flush=True)
+        print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in point.items() if k not in ("cores", "redis_commands")), flush=True)
     top, bottom = result["points"][-1], result["points"][0]
     result["targets"] = {
         "delivered_fraction": [top["delivered_fraction"], TARGET_DELIVERED], "driver_cores": [top["driver_cores"], TARGET_DRIVER_CORES],
