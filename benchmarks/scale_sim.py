@@ -33,7 +33,8 @@ the time to heal a killed server (its engine dies: tickets left open, the driver
 ends them and starts a replacement; until the replacement's first group) and to scale by
 +10 % and -10 % (until every added server put a group / every removed one stopped), each
 the median of ``--repeats`` events (one event's time depends on where in the learner's step
-it falls: slots open when a version is published), and after a graceful stop and a drained queue: prompts lost and duplicated (both must be 0).
+it falls: slots open when a version is published), and after a graceful stop and a drained
+queue: prompts lost and duplicated (both must be 0).
 
 Targets (issue 47, fixed before the first run): at 1,024 servers delivered >= 0.95 x offered
 at the 1,024-GPU load, driver < 10 % of a core, Redis < 50 % of a core (payload included),
@@ -608,10 +609,8 @@ async def measure(servers: int, args: argparse.Namespace, load: Load) -> dict[st
         }
         point["delivered_fraction"] = point["groups_per_s"] / point["offered_groups_per_s"]
 
-        # Each figure is one event's and varies with where in the learner's step it falls (a
-        # slot opens when a version is published, every few seconds): --repeats of each, the
-        # median compared. Heal: server r's engine dies; the driver's watch ends its tickets
-        # and starts a replacement (servers 0, 1, 2... : the same accelerators at every N).
+        # Heal, --repeats times: server r's engine dies; the driver's watch ends its tickets
+        # and starts a replacement (servers 0, 1, 2...: the same accelerators at every N).
         heals = []
         for r in range(args.repeats):
             killed_at = await driver.host_of(r).kill.remote(r)
@@ -720,6 +719,8 @@ def main() -> int:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", action="store_true", help="write a PNG beside --json")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
     load = Load()
     init_ray(num_cpus=os.cpu_count(), log_to_driver=False)
     costs = byte_cost(args.token_scale, load)

@@ -27,8 +27,8 @@ first) when generation failed for good, the worker stopped or the task was cance
 from __future__ import annotations
 
 import asyncio
-import logging
 import functools
+import logging
 import random
 import time
 from dataclasses import dataclass
