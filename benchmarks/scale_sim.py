@@ -21,10 +21,12 @@ the reward (an instant rule in process), the weight update (each server pauses g
 stand-in reads ``B`` groups, acks them and publishes the next version at once, so the
 servers, not the learner, set the pace).
 
-Responses carry ``1 / --token-scale`` of the tokens they stand for (generation time counts
-them all): on 2 cores the harness cannot also build 100 MB/s of token payloads. Redis's cost
-per byte is measured apart (:func:`byte_cost`: big groups put and read back) and added to its
-per-group cost at the full payload (``redis_cores_at_full_payload``).
+Responses carry ``1 / --token-scale`` (64) of the tokens they stand for (generation time
+counts them all): on 2 cores the harness cannot also build 100 MB/s of token payloads (at 1/16
+its hosts took 1.4 of the 2 cores at 1,024 servers, and their delays showed in the heal and
+scale times; at 1/64, 1.2). Redis's cost per byte is measured apart (:func:`byte_cost`: big
+groups put and read back, medians of three) and added to its per-group cost at the full
+payload (``redis_cores_at_full_payload``).
 
 Per N: groups/s delivered (stream entries added) against offered (the accelerators' rate,
 less the update pauses), driver CPU (this process, Ray's threads included), Redis CPU and
@@ -657,10 +659,12 @@ async def measure(servers: int, args: argparse.Namespace, load: Load) -> dict[st
         return point
 
 
-def byte_cost(token_scale: int, load: Load, groups: int = 200) -> dict[str, float]:
+def byte_cost(token_scale: int, load: Load, groups: int = 200, rounds: int = 3) -> dict[str, Any]:
     """Redis's CPU per MB of group payload: ``groups`` groups of the full payload and of the
     carried one (1 / ``token_scale``) put and read back on a fresh redis-server (AOF always);
-    the difference per MB added is what the sim leaves out."""
+    the difference per MB added is what the sim leaves out. Each size is measured ``rounds``
+    times, alternating, and the medians taken: one round's figure varies up to 2.5x with the
+    disk's fsync cost (a fresh machine's first writes are the slowest)."""
     rng = random.Random(3)
 
     def group(i: int, scale: int) -> RolloutGroup:
@@ -670,24 +674,32 @@ def byte_cost(token_scale: int, load: Load, groups: int = 200) -> dict[str, floa
             samples.append(Sample.from_lists(TOKENS[:carried], LOGPROBS[:carried], 0, 1.0))
         return RolloutGroup.from_lists(RUN, f"{RUN}:{i}", i, TOKENS[:PROMPT_TOKENS], samples, "server-0", 1.0)
 
-    out = {}
-    for name, scale in (("full", 1), ("carried", token_scale)):
+    def one(built: list[RolloutGroup]) -> float:
+        """Redis CPU ms a group, ``built`` put and read back."""
         with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis(data_dir=tmp, appendfsync="always") as url:
             queue = ReplayQueue(url, RUN, max_depth=1_000_000)
-            built = [group(i, scale) for i in range(groups)]
-            mb = sum(len(s.token_ids) * 2 for g in built for s in g.samples) / 1e6
             cpu0, _ = redis_counters(queue.client)
             for g in built:
                 queue.put(g)
             read = 0
-            while read < groups:
-                entries = queue.get(groups - read, timeout=1.0)
+            while read < len(built):
+                entries = queue.get(len(built) - read, timeout=1.0)
                 queue.commit(e for e, _ in entries)
                 read += len(entries)
             cpu1, _ = redis_counters(queue.client)
-            out[f"{name}_mb_per_group"] = mb / groups
-            out[f"{name}_redis_cpu_ms_per_group"] = 1000 * (cpu1 - cpu0) / groups
             queue.close()
+        return 1000 * (cpu1 - cpu0) / len(built)
+
+    built = {name: [group(i, scale) for i in range(groups)] for name, scale in (("full", 1), ("carried", token_scale))}
+    out: dict[str, Any] = {f"{name}_mb_per_group": sum(len(s.token_ids) * 2 for g in gs for s in g.samples) / 1e6 / groups
+                           for name, gs in built.items()}
+    runs: dict[str, list[float]] = {name: [] for name in built}
+    for _ in range(rounds):
+        for name, gs in built.items():
+            runs[name].append(one(gs))
+    for name, ms in runs.items():
+        out[f"{name}_redis_cpu_ms_per_group"] = statistics.median(ms)
+        out[f"{name}_redis_cpu_ms_per_group_rounds"] = ms
     extra_mb = out["full_mb_per_group"] - out["carried_mb_per_group"]
     out["redis_cpu_ms_per_mb"] = (out["full_redis_cpu_ms_per_group"] - out["carried_redis_cpu_ms_per_group"]) / max(extra_mb, 1e-9)
     return out
@@ -712,18 +724,19 @@ def main() -> int:
     parser.add_argument("--max-staleness", type=int, default=2)
     parser.add_argument("--max-inflight", type=int, default=RolloutConfig().max_inflight,
                         help="groups in flight per server (rollout.max_inflight; default its default)")
-    parser.add_argument("--token-scale", type=int, default=16, help="a response carries 1/this of its tokens")
+    parser.add_argument("--token-scale", type=int, default=64,
+                        help="a response carries 1/this of its tokens (Redis's cost at the full payload is added from byte_cost)")
     parser.add_argument("--warmup", type=float, default=30.0, help="seconds before the measured window")
     parser.add_argument("--seconds", type=float, default=60.0, help="measured window, seconds")
-    parser.add_argument("--repeats", type=int, default=3, help="heals and scale steps at each N (their medians compared)")
+    parser.add_argument("--repeats", type=int, default=5, help="heals and scale steps at each N (their medians compared)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", action="store_true", help="write a PNG beside --json")
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1, got {args.repeats}")
     load = Load()
+    costs = byte_cost(args.token_scale, load)  # before Ray starts: its start-up would share the cores
     init_ray(num_cpus=os.cpu_count(), log_to_driver=False)
-    costs = byte_cost(args.token_scale, load)
     result: dict[str, Any] = {
         "machine": f"{os.uname().machine}, {os.cpu_count()} cores", "load": asdict(load),
         "mean_response_tokens": load.mean_tokens(), "groups_per_s_per_server": load.groups_per_s(),
