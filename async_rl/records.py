@@ -171,6 +171,11 @@ class Sample(msgspec.Struct, frozen=True):
     teacher_logprobs: bytes = b""
     """With ``algorithm.distill``: the teacher's log-probability of each response token (float32,
     like ``logprobs``); empty otherwise."""
+    teacher_top_ids: bytes = b""
+    """With ``algorithm.distill.top_k`` = k > 0: the teacher's k likeliest tokens at each
+    response position, likeliest first (int32, ``[tokens, k]`` row-major); empty otherwise."""
+    teacher_top_logprobs: bytes = b""
+    """The teacher's log-probabilities of ``teacher_top_ids`` (float32, ``[tokens, k]``)."""
 
     def __post_init__(self) -> None:
         # Runs on decode too, so a malformed record is rejected at the boundary.
@@ -186,6 +191,10 @@ class Sample(msgspec.Struct, frozen=True):
             raise ValueError("mask spans need count > 0 and must cover every response token exactly")
         if self.teacher_logprobs and len(self.teacher_logprobs) != len(self.token_ids):
             raise ValueError("teacher_logprobs must be empty or hold one float32 per response token")
+        if len(self.teacher_top_ids) != len(self.teacher_top_logprobs):
+            raise ValueError("teacher_top_ids and teacher_top_logprobs must hold as many values")
+        if self.teacher_top_ids and (not self.teacher_logprobs or len(self.teacher_top_ids) % len(self.token_ids)):
+            raise ValueError("teacher_top_ids must be empty or hold k int32 per response token, beside teacher_logprobs")
         if self.error_kind is not None and self.error_kind not in FAILURE_KINDS:
             raise ValueError(f"error_kind must be one of {FAILURE_KINDS}, got {self.error_kind!r}")
 
@@ -202,10 +211,12 @@ class Sample(msgspec.Struct, frozen=True):
         mask: Sequence[int] | None = None,
         error_kind: str | None = None,
         teacher_logprobs: Sequence[float] | None = None,
+        teacher_top: tuple[Sequence[Sequence[int]], Sequence[Sequence[float]]] | None = None,
     ) -> Sample:
         """Build from Python sequences; ``versions`` is per token, or one int for all;
         ``mask`` (1: trained) per token, None for all trained; ``error_kind`` defaults to
-        ``reward_error`` when ``error`` is given."""
+        ``reward_error`` when ``error`` is given; ``teacher_top`` is ``(ids, logprobs)``, each
+        ``[tokens][k]``."""
         if isinstance(versions, int):
             spans = [VersionSpan(versions, len(token_ids))] if token_ids else []
         else:
@@ -222,6 +233,8 @@ class Sample(msgspec.Struct, frozen=True):
             mask_spans=masks,
             error_kind=None if error is None else error_kind or "reward_error",
             teacher_logprobs=pack_f32(teacher_logprobs) if teacher_logprobs is not None else b"",
+            teacher_top_ids=pack_i32(i for row in teacher_top[0] for i in row) if teacher_top is not None else b"",
+            teacher_top_logprobs=pack_f32(x for row in teacher_top[1] for x in row) if teacher_top is not None else b"",
         )
 
     @property
@@ -240,6 +253,15 @@ class Sample(msgspec.Struct, frozen=True):
     def teacher_array(self) -> array.array[float] | None:
         """The teacher's log-probabilities as ``array.array('f')``, or None when there are none."""
         return unpack_f32(self.teacher_logprobs) if self.teacher_logprobs else None
+
+    def teacher_top(self) -> tuple[list[list[int]], list[list[float]]] | None:
+        """The teacher's top-k ids and log-probs, each ``[tokens][k]``, or None when there are none."""
+        if not self.teacher_top_ids:
+            return None
+        k = len(self.teacher_top_ids) // len(self.token_ids)
+        ids, logps = unpack_i32(self.teacher_top_ids), unpack_f32(self.teacher_top_logprobs)
+        return ([list(ids[t * k:(t + 1) * k]) for t in range(self.num_tokens)],
+                [list(logps[t * k:(t + 1) * k]) for t in range(self.num_tokens)])
 
     def token_mask(self) -> list[int]:
         """1 for each trained response token, 0 for the others (spans expanded)."""

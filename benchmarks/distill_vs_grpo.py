@@ -4,7 +4,8 @@ accuracy against samples trained, and against wall time.
 Two runs of ``configs/distill_quickstart.yaml`` on the served assets (``async-rl assets tiny
 --task served``, built into ``--assets`` if absent), one after the other on the same cores:
 
-- ``distill``: the quickstart as it is (the served teacher's per-token reverse KL, no task reward);
+- ``distill``: the quickstart as it is (the forward KL over the served teacher's top 20 at each
+  position, no task reward);
 - ``grpo``: the same student, rows, samples per step, learning rate and steps with
   ``algorithm.distill=null`` (GRPO on the exact-match reward), no teacher served.
 
@@ -30,9 +31,11 @@ from _train import first_gain, gain_points, read_metrics, val_curve
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "distill_quickstart.yaml"
-MEASURED = ("rollout/tokens_per_s", "perf/tokens_per_s", "models/teacher/latency_mean_s", "models/teacher/running", "distill/reverse_kl")
+MEASURED = ("rollout/tokens_per_s", "perf/tokens_per_s", "models/teacher/latency_mean_s", "models/teacher/running", "distill/reverse_kl",
+            "actor/distill_top_k_kl", "actor/grad_norm")
 """Averaged over each arm's last 20 steps: generation and training rates, the teacher's latency
-per request and queue, the reverse KL to the teacher."""
+per request and queue, the reverse KL to the teacher, with ``algorithm.distill.top_k`` the
+forward KL over its top k, and the gradient norm before clipping."""
 
 
 def run_arm(name: str, assets: Path, out: Path, overrides: list[str], teacher: bool) -> dict:

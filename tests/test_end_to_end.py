@@ -10,6 +10,7 @@ then stalls (a reward function that hangs) and exits saying what each side waits
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -50,7 +51,8 @@ def test_train_runs_the_whole_pipeline(tiny_assets, tmp_path):
     each is counted and named on the console, and no server is replaced. A served model
     (``models.judge``) runs beside it: listed in ``servers.json``, its API on loopback, its
     metrics in every step, its processes gone with the run's; it is also the run's
-    distillation teacher (``algorithm.distill``, with the task reward), scoring every sample."""
+    distillation teacher (``algorithm.distill``, with the task reward and its top 5 at every
+    position), scoring every sample."""
     reward = tmp_path / "reward.py"
     reward.write_text("def compute_score(items):\n"
                       "    return [score(i) for i in items]\n\n\n"
@@ -60,9 +62,10 @@ def test_train_runs_the_whole_pipeline(tiny_assets, tmp_path):
                       "    return {'overall': float(item['response'].strip() == item['ground_truth'])}\n")
     # A served model beside the policy (models.judge, no core of its own): started, listed, listening on loopback, stopped.
     judge = {"judge": {"model_path": str(tiny_assets.model_dir), "cpus_per_server": 0, "vllm": {"max_model_len": 256}}}
-    # It also teaches (algorithm.distill, the task reward weighted in): the same tiny model, so the policy's tokenizer.
+    # It also teaches (algorithm.distill, the task reward weighted in, its top 5 a position): the same tiny model, so the
+    # policy's tokenizer.
     config = write_config(tiny_assets, tmp_path, steps=4, rollout={"reward": {"function": f"{reward}:compute_score"}}, models=judge,
-                          algorithm={"distill": {"teacher": "judge", "reward_coef": 1.0}})
+                          algorithm={"distill": {"teacher": "judge", "reward_coef": 1.0, "top_k": 5}})
     run_dir = tmp_path / "run"
     out, err = tmp_path / "stdout.log", tmp_path / "stderr.log"
     with out.open("w") as stdout, err.open("w") as stderr:
@@ -104,6 +107,8 @@ def test_train_runs_the_whole_pipeline(tiny_assets, tmp_path):
     assert [(s["model"], s["server_id"]) for s in served] == [("judge", "judge-0")] and served[0]["openai_url"].startswith("http://127.0.0.1:")
     assert steps[-1]["models/judge/servers"] == 1.0 and steps[-1]["models/judge/failed"] == 0.0 and steps[-1]["models/actor_restarts"] == 0.0
     assert all("distill/reverse_kl" in r for r in steps) and steps[-1]["models/judge/requests"] >= 16 * 4  # every sample scored
+    # The top 5 travelled with every sample to the loss (the teacher is the starting policy: the term starts near 0).
+    assert all(math.isfinite(r["actor/distill_top_k_kl"]) for r in steps) and abs(steps[0]["actor/distill_top_k_kl"]) < 0.01
     assert steps[-1]["rollout/teacher_errors"] == 0.0
     # W&B holds every record, the validations (which arrive after later steps) included.
     rows = history(run_dir)

@@ -160,3 +160,17 @@ def test_teacher_log_probs_travel_with_the_sample_or_are_refused() -> None:
     assert Sample.from_lists([5], [-1.0], 0, 1.0).teacher_array() is None
     with pytest.raises(ValueError, match="teacher_logprobs must be empty or hold one float32 per response token"):
         Sample.from_lists([5, 6], [-1.0, -2.0], 0, 1.0, teacher_logprobs=[-1.0])
+
+
+def test_the_teachers_top_k_travels_with_the_sample_or_is_refused() -> None:
+    """``Sample.teacher_top_ids`` / ``teacher_top_logprobs`` (``algorithm.distill.top_k``): k
+    per response token, beside the sampled tokens' teacher log-probs."""
+    top = ([[5, 9], [6, 1]], [[-0.5, -1.5], [-0.25, -2.0]])
+    sample = Sample.from_lists([5, 6], [-1.0, -2.0], 0, 1.0, teacher_logprobs=[-0.5, -0.25], teacher_top=top)
+    back = decode(encode(RolloutGroup.from_lists("r", "g", 0, [1], [sample], "s", 0.0)))
+    assert back.samples[0].teacher_top() == top
+    assert Sample.from_lists([5], [-1.0], 0, 1.0, teacher_logprobs=[-1.0]).teacher_top() is None
+    with pytest.raises(ValueError, match="k int32 per response token"):
+        Sample.from_lists([5, 6], [-1.0, -2.0], 0, 1.0, teacher_logprobs=[-0.5, -0.25], teacher_top=([[5, 9, 1]], [[-0.5, -1.5, -3.0]]))
+    with pytest.raises(ValueError, match="beside teacher_logprobs"):
+        Sample.from_lists([5, 6], [-1.0, -2.0], 0, 1.0, teacher_top=top)

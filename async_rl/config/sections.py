@@ -446,6 +446,8 @@ class DistillConfig:
     """Weight of the distillation advantage ``log p_teacher - log mu`` of each response token."""
     reward_coef: float = bounded(0.0, ge=0)
     """Weight of the task reward's advantage (``algorithm.advantage``) added to it; 0: distillation alone."""
+    top_k: int = bounded(0, ge=0, le=20)
+    """0: the advantage of each sampled token is ``coef x (log p_teacher - log mu)`` (reverse KL, one sampled token a position). k > 0: the teacher also returns its k likeliest tokens at each response position, and the loss adds instead ``coef x`` the forward KL over them, ``sum_j p_teacher(j) (log p_teacher(j) - log pi(j))`` (GKD's on-policy distillation: the teacher's whole distribution at each position, less its mass outside the top k), aggregated as the policy loss (``algorithm.loss.agg_mode``); the advantage is then the reward's alone. At most 20 (vLLM's ``max_logprobs``)."""
 
 
 @dataclass

@@ -33,7 +33,9 @@ class Batch:
     tokens inside a multi-turn response). ``behav_logp`` ``[N, T]`` float32 is the sampler's log-probability
     (natural log) and ``token_versions`` ``[N, T]`` int64 the policy version of each token
     (-1 on padding). ``teacher_logp`` ``[N, T]`` float32 is a distillation teacher's log-probability
-    of each token (``algorithm.distill``; 0 without one). ``rewards`` ``[N]`` float32, ``group_index`` ``[N]`` int64 (position of the
+    of each token (``algorithm.distill``; 0 without one); ``teacher_top_ids`` ``[N, T, K]`` int64 and
+    ``teacher_top_logp`` ``[N, T, K]`` float32 its ``K`` likeliest tokens at each position and their
+    log-probabilities (``algorithm.distill.top_k``; ``K`` = 0 without, 0 on padding). ``rewards`` ``[N]`` float32, ``group_index`` ``[N]`` int64 (position of the
     sample's group in the step's list), ``lengths`` ``[N]`` int64 (prompt + response tokens). ``vision`` holds the processed
     images of a vision-language batch's groups (indexed by ``group_index``), None for text.
     """
@@ -48,6 +50,8 @@ class Batch:
     group_index: Tensor
     lengths: Tensor
     teacher_logp: Tensor
+    teacher_top_ids: Tensor
+    teacher_top_logp: Tensor
     vision: VisionInputs | None = None
 
     @property
@@ -115,6 +119,9 @@ def _pad(rows: list[tuple[list[int], ScreenedSample, int]]) -> Batch:
     response_mask = torch.zeros(n, resp)
     behav_logp = torch.zeros(n, resp)
     teacher_logp = torch.zeros(n, resp)
+    k = next((len(sample.teacher_top[0][0]) for _, sample, _ in rows if sample.teacher_top is not None), 0)
+    top_ids = torch.zeros(n, resp, k, dtype=torch.long)
+    top_logp = torch.zeros(n, resp, k)
     versions = torch.full((n, resp), -1, dtype=torch.long)
     for i, (prompt, sample, _) in enumerate(rows):
         p, r = len(prompt), len(sample.tokens)
@@ -125,6 +132,9 @@ def _pad(rows: list[tuple[list[int], ScreenedSample, int]]) -> Batch:
         behav_logp[i, :r] = torch.tensor(sample.logprobs)
         if sample.teacher is not None:
             teacher_logp[i, :r] = torch.tensor(sample.teacher)
+        if sample.teacher_top is not None:
+            top_ids[i, :r] = torch.tensor(sample.teacher_top[0], dtype=torch.long)
+            top_logp[i, :r] = torch.tensor(sample.teacher_top[1])
         versions[i, :r] = torch.tensor(sample.versions)
     return Batch(
         input_ids=input_ids,
@@ -137,6 +147,8 @@ def _pad(rows: list[tuple[list[int], ScreenedSample, int]]) -> Batch:
         group_index=torch.tensor([group for _, _, group in rows], dtype=torch.long),
         lengths=attention_mask.sum(-1),
         teacher_logp=teacher_logp,
+        teacher_top_ids=top_ids,
+        teacher_top_logp=top_logp,
     )
 
 
@@ -196,8 +208,9 @@ class PackedRow:
     ``input_ids`` and ``position_ids`` ``[1, S]`` (positions restart at 0 for each sample);
     ``bounds`` the sample boundaries ``[0, ..., S]``. For the ``M`` response tokens:
     ``logit_rows`` ``[M]`` the row position whose logits predict each (its position minus
-    one), ``targets`` ``[M]`` the token ids and ``dest`` ``[M]`` its index in the flattened
-    ``[n, T]`` response grid of the micro-batch (:func:`unpack`).
+    one), ``targets`` ``[M]`` the token ids, ``top_targets`` ``[M, K]`` the teacher's top-k ids
+    at each (``Batch.teacher_top_ids``; ``K`` = 0 without) and ``dest`` ``[M]`` its index in the
+    flattened ``[n, T]`` response grid of the micro-batch (:func:`unpack`).
     """
 
     input_ids: Tensor
@@ -205,6 +218,7 @@ class PackedRow:
     bounds: tuple[int, ...]
     logit_rows: Tensor
     targets: Tensor
+    top_targets: Tensor
     dest: Tensor
     grid: tuple[int, int]
     """``(n, T)``: samples and response width of the micro-batch."""
@@ -214,7 +228,7 @@ def pack(micro: Batch) -> PackedRow:
     """One packed row of ``micro``'s samples (in order). A sample's response tokens are those
     with a position > 0 (``response_mask`` may be zero, as in a filler pass)."""
     n, width = micro.response_positions.shape
-    ids, pos, logit_rows, targets, dest, bounds = [], [], [], [], [], [0]
+    ids, pos, logit_rows, targets, top, dest, bounds = [], [], [], [], [], [], [0]
     for i in range(n):
         length = int(micro.lengths[i])
         responses = micro.response_positions[i]
@@ -224,17 +238,18 @@ def pack(micro: Batch) -> PackedRow:
         pos.append(torch.arange(length))
         logit_rows.append(responses[:count] - 1 + offset)
         targets.append(micro.input_ids[i].index_select(0, responses[:count]))
+        top.append(micro.teacher_top_ids[i, :count])
         dest.append(torch.arange(count) + i * width)
         bounds.append(offset + length)
     return PackedRow(
         input_ids=torch.cat(ids).unsqueeze(0), position_ids=torch.cat(pos).unsqueeze(0), bounds=tuple(bounds),
-        logit_rows=torch.cat(logit_rows), targets=torch.cat(targets), dest=torch.cat(dest), grid=(n, width),
+        logit_rows=torch.cat(logit_rows), targets=torch.cat(targets), top_targets=torch.cat(top), dest=torch.cat(dest), grid=(n, width),
     )
 
 
 def unpack(values: Tensor, row: PackedRow) -> Tensor:
-    """Per-response-token ``values`` ``[M]`` of :func:`pack`'s order as the ``[n, T]`` grid
-    (0 on padding); differentiable."""
+    """Per-response-token ``values`` ``[M, ...]`` of :func:`pack`'s order as the ``[n, T, ...]``
+    grid (0 on padding); differentiable."""
     n, width = row.grid
-    grid = values.new_zeros(n * width)
-    return grid.index_copy(0, row.dest.to(values.device), values).view(n, width)
+    grid = values.new_zeros((n * width, *values.shape[1:]))
+    return grid.index_copy(0, row.dest.to(values.device), values).view(n, width, *values.shape[1:])

@@ -21,7 +21,10 @@ from torch import Tensor, nn
 
 
 class ChunkedLogProbs(torch.autograd.Function):
-    """``(hidden [M, H], weight [V, H], targets [M]) -> (logp [M], entropy [M])``, float32.
+    """``(hidden [M, H], weight [V, H], targets [M, K]) -> (logp [M, K], entropy [M])``, float32.
+
+    ``K`` targets a position: the sampled token, and with a distillation teacher's top-k
+    (``algorithm.distill.top_k``) the teacher's likeliest tokens too.
 
     ``logits = hidden @ weight.T`` in the weight's dtype, then ``/ temperature`` and
     log-softmax in float32, ``chunk`` rows at a time. Backward recomputes each chunk's
@@ -34,7 +37,7 @@ class ChunkedLogProbs(torch.autograd.Function):
     def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, chunk: int,  # type: ignore[override]
                 with_entropy: bool) -> tuple[Tensor, Tensor]:
         m = hidden.shape[0]
-        logp = torch.empty(m, dtype=torch.float32, device=hidden.device)
+        logp = torch.empty(targets.shape, dtype=torch.float32, device=hidden.device)
         entropy = torch.zeros(m, dtype=torch.float32, device=hidden.device)
         log_norm = torch.empty(m, dtype=torch.float32, device=hidden.device)
         for start in range(0, m, chunk):
@@ -42,7 +45,7 @@ class ChunkedLogProbs(torch.autograd.Function):
             z = _scaled_logits(hidden[start:end], weight, temperature)
             log_norm[start:end] = torch.logsumexp(z, dim=-1)
             z.sub_(log_norm[start:end, None])  # now log p
-            logp[start:end] = z.gather(1, targets[start:end, None]).squeeze(1)
+            logp[start:end] = z.gather(1, targets[start:end])
             if with_entropy:  # H = -sum_j p_j log p_j, as a batched dot product (no second [c, V] temporary)
                 entropy[start:end] = -torch.bmm(z.exp().unsqueeze(1), z.unsqueeze(2)).flatten()
         ctx.save_for_backward(hidden, weight, targets, log_norm, entropy)
@@ -57,20 +60,21 @@ class ChunkedLogProbs(torch.autograd.Function):
         temperature, chunk = ctx.temperature, ctx.chunk
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
-        g_logp = grad_logp.float() if grad_logp is not None else torch.zeros_like(log_norm)
+        g_logp = grad_logp.float() if grad_logp is not None else torch.zeros(targets.shape, device=log_norm.device)
+        g_sum = g_logp.sum(1)  # d/dz_j of sum_k g_k log p_k = sum_k g_k 1[j = t_k] - p_j sum_k g_k
         for start in range(0, hidden.shape[0], chunk):
             end = min(start + chunk, hidden.shape[0])
             h = hidden[start:end]
             grad = _scaled_logits(h, weight, temperature).sub_(log_norm[start:end, None])  # log p
-            # dL/dz = g_logp * onehot - p * (g_logp + g_ent * (log p + H)), built in place in ``grad``
+            # dL/dz = sum_k g_k onehot_k - p * (sum_k g_k + g_ent * (log p + H)), built in place in ``grad``
             if grad_entropy is not None:
                 probs = grad.exp()
                 grad.add_(entropy[start:end, None]).mul_(grad_entropy[start:end, None].float())
-                grad.add_(g_logp[start:end, None]).mul_(probs).neg_()
+                grad.add_(g_sum[start:end, None]).mul_(probs).neg_()
                 del probs
             else:  # the usual case (entropy as a metric): one buffer, in place
-                grad.exp_().mul_(-g_logp[start:end, None])
-            grad.scatter_add_(1, targets[start:end, None], g_logp[start:end, None])
+                grad.exp_().mul_(-g_sum[start:end, None])
+            grad.scatter_add_(1, targets[start:end], g_logp[start:end])
             if temperature != 1.0:
                 grad.div_(temperature)
             grad = grad.to(weight.dtype)
@@ -98,8 +102,8 @@ class _Request:
 
 
 class LogProbHead(nn.Module):
-    """An ``lm_head`` that returns ``[1, M, 2]`` float32: per wanted position, the
-    log-probability of its target (``[..., 0]``) and the entropy (``[..., 1]``).
+    """An ``lm_head`` that returns ``[1, M, K + 1]`` float32: per wanted position, the
+    log-probability of each of its ``K`` targets (``[..., :K]``) and the entropy (``[..., K]``).
 
     Set up per call by :func:`token_logprobs`; the weight is the original head's parameter.
     """
@@ -120,7 +124,7 @@ class LogProbHead(nn.Module):
                                               request.with_entropy)
         if request.with_entropy and not request.entropy_grad:
             entropy = entropy.detach()
-        return torch.stack([logp[None], entropy[None]], dim=-1)  # a new tensor, not a view (FSDP hooks the output)
+        return torch.cat([logp, entropy[:, None]], dim=-1)[None]  # a new tensor, not a view (FSDP hooks the output)
 
 
 def install_logprob_head(model: nn.Module, chunk_tokens: int) -> None:
@@ -135,8 +139,9 @@ def install_logprob_head(model: nn.Module, chunk_tokens: int) -> None:
 def token_logprobs(model: nn.Module, input_ids: Tensor, position_ids: Tensor, logit_rows: Tensor, targets: Tensor,
                    temperature: float = 1.0, with_entropy: bool = False, entropy_grad: bool = False,
                    **attention_kwargs: object) -> tuple[Tensor, Tensor | None]:
-    """Log-probabilities ``[M]`` float32 of ``targets`` under ``model`` (with a
-    :class:`LogProbHead`), and their entropies ``[M]`` if ``with_entropy``.
+    """Log-probabilities ``[M]`` float32 of ``targets`` ``[M]`` under ``model`` (with a
+    :class:`LogProbHead`), or ``[M, K]`` of ``targets`` ``[M, K]`` (several tokens a
+    position), and their entropies ``[M]`` if ``with_entropy``.
 
     ``input_ids`` and ``position_ids`` are ``[1, S]`` (one packed row); ``logit_rows`` ``[M]``
     indexes the row's positions whose logits predict ``targets`` ``[M]`` (target position
@@ -147,9 +152,10 @@ def token_logprobs(model: nn.Module, input_ids: Tensor, position_ids: Tensor, lo
     head = model.lm_head
     if not isinstance(head, LogProbHead):
         raise TypeError("the model has no LogProbHead: load it with learner.model.load_sharded")
-    head.request = _Request(targets, temperature, with_entropy, entropy_grad)
+    head.request = _Request(targets if targets.dim() == 2 else targets[:, None], temperature, with_entropy, entropy_grad)
     try:
         out = model(input_ids=input_ids, position_ids=position_ids, logits_to_keep=logit_rows, use_cache=False, **attention_kwargs).logits
     finally:
         head.request = None
-    return out[0, :, 0], (out[0, :, 1] if with_entropy else None)
+    logp = out[0, :, :-1] if targets.dim() == 2 else out[0, :, 0]
+    return logp, (out[0, :, -1] if with_entropy else None)

@@ -91,7 +91,8 @@ class LearnerLoop:
         limits = Limits(lrn.max_tokens_per_microbatch, int(policy.config.get_text_config().vocab_size),
                         getattr(policy.config, "image_token_id", None) if self.process_images is not None else None,
                         cfg.algorithm.failed_samples, 2 if estimator_info(cfg.algorithm.advantage.name).group else 1, cfg.data.max_pixels,
-                        needs_teacher=cfg.algorithm.distill is not None)
+                        needs_teacher=cfg.algorithm.distill is not None,
+                        teacher_top_k=cfg.algorithm.distill.top_k if cfg.algorithm.distill is not None else 0)
         self.trainer = Trainer(policy, reference, lrn, cfg.algorithm, self.info, cfg.trainer.total_steps, cfg.trainer.seed,
                                temperature=cfg.rollout.temperature, critic=critic, lora=lrn.lora)
         self.output_dir = Path(cfg.trainer.output_dir)

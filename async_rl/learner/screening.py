@@ -44,6 +44,9 @@ class Limits:
     needs_teacher: bool = False
     """``algorithm.distill``: a sample must carry its teacher's log-probs (one without is
     not trained: ``teacher_error``)."""
+    teacher_top_k: int = 0
+    """``algorithm.distill.top_k``: a sample must carry the teacher's top-k of this k at each
+    response token (one without is not trained: ``teacher_error``)."""
 
 
 class Verdict(NamedTuple):
@@ -70,6 +73,9 @@ class ScreenedSample:
     """Why this sample is not trained (one of :data:`DROP_REASONS`), or None."""
     teacher: list[float] | None = None
     """The teacher's log-prob of each response token (``algorithm.distill``), or None."""
+    teacher_top: tuple[list[list[int]], list[list[float]]] | None = None
+    """The teacher's top-k ids and log-probs at each response token, ``[T][k]`` each
+    (``algorithm.distill.top_k``), or None."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +88,11 @@ class ScreenedGroup:
     """Empty when the prompt alone condemns the group."""
     verdict: Verdict | None
     """None: the group yields at least one trainable sample."""
+
+
+def _flat(top: tuple[list[list[int]], list[list[float]]] | None) -> list[float]:
+    """The top-k log-probs of every position, in one list ([] for None)."""
+    return [] if top is None else [x for row in top[1] for x in row]
 
 
 def screen(group: RolloutGroup, limits: Limits) -> ScreenedGroup:
@@ -108,22 +119,30 @@ def screen(group: RolloutGroup, limits: Limits) -> ScreenedGroup:
     for k, record in enumerate(group.samples):
         tokens, logprobs = list(record.token_array()), list(record.logprob_array())
         teacher = list(t) if (t := record.teacher_array()) is not None else None
+        top = record.teacher_top() if limits.teacher_top_k else None
+        top_ids = [i for row in top[0] for i in row] if top is not None else []
         mask, versions = record.token_mask(), record.token_versions()
         bad = _out_of_vocab(tokens, limits.vocab_size)
+        bad_top = _out_of_vocab(top_ids, limits.vocab_size)
         if bad is not None and (verdict is None or not verdict.malformed):
             verdict = Verdict("bad_token", f"sample {k}: response token id {tokens[bad]} at position {bad} is outside the vocabulary "
+                                           f"[0, {limits.vocab_size})", True)
+        elif bad_top is not None and (verdict is None or not verdict.malformed):
+            verdict = Verdict("bad_token", f"sample {k}: the teacher's top-k token id {top_ids[bad_top]} is outside the vocabulary "
                                            f"[0, {limits.vocab_size})", True)
         elif verdict is None and record.error is not None and limits.failed_samples == "drop_group":
             verdict = Verdict(_failure_kind(record), f"sample {k}: {record.error}", False)
         elif verdict is None and record.error is None:
             reason = ("nonfinite_reward" if not math.isfinite(record.reward)
-                      else "nonfinite_logprob" if not all(math.isfinite(x) for x in (*logprobs, *(teacher or ()))) else None)
+                      else "nonfinite_logprob" if not all(math.isfinite(x) for x in (*logprobs, *(teacher or ()), *_flat(top))) else None)
             if reason is not None:
                 verdict = Verdict(reason, f"sample {k} has a {reason.replace('_', ' ')}", False)
         problem = _failure_kind(record) if record.error is not None else _sample_problem(len(prompt), tokens, mask, limits)
         if problem is None and limits.needs_teacher and teacher is None:
             problem = "teacher_error"  # generated without a teacher (before algorithm.distill was set)
-        samples.append(ScreenedSample(tokens, logprobs, versions, mask, record.reward, problem, teacher))
+        if problem is None and limits.teacher_top_k and (top is None or len(top[0][0]) != limits.teacher_top_k):
+            problem = "teacher_error"  # generated with another algorithm.distill.top_k, or none
+        samples.append(ScreenedSample(tokens, logprobs, versions, mask, record.reward, problem, teacher, top))
     trainable = sum(s.problem is None for s in samples)
     if verdict is None and trainable == 0:
         first = next(s for s in samples if s.problem)

@@ -174,7 +174,8 @@ class Trainer:
         rewards, metrics = self._rewards(batch, old_logp, ref_logp)
         adv, returns = self._advantages(batch, rewards, old_values)
         if (d := self.algorithm.distill) is not None:  # the teacher's per-token signal, with the reward's advantage weighted in
-            adv = distill.distill_advantages(adv, batch.teacher_logp, batch.behav_logp, batch.response_mask, d.coef, d.reward_coef)
+            sampled_coef = 0.0 if d.top_k else d.coef  # with top_k the teacher's signal is the loss's top-k term instead
+            adv = distill.distill_advantages(adv, batch.teacher_logp, batch.behav_logp, batch.response_mask, sampled_coef, d.reward_coef)
             metrics["distill/reverse_kl"] = distill.reverse_kl(batch.teacher_logp, batch.behav_logp, batch.response_mask)
         times.prox = time.perf_counter() - start
         selected = None
@@ -354,21 +355,25 @@ class Trainer:
         return losses.value_loss(values, old_values[index].to(device), returns[index].to(device), micro.response_mask.to(device),
                                  self.learner.critic.cliprange_value, self.algorithm.loss.agg_mode)
 
-    def _logprobs(self, model: nn.Module, micro: Batch, with_entropy: bool = False, entropy_grad: bool = False) -> tuple[Tensor, Tensor | None]:
+    def _logprobs(self, model: nn.Module, micro: Batch, with_entropy: bool = False, entropy_grad: bool = False,
+                  with_top: bool = False) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """Log-probs (and entropies) ``[n, T]`` of ``micro``'s response tokens under ``model``,
-        from one packed row on this rank's device (0 on padding)."""
+        and with ``with_top`` those of the teacher's top-k tokens at each ``[n, T, K]``
+        (``Batch.teacher_top_ids``), from one packed row on this rank's device (0 on padding)."""
         device = self.info.device
         row = pack(micro)
+        targets = torch.cat([row.targets[:, None], row.top_targets], 1) if with_top else row.targets
         input_ids, position_ids = row.input_ids.to(device), row.position_ids.to(device)
         if micro.vision is not None and micro.vision.layout.mrope:
             position_ids = vision.mrope_positions(model, input_ids, row.bounds, micro.vision.grids(micro.group_index.tolist()),
                                                   model.config.image_token_id)
         logp, entropy = token_logprobs(
-            model, input_ids, position_ids, row.logit_rows.to(device), row.targets.to(device),
+            model, input_ids, position_ids, row.logit_rows.to(device), targets.to(device),
             temperature=self.temperature, with_entropy=with_entropy, entropy_grad=entropy_grad,
             **attention_kwargs(model.config._attn_implementation, row.bounds, device), **micro.image_inputs(device),
         )
-        return unpack(logp, row), None if entropy is None else unpack(entropy, row)
+        top = unpack(logp[:, 1:], row) if with_top else None
+        return unpack(logp[:, 0] if with_top else logp, row), None if entropy is None else unpack(entropy, row), top
 
     def _accumulate(self, batch: Batch, rows: list[int], micro_loss: MicroLoss) -> dict[str, float]:
         """Forward/backward of this rank's micro-batches of one mini-batch of ``rows``;
@@ -393,7 +398,9 @@ class Trainer:
         included; ``selected`` ``[N, T]`` (VPPO) keeps the gradient on those tokens only, and
         ``algorithm.use_entropy_penalty`` adds VPPO's sampled-entropy penalty."""
         loss_cfg = self.algorithm.loss
-        logp, entropy = self._logprobs(self.policy, micro, with_entropy=True, entropy_grad=loss_cfg.entropy_coef != 0)
+        d = self.algorithm.distill
+        with_top = d is not None and d.top_k > 0
+        logp, entropy, top = self._logprobs(self.policy, micro, with_entropy=True, entropy_grad=loss_cfg.entropy_coef != 0, with_top=with_top)
         device = logp.device
         mask = micro.response_mask.to(device)
         behav = micro.behav_logp.to(device)
@@ -408,6 +415,10 @@ class Trainer:
             config=loss_cfg, ref_logp=None if ref_logp is None else ref_logp[index].to(device),
             entropy=entropy, token_weight=None if selected is None else selected[index].to(device),
         )
+        if top is not None and d is not None:  # GKD: towards the teacher's top-k at every position
+            top_kl = losses.aggregate(distill.top_k_forward_kl(top, micro.teacher_top_logp.to(device), mask), mask, loss_cfg.agg_mode)
+            loss = loss + d.coef * top_kl
+            metrics["distill_top_k_kl"] = float(top_kl.detach())
         if self.algorithm.use_entropy_penalty:
             penalty = vppo.sampled_entropy(logp, mask)
             loss = loss + self.algorithm.entropy_penalty_coef * penalty

@@ -23,7 +23,7 @@ import httpx
 
 from async_rl.rollout.served import RequestLedger
 from async_rl.rollout.server import ServerHealth
-from async_rl.rollout.types import Completion, Sampling, ServedModelError
+from async_rl.rollout.types import Completion, Sampling, ScoredTokens, ServedModelError
 
 RETRY_PAUSE_S = 1.0
 """Pause before the next attempt after the server could not be reached or answered 5xx/429, seconds."""
@@ -82,19 +82,26 @@ class ExternalModel:
         return [Completion(list(c.get("token_ids") or []), [], [], c.get("finish_reason") or "stop", c.get("text") or "")
                 for c in sorted(reply["choices"], key=lambda c: c.get("index", 0))]
 
-    async def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
+    async def prompt_logprobs(self, token_ids: list[int], top_k: int = 0) -> ScoredTokens:
         """The model's log-probability of each token of ``token_ids`` after those before it
-        (``len - 1`` floats), from vLLM's ``prompt_logprobs`` extension."""
+        (``len - 1`` positions), with its ``top_k`` likeliest tokens at each, from vLLM's
+        ``prompt_logprobs`` extension."""
         if len(token_ids) < 2:
             raise ValueError(f"models.{self.name}: scoring needs at least 2 tokens, got {len(token_ids)}")
-        reply = await self._call({"prompt": list(token_ids), "max_tokens": 1, "prompt_logprobs": 0}, len(token_ids))
+        reply = await self._call({"prompt": list(token_ids), "max_tokens": 1, "prompt_logprobs": top_k}, len(token_ids))
         positions = reply["choices"][0].get("prompt_logprobs")
         if not positions or len(positions) != len(token_ids):
             raise ServedModelError(f"models.{self.name}: {self.url} returned no prompt log-probs (a vLLM server's prompt_logprobs is needed)")
         try:
-            return [float(position[str(token)]["logprob"]) for position, token in zip(positions[1:], token_ids[1:], strict=True)]
-        except (KeyError, TypeError):
+            given = [float(position[str(token)]["logprob"]) for position, token in zip(positions[1:], token_ids[1:], strict=True)]
+            # each position: {token id: {logprob, rank}}, the given token and the top-k by rank (one entry if it is among them)
+            tops = [sorted((entry["rank"], int(token), float(entry["logprob"])) for token, entry in position.items()
+                           if 1 <= entry["rank"] <= top_k) for position in positions[1:]] if top_k else []
+        except (KeyError, TypeError, ValueError):
             raise ServedModelError(f"models.{self.name}: {self.url}'s prompt log-probs do not follow the given tokens") from None
+        if any(len(top) != top_k for top in tops):
+            raise ServedModelError(f"models.{self.name}: {self.url} returned fewer than top-{top_k} prompt log-probs a position")
+        return ScoredTokens(given, [[t for _, t, _ in top] for top in tops], [[x for _, _, x in top] for top in tops])
 
     async def classify(self, token_ids: list[int]) -> list[float]:
         raise ValueError(f"models.{self.name} is outside the run (url): a reward model there is not supported")

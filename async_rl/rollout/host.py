@@ -92,6 +92,8 @@ class WorkerHostSpec:
     """With ``algorithm.distill``: the teacher's name under ``models``."""
     teacher_wait_s: float = 0.0
     """With ``algorithm.distill``: how long a teacher request may wait for the teacher's actor to be back, seconds."""
+    teacher_top_k: int = 0
+    """``algorithm.distill.top_k``: the teacher's likeliest tokens kept at each response position."""
 
     @classmethod
     def from_config(cls, cfg: Config, redis_url: str) -> WorkerHostSpec:
@@ -116,7 +118,8 @@ class WorkerHostSpec:
                    judge_wait_s=judge.answer_within_s if judge else 0.0,
                    judge_classifies=judge is not None and judge.task == "classify",
                    teacher=distill.teacher if distill is not None else None,
-                   teacher_wait_s=teacher.answer_within_s if teacher else 0.0)
+                   teacher_wait_s=teacher.answer_within_s if teacher else 0.0,
+                   teacher_top_k=distill.top_k if distill is not None else 0)
 
 
 class WorkerHost:
@@ -185,7 +188,7 @@ class WorkerHost:
                                       spec.reward, spec.max_response_length)
             episodes = None if self.envs is None else EpisodeSampler(
                 self.envs, spec.env, ChatEncoder(self.tokenizer), settings.sampling, settings.max_prompt_length)  # type: ignore[arg-type]
-            teacher = Teacher(teacher_client) if teacher_client is not None else None
+            teacher = Teacher(teacher_client, spec.teacher_top_k) if teacher_client is not None else None
             self.workers.append(RolloutWorker(settings, self.queue, self.rows, formatter.token_ids, scorer, lambda: self.generate, episodes,
                                               report=self._failures.extend, teacher=teacher))
         self._tasks = [asyncio.create_task(w.run(self._stop)) for w in self.workers]

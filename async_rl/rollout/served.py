@@ -30,7 +30,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from async_rl.rollout.pool import ServerPool, ServerSpec
 from async_rl.rollout.server import ServerHealth
-from async_rl.rollout.types import Completion, Sampling, ServedModelError
+from async_rl.rollout.types import Completion, Sampling, ScoredTokens, ServedModelError
 
 NO_SERVER_POLL_S = 0.2
 """How often a request waiting for a server to (re)start looks again, seconds."""
@@ -115,10 +115,11 @@ class ServedModel:
         self.ledger.counters["generated_tokens"] += sum(len(c.token_ids) for c in out)
         return out
 
-    async def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
+    async def prompt_logprobs(self, token_ids: list[int], top_k: int = 0) -> ScoredTokens:
         """The model's log-probability of each token of ``token_ids`` after those before it
-        (``len - 1`` floats): a teacher's scoring of a student's prompt and response."""
-        out = await self._call("prompt_logprobs", token_ids)
+        (``len - 1`` positions), with its ``top_k`` likeliest tokens at each: a teacher's
+        scoring of a student's prompt and response."""
+        out = await self._call("prompt_logprobs", token_ids, top_k)
         self.ledger.counters["prompt_tokens"] += len(token_ids)
         return out
 

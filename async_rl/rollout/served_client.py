@@ -12,7 +12,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from async_rl.rollout.types import Completion, Sampling, ServedModelError
+from async_rl.rollout.types import Completion, Sampling, ScoredTokens, ServedModelError
 
 LOOKUP_POLL_S = 1.0
 """How often a caller looks for a served model's actor again while it is gone (restarting), seconds."""
@@ -32,9 +32,10 @@ class ServedModelClient:
         """The served model's ``generate``; :class:`ServedModelError` when it gave no answer."""
         return await self._call("generate", prompt_token_ids, n, sampling)
 
-    async def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
-        """The served model's ``prompt_logprobs`` (``len - 1`` floats); :class:`ServedModelError` when it gave none."""
-        return await self._call("prompt_logprobs", token_ids)
+    async def prompt_logprobs(self, token_ids: list[int], top_k: int = 0) -> ScoredTokens:
+        """The served model's ``prompt_logprobs`` (``len - 1`` positions, with its ``top_k``
+        likeliest tokens at each); :class:`ServedModelError` when it gave none."""
+        return await self._call("prompt_logprobs", token_ids, top_k)
 
     async def classify(self, token_ids: list[int]) -> list[float]:
         """The served reward model's ``classify`` (each label's probability); :class:`ServedModelError` when it gave none."""

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from async_rl.rollout.openai_api import OpenAIApi, OpenAIApiSettings, refuse_dev_mode
-from async_rl.rollout.types import Completion, HostFactory, RolloutHost, Sampling
+from async_rl.rollout.types import Completion, HostFactory, RolloutHost, Sampling, ScoredTokens
 from async_rl.sync.auth import SyncEndpoint
 
 if TYPE_CHECKING:
@@ -426,11 +426,12 @@ class InferenceServer:
             raise EngineOutputError(f"{self.server_id}: vLLM returned no final output for a request")
         return final
 
-    async def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
+    async def prompt_logprobs(self, token_ids: list[int], top_k: int = 0) -> ScoredTokens:
         """The log-probability of each token of ``token_ids`` after the tokens before it, under
-        this server's weights: ``len(token_ids) - 1`` floats (the first token has none). A
-        teacher's scoring of a student's sample (prompt + response tokens): one prefill, no
-        sampled token kept."""
+        this server's weights: ``len(token_ids) - 1`` positions (the first token has none),
+        with this model's ``top_k`` likeliest tokens at each (``top_k`` at most the engine's
+        ``max_logprobs``, 20 by default). A teacher's scoring of a student's sample (prompt +
+        response tokens): one prefill, no sampled token kept."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -439,13 +440,18 @@ class InferenceServer:
         self._check_engine()
         if len(token_ids) < 2:
             raise ValueError(f"{self.server_id}: scoring needs at least 2 tokens, got {len(token_ids)}")
-        params = SamplingParams(max_tokens=1, prompt_logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False, flat_logprobs=True)
+        params = SamplingParams(max_tokens=1, prompt_logprobs=top_k, output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False,
+                                flat_logprobs=True)
         final = await self._request({"prompt_token_ids": list(token_ids)}, params)
-        flat = final.prompt_logprobs  # FlatLogprobs: position 0 holds nothing, each later one the given token first
+        flat = final.prompt_logprobs  # FlatLogprobs: position 0 holds nothing, each later one the given token, then its top-k by rank
         starts = flat.start_indices[1:] if flat is not None else []
         if len(starts) != len(token_ids) - 1 or [flat.token_ids[i] for i in starts] != list(token_ids[1:]):
             raise EngineOutputError(f"{self.server_id}: vLLM's prompt log-probs do not follow the given tokens")
-        return [flat.logprobs[i] for i in starts]
+        if top_k and any(flat.ranks[i + 1:i + 1 + top_k] != list(range(1, top_k + 1)) for i in starts):
+            raise EngineOutputError(f"{self.server_id}: vLLM's prompt log-probs hold no top-{top_k} after a given token")
+        return ScoredTokens([flat.logprobs[i] for i in starts],
+                            [flat.token_ids[i + 1:i + 1 + top_k] for i in starts] if top_k else [],
+                            [flat.logprobs[i + 1:i + 1 + top_k] for i in starts] if top_k else [])
 
     async def classify(self, token_ids: list[int]) -> list[float]:
         """A sequence classifier's probability of each label for ``token_ids`` (a reward model's

@@ -47,6 +47,22 @@ class Completion:
     token replaced by the model's image tokens); None for a text prompt (it is the request's)."""
 
 
+@dataclass
+class ScoredTokens:
+    """A model's scoring of given tokens (a distillation teacher's of a student's sample):
+    ``logprobs`` ``[P]`` the log-probability of each token after those before it; with top-k,
+    ``top_ids`` and ``top_logprobs`` ``[P][k]`` its k likeliest tokens at each position,
+    likeliest first (empty lists without). Natural log, temperature 1."""
+
+    logprobs: list[float]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+    def tail(self, start: int) -> ScoredTokens:
+        """The scores from position ``start`` on (a sample's response tokens)."""
+        return ScoredTokens(self.logprobs[start:], self.top_ids[start:], self.top_logprobs[start:])
+
+
 class GenerateFn(Protocol):
     """``await generate(prompt_token_ids, n, sampling, images)`` on some inference server
     (``images``: PIL images of a vision-language prompt, in prompt order; passed only for

@@ -41,7 +41,7 @@ from async_rl.queue.client import QueueUnavailableError
 from async_rl.records import Failure, FailureReport, ImageRef, RolloutGroup, Sample
 from async_rl.rollout.episodes import EpisodeSampler
 from async_rl.rollout.teacher import Teacher
-from async_rl.rollout.types import Completion, GenerateFn, Sampling, Scorer
+from async_rl.rollout.types import Completion, GenerateFn, Sampling, Scorer, ScoredTokens
 
 log = logging.getLogger(__name__)
 
@@ -369,7 +369,8 @@ class RolloutWorker:
         samples = [
             Sample.from_lists(c.token_ids, c.logprobs, c.versions, s.reward, s.components, c.finish_reason,
                               f.signature if f else None, error_kind=f.kind if f else None,
-                              teacher_logprobs=t if isinstance(t, list) else None)
+                              teacher_logprobs=t.logprobs if isinstance(t, ScoredTokens) else None,
+                              teacher_top=(t.top_ids, t.top_logprobs) if isinstance(t, ScoredTokens) and t.top_ids else None)
             for c, s, t, f in zip(completions, scores, taught, failures, strict=True)
         ]
         self._report(f"{self.settings.run_id}:{index}", failures)

@@ -31,22 +31,26 @@ def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_chunked_head_equals_full_logits_with_gradients(temperature: float) -> None:
+@pytest.mark.parametrize("k", [1, 4])
+def test_chunked_head_equals_full_logits_with_gradients(temperature: float, k: int) -> None:
     torch.manual_seed(0)
     hidden = torch.randn(37, 16, dtype=torch.float64).float().requires_grad_()
     weight = torch.randn(300, 16).requires_grad_()
-    targets = torch.randint(0, 300, (37,))
-    a, b = torch.randn(37), torch.randn(37)
+    targets = torch.randint(0, 300, (37, k))
+    if k > 1:
+        targets[:5, 1] = targets[:5, 0]  # a token twice at a position (a sampled token also in the teacher's top-k)
+    a, b = torch.randn(37, k), torch.randn(37)
 
     logp, entropy = ChunkedLogProbs.apply(hidden, weight, targets, temperature, 8, True)
-    (a * logp + b * entropy).sum().backward()
+    assert logp.shape == (37, k)
+    ((a * logp).sum() + (b * entropy).sum()).backward()
     got = (logp.detach(), entropy.detach(), hidden.grad.clone(), weight.grad.clone())
     hidden.grad = weight.grad = None
 
     log_probs = torch.log_softmax((hidden @ weight.T) / temperature, -1)
-    ref_logp = log_probs.gather(1, targets[:, None])[:, 0]
+    ref_logp = log_probs.gather(1, targets)
     ref_entropy = -(log_probs.exp() * log_probs).sum(-1)
-    (a * ref_logp + b * ref_entropy).sum().backward()
+    ((a * ref_logp).sum() + (b * ref_entropy).sum()).backward()
     for mine, ref in zip(got, (ref_logp, ref_entropy, hidden.grad, weight.grad)):
         torch.testing.assert_close(mine, ref.detach(), atol=1e-5, rtol=1e-5)
 
@@ -56,7 +60,7 @@ def test_logprob_gradient_alone_and_no_entropy() -> None:
     hidden = torch.randn(10, 8).requires_grad_()
     weight = torch.randn(50, 8).requires_grad_()
     targets = torch.randint(0, 50, (10,))
-    logp, entropy = ChunkedLogProbs.apply(hidden, weight, targets, 1.0, 3, False)
+    logp, entropy = ChunkedLogProbs.apply(hidden, weight, targets[:, None], 1.0, 3, False)
     assert not entropy.requires_grad and entropy.abs().sum() == 0
     logp.sum().backward()
     ref = torch.log_softmax(hidden.detach() @ weight.detach().T, -1)

@@ -4,6 +4,7 @@ bad groups are dropped with reasons and never reach the weights."""
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from pathlib import Path
 
@@ -11,8 +12,9 @@ import pytest
 import torch
 from learner_helpers import learner_config, make_groups, prepare_groups
 
-from async_rl.learner.batching import Batch
+from async_rl.learner.batching import Batch, prepare
 from async_rl.learner.model import DistInfo, load_sharded
+from async_rl.learner.screening import Limits, screen
 from async_rl.learner.train_step import Trainer, lr_factor
 from async_rl.records import RolloutGroup, Sample
 from user_algorithms import USER_ALGORITHMS
@@ -266,3 +268,38 @@ def test_distillation_moves_the_student_towards_the_teacher(tiny_model: Path, on
     assert metrics["distill/reverse_kl"] == pytest.approx(-(first.float() * 2 - 1).mul(taught.response_mask.sum(-1)).sum().item()
                                                           / taught.response_mask.sum().item(), abs=1e-5)
     assert moved[first].min() > 0 > moved[~first].max(), moved
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_top_k_distillation_moves_the_student_towards_the_teachers_distribution(tiny_model: Path, one_rank: DistInfo,
+                                                                                tmp_path: Path) -> None:
+    """``algorithm.distill.top_k``: a teacher whose top 2 at every position are token 7
+    (p 0.9) and token 8 (p 0.05). With no task reward the advantage is 0 (the sampled-token
+    term is off); the loss's forward KL over the top 2 falls step by step and the student's
+    log-prob of token 7 rises at every response position. A sample without the top-k is not
+    trained (``teacher_error``)."""
+    trainer = _trainer(tiny_model, one_rank, tmp_path, "models.teacher.model_path=/m", "algorithm.distill.teacher=teacher",
+                       "algorithm.distill.top_k=2")
+    groups = []
+    for group in make_groups(4, seed=6):
+        samples = [Sample.from_lists(list(s.token_array()), list(s.logprob_array()), s.token_versions(), s.reward,
+                                     teacher_logprobs=list(s.logprob_array()),
+                                     teacher_top=([[7, 8]] * s.num_tokens, [[math.log(0.9), math.log(0.05)]] * s.num_tokens))
+                   for s in group.samples]
+        groups.append(RolloutGroup.from_lists("t", group.group_id, group.prompt_id, list(group.prompt_array()), samples, "s", 0.0))
+    limits = Limits(64, 512, needs_teacher=True, teacher_top_k=2)
+    batch = prepare([screen(g, limits) for g in groups]).batch
+    assert batch is not None and batch.teacher_top_ids.shape == (*batch.response_mask.shape, 2)
+    assert prepare([screen(g, limits) for g in make_groups(1, seed=7)]).dropped["teacher_error"] == 4  # no teacher at all
+
+    def token_7() -> torch.Tensor:
+        with torch.no_grad():
+            return trainer._logprobs(trainer.policy, batch, with_top=True)[2][..., 0][batch.response_mask.bool()]
+
+    start = token_7()
+    steps = [trainer.step(batch, s).metrics for s in range(3)]
+    assert all(m["batch/advantage_abs_max"] == 0.0 for m in steps)
+    kls = [m["actor/distill_top_k_kl"] for m in steps]
+    assert kls[2] < kls[1] < kls[0], kls
+    assert (token_7() > start).all()

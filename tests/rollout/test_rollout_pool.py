@@ -546,7 +546,9 @@ def judge(cfg, pool):
 def test_a_served_model_generates_and_scores_given_tokens(cfg, judge):
     """A served model answers generations and scores given tokens (a teacher's log-probs of a
     student's sample): its prompt log-probs of a response it sampled at temperature 1 are the
-    sampling log-probs it reported, token for token; its metrics count the requests."""
+    sampling log-probs it reported, token for token; asked for its top 3 at each position, it
+    gives the same log-probs and 3 tokens a position, likeliest first, none less likely than
+    the given token unless the given token is among them; its metrics count the requests."""
     models, _, loop = judge
     actor = models.actors["judge"]
     prompt = [1, 2, 3, 4, 5]
@@ -554,11 +556,17 @@ def test_a_served_model_generates_and_scores_given_tokens(cfg, judge):
     async def go():
         (c,) = await actor.generate.remote(prompt, 1, Sampling(temperature=1.0, max_tokens=12, ignore_eos=True))
         scored = await actor.prompt_logprobs.remote(prompt + c.token_ids)
-        return c, scored
+        top = await actor.prompt_logprobs.remote(prompt + c.token_ids, 3)
+        return c, scored, top
 
-    c, scored = loop.run_until_complete(go())
-    assert len(c.token_ids) == 12 and len(scored) == len(prompt) + 11
-    assert torch.allclose(torch.tensor(scored[len(prompt) - 1:]), torch.tensor(c.logprobs), atol=1e-3), (scored, c.logprobs)
+    c, scored, top = loop.run_until_complete(go())
+    assert len(c.token_ids) == 12 and len(scored.logprobs) == len(prompt) + 11 and scored.top_ids == []
+    assert torch.allclose(torch.tensor(scored.logprobs[len(prompt) - 1:]), torch.tensor(c.logprobs), atol=1e-3), (scored, c.logprobs)
+    assert torch.allclose(torch.tensor(top.logprobs), torch.tensor(scored.logprobs), atol=1e-4)
+    assert len(top.top_ids) == len(top.top_logprobs) == len(scored.logprobs)
+    for given, token, ids, logps in zip(top.logprobs, (prompt + c.token_ids)[1:], top.top_ids, top.top_logprobs):
+        assert len(ids) == len(set(ids)) == 3 and logps == sorted(logps, reverse=True)
+        assert token in ids or given <= logps[-1] + 1e-4
     stats = ray.get(actor.stats.remote())
     assert stats["models/judge/answered"] >= 2 and stats["models/judge/failed"] == 0
     assert stats["models/judge/generated_tokens"] >= 12 and stats["models/judge/latency_max_s"] > 0
@@ -592,8 +600,11 @@ def test_a_model_outside_the_run_answers_through_its_openai_api(cfg, judge, monk
         prompt, greedy = [1, 2, 3, 4, 5], Sampling(temperature=0.0, max_tokens=8, ignore_eos=True)
         (theirs,), (ours,) = ray.get([actor.generate.remote(prompt, 1, greedy), judge_actor.generate.remote(prompt, 1, greedy)])
         assert theirs.text == ours.text and theirs.finish_reason == ours.finish_reason == "length"
-        scored, expected = ray.get([actor.prompt_logprobs.remote(prompt + ours.token_ids), judge_actor.prompt_logprobs.remote(prompt + ours.token_ids)])
-        assert len(scored) == len(expected) == len(prompt) + 7 and max(abs(a - b) for a, b in zip(scored, expected)) < 1e-4
+        scored, expected = ray.get([actor.prompt_logprobs.remote(prompt + ours.token_ids, 3),
+                                    judge_actor.prompt_logprobs.remote(prompt + ours.token_ids, 3)])
+        assert len(scored.logprobs) == len(expected.logprobs) == len(prompt) + 7
+        assert max(abs(a - b) for a, b in zip(scored.logprobs, expected.logprobs)) < 1e-4 and scored.top_ids == expected.top_ids
+        assert max(abs(a - b) for x, y in zip(scored.top_logprobs, expected.top_logprobs) for a, b in zip(x, y)) < 1e-4
         stats = ray.get(actor.stats.remote())
         assert (stats["models/ext/answered"], stats["models/ext/failed"], stats["models/ext/generated_tokens"]) == (2, 0, 8)
         with pytest.raises(Exception, match="not the run's to resize"):
