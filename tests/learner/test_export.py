@@ -34,7 +34,7 @@ def test_exported_checkpoint_loads_in_transformers_with_the_learners_logprobs(ti
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     assert AutoTokenizer.from_pretrained(out).eos_token == "<eos>"
     with torch.no_grad():
-        learner_logp, _ = trainer._logprobs(policy, batch)
+        learner_logp, _, _ = trainer._logprobs(policy, batch)
         exported_logp, _ = padded_logprobs(model, batch.input_ids, batch.attention_mask, batch.response_positions)
     mask = batch.response_mask.bool()
     torch.testing.assert_close(exported_logp[mask], learner_logp[mask], rtol=0, atol=1e-5)

@@ -64,7 +64,7 @@ def test_only_the_float32_adapter_trains_and_the_base_stays_bit_for_bit(tiny_mod
 
     # one backward: gradients on the adapter only (ChunkedLogProbs skips the head's weight gradient)
     micro = _batch(1).select([0, 1])
-    logp, _ = trainer._logprobs(policy, micro)
+    logp, _, _ = trainer._logprobs(policy, micro)
     (logp * micro.response_mask).sum().backward()
     assert {name for name, p in policy.named_parameters() if p.grad is not None} == set(adapter)
     assert policy.lm_head.weight.grad is None
@@ -138,7 +138,7 @@ def test_gradient_checkpointing_gives_the_same_adapter_gradients(tiny_model: Pat
             for name, p in adapter_named_parameters(trainer.policy):
                 if ".lora_B." in name:
                     p.fill_(0.01)
-        logp, _ = trainer._logprobs(trainer.policy, micro)
+        logp, _, _ = trainer._logprobs(trainer.policy, micro)
         (logp * micro.response_mask).sum().backward()
         grads.append({name: p.grad.full_tensor() for name, p in adapter_named_parameters(trainer.policy)})
     for name in grads[0]:

@@ -111,10 +111,10 @@ def test_vppo_keeps_the_gradient_on_the_selected_fraction(tiny_vlm_assets, one_r
     original = trainer._logprobs
 
     def spy(model, micro, **kwargs):
-        logp, entropy = original(model, micro, **kwargs)
+        logp, entropy, top = original(model, micro, **kwargs)
         logp.retain_grad()
         logps.append(logp)
-        return logp, entropy
+        return logp, entropy, top
 
     trainer._logprobs = spy  # type: ignore[method-assign]
     trainer.algorithm = dataclasses.replace(trainer.algorithm, use_entropy_penalty=False)  # the penalty reaches every token
