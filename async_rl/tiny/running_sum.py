@@ -6,18 +6,22 @@ so the response's length is set by the problem (a long-tailed number of addends)
 the model's whim, and every line is a step the tiny model can get wrong::
 
     problem   Add:\\na3\\nb7\\nc2\\nd9
-    response  a:0+3=3\\nb:3+7=10\\nc:10+2=12\\nd:12+9=21\\n\\boxed{21}
+    response  a3:0+3=3\\nb7:3+7=10\\nc2:10+2=12\\nd9:12+9=21\\n\\boxed{21}
     answer    21
 
-Each line names the next key (``a``..``z``, ``A``..``Z``: a key is one token, the same in the
-prompt and the response, so finding its digit is a lookup, not a count), copies the sum so
-far, adds the key's digit and writes the new sum. The rows are EasyR1's
-(``{"problem", "answer"}``); the built-in ``math`` reward scores the last ``\\boxed{}``, and
+Each line copies the next prompt line (its key, ``a``..``z``, ``A``..``Z``, then its digit;
+each one token), then the sum so far, adds the digit and writes the new sum. The line starts
+with the prompt's own two tokens so that fetching the digit is the plain induction-head copy
+(after ``k``, write what followed ``k`` in the prompt), not a lookup from a later position: with
+lines written ``key:sum+digit`` the warm-started model read the first four digits by position
+and got 68 % of the later ones wrong (teacher-forced, 2026-12-07), and RL barely moved it.
+
+The rows are EasyR1's (``{"problem", "answer"}``); the built-in ``math`` reward scores the last ``\\boxed{}``, and
 :func:`is_correct` judges the same way for the warm-start.
 
 The number of addends is lognormal (median :data:`MEDIAN_ADDENDS`, sigma
 :data:`SIGMA_ADDENDS`) clipped to ``[MIN_ADDENDS, MAX_ADDENDS]``: about 12 on average (a
-response of ~130 tokens), 5 % of problems over 30, the longest 48 (~560 tokens).
+response of ~145 tokens), 5 % of problems over 30, the longest 48 (~600 tokens).
 """
 
 from __future__ import annotations
@@ -104,10 +108,10 @@ def parse_problem(problem: str) -> list[int]:
 
 
 def solution(problem: str) -> str:
-    """The worked response: one ``key:sum+digit=new sum`` line per addend, then ``\\boxed{sum}``."""
+    """The worked response: one ``<key><digit>:sum+digit=new sum`` line per addend, then ``\\boxed{sum}``."""
     total, lines = 0, []
     for key, d in zip(KEYS, parse_problem(problem)):
-        lines.append(f"{key}:{total}+{d}={total + d}")
+        lines.append(f"{key}{d}:{total}+{d}={total + d}")
         total += d
     return "\n".join(lines) + f"\n\\boxed{{{total}}}"
 

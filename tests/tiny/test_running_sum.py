@@ -32,9 +32,9 @@ def test_a_worked_answer_writes_every_partial_sum_and_boxes_the_total() -> None:
     problem = problem_text([3, 7, 2, 9])
     assert problem == "Add:\na3\nb7\nc2\nd9"
     assert parse_problem(problem) == [3, 7, 2, 9]
-    assert solution(problem) == "a:0+3=3\nb:3+7=10\nc:10+2=12\nd:12+9=21\n\\boxed{21}"
+    assert solution(problem) == "a3:0+3=3\nb7:3+7=10\nc2:10+2=12\nd9:12+9=21\n\\boxed{21}"
     assert is_correct(solution(problem), "21") and not is_correct(solution(problem), "12")
-    assert not is_correct("a:0+3=3\nb:3+7=10", "10"), "no box, no answer"
+    assert not is_correct("a3:0+3=3\nb7:3+7=10", "10"), "no box, no answer"
     for bad in ("Add:\nb3", "Add:\na3\nb", "Sum:\na3", "Add:"):
         with pytest.raises(ValueError):
             parse_problem(bad)
@@ -44,7 +44,7 @@ def test_the_math_reward_scores_the_boxed_sum_as_is_correct_does() -> None:
     problem = problem_text([5, 5, 1])
     scores = math_equivalence([{"response": solution(problem), "ground_truth": "11"},
                                {"response": solution(problem), "ground_truth": "12"},
-                               {"response": "a:0+5=5", "ground_truth": "11"}])
+                               {"response": "a5:0+5=5", "ground_truth": "11"}])
     assert [s["accuracy"] for s in scores] == [1.0, 0.0, 0.0]
 
 
