@@ -11,8 +11,8 @@ learning rate, reward and float32:
   generation with ``transformers``); with ``--task slow_tool`` it has no arm yet (``differences``
   in the JSON: TRL's environments are tool calls; its ``rollout_func`` could play our episodes).
 
-Tasks: ``running_sum`` (``configs/running_sum_quickstart.yaml``: responses of ~130 tokens on
-average, a long tail to ~560) and ``slow_tool`` (``configs/slow_tool.yaml``: the multi-turn game
+Tasks: ``running_sum`` (``configs/running_sum_quickstart.yaml``: responses of ~150 tokens on
+average, a long tail to ~600) and ``slow_tool`` (``configs/slow_tool.yaml``: the multi-turn game
 whose every step waits on a lognormal tool latency, median 0.3 s, p99 3 s). Both validate on
 ``data/val_1000.jsonl`` (1000 rows, disjoint from training; a standard error of ~1.5 points).
 
