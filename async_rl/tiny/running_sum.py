@@ -16,12 +16,12 @@ with the prompt's own two tokens so that fetching the digit is the plain inducti
 lines written ``key:sum+digit`` the warm-started model read the first four digits by position
 and got 68 % of the later ones wrong (teacher-forced, 2026-12-07), and RL barely moved it.
 
-The rows are EasyR1's (``{"problem", "answer"}``); the built-in ``math`` reward scores the last ``\\boxed{}``, and
-:func:`is_correct` judges the same way for the warm-start.
+The rows are EasyR1's (``{"problem", "answer"}``); the built-in ``math`` reward scores the
+last ``\\boxed{}``, and :func:`is_correct` judges the same way for the warm-start.
 
 The number of addends is lognormal (median :data:`MEDIAN_ADDENDS`, sigma
 :data:`SIGMA_ADDENDS`) clipped to ``[MIN_ADDENDS, MAX_ADDENDS]``: about 12 on average (a
-response of ~145 tokens), 5 % of problems over 30, the longest 48 (~600 tokens).
+response of ~148 tokens), 5 % of problems over 30, the longest 48 (~600 tokens).
 """
 
 from __future__ import annotations

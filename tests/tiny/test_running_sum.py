@@ -54,7 +54,7 @@ def test_addend_counts_are_long_tailed_and_the_splits_disjoint() -> None:
     assert not {r.problem for r in train} & {r.problem for r in val}
     counts = [len(parse_problem(r.problem)) for r in train]
     assert all(int(r.answer) == sum(parse_problem(r.problem)) for r in train[:100])
-    # about 12.4 addends on average (~130 response tokens), the longest the cap: a tail over 3x the mean
+    # about 12.4 addends on average (~148 response tokens), the longest the cap: a tail over 3x the mean
     assert 11.5 <= statistics.mean(counts) <= 13.5 and max(counts) == MAX_ADDENDS
     assert 0.03 <= sum(c >= 30 for c in counts) / len(counts) <= 0.08
 
