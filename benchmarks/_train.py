@@ -41,9 +41,9 @@ def read_metrics(run_dir: Path) -> list[dict]:
 def val_curve(rows: list[dict]) -> list[dict]:
     """The validation points of a run's metrics rows, in order: policy ``version``,
     ``elapsed_s`` (seconds since the run started), ``wall_s`` (``time.time()`` when logged),
-    ``greedy`` accuracy and ``pass_at_n`` (fractions)."""
+    ``greedy`` accuracy and ``pass_at_n`` (fractions; None at ``trainer.val_n`` = 0)."""
     return [{"version": int(r["version"]), "elapsed_s": round(r["time/elapsed_s"], 1), "wall_s": r["time/wall_s"],
-             "greedy": r["val/greedy_accuracy"], "pass_at_n": r["val/pass_at_n"]}
+             "greedy": r["val/greedy_accuracy"], "pass_at_n": r.get("val/pass_at_n")}
             for r in rows if "val/greedy_accuracy" in r]
 
 

@@ -17,9 +17,12 @@ on groups exactly eta versions old (fewer in the first eta steps) however fast i
 ``queue.max_depth`` is raised to hold (eta + 1) x B groups. Generation and learning then take
 turns in every cell, so wall times compare across eta. Validation runs on
 ``data/val_1500.jsonl`` (addition: ``async-rl assets val-split``; a seed's standard error about
-1.3 points) or ``data/val_1000.jsonl`` (the running sum's, about 1.4 points) at version 0 and at
-the end, greedy. With ``--keep`` the cells already in ``--json`` (written after every cell) are
-reused when its settings match, so an ablation longer than one sitting runs in parts.
+1.3 points) or ``data/val_1000.jsonl`` (the running sum's, about 1.4 points), greedy: the base
+model once per ablation (``async-rl eval``, an offline vLLM engine: every cell starts from the
+same weights), and each cell at its end only (``trainer.val_before_train=false``,
+``trainer.val_n=0``). With ``--keep`` the cells already in ``--json`` (written after every cell)
+and its base accuracy are reused when its settings match, so an ablation longer than one
+sitting runs in parts.
 
 Cells share one redis-server (started here; a run name per cell). Each cell starts its own
 Ray, learner and vLLM server (``async-rl train`` in a subprocess): every cell must begin
@@ -32,11 +35,11 @@ vLLM to their own cores (``launch.cores.cpu_layout``), as in ``async_vs_sync.py`
     python benchmarks/staleness_ablation.py --task running_sum --seeds 5 --steps N --keep \\
         --json benchmarks/results/staleness_ablation_long.json   # issue 44 item 4, in parts
 
-JSON keys: ``cells`` (per cell: eta, loss, seed, final_acc, base_acc, gain_points,
-staleness_mean, staleness_max, is_weight_mean, is_weight_max, is_ess (the weights' effective
-sample size fraction, their spread), is_clipped_fraction (weights cut at is_cap), pg_clipfrac,
-masked_fraction,
-behav_kl, groups, wall_s, train_s, run_dir), ``summary`` (per eta and loss: the mean over
+JSON keys: ``base_acc`` (the base model's greedy accuracy), ``cells`` (per cell: eta, loss,
+seed, final_acc, base_acc, gain_points, staleness_mean, staleness_max, is_weight_mean,
+is_weight_max, is_ess (the weights' effective sample size fraction, their spread),
+is_clipped_fraction (weights cut at is_cap), pg_clipfrac, masked_fraction, behav_kl, groups,
+wall_s, train_s, run_dir), ``summary`` (per eta and loss: the mean over
 seeds of final_acc and gain_points with the 95 % interval half-width, ``*_ci95``, and the
 mean staleness), ``target`` (decoupled at eta = max against eta = 0: the gap in points and
 whether it is within 3), plus the settings.
@@ -51,6 +54,7 @@ import os
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -120,16 +124,21 @@ def main() -> None:
     settings = {"task": args.task, "config": str(config.relative_to(ROOT)), "steps": args.steps, "batch_size": batch,
                 "groups_per_cell": args.steps * batch, "val_rows": val_rows,
                 "etas": etas, "losses": {name: list(LOSSES[name]) for name in losses}, "seeds": args.seeds, "overrides": args.set,
+                "validation": "greedy: the base model once (async-rl eval), each cell at its end only",
                 "machine": f"{os.cpu_count()} cores, cpu"}
-    cells = kept_cells(args.json, settings) if args.keep else []
+    kept = kept_result(args.json, settings, lambda result: {k: v for k, v in result.items() if k in settings}) if args.keep else None
+    cells = kept["cells"] if kept else []
     if not cells:
         shutil.rmtree(out, ignore_errors=True)
+    base_acc = kept["base_acc"] if kept else base_accuracy(config, assets, val, out / "base", args.set)
+    print(f"base model: greedy {base_acc:.1%} on {val.name}", flush=True)
     done = {(c["eta"], c["loss"], c["seed"]) for c in cells}
     todo = [cell for cell in plan if cell not in done]
     started = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis(Path(tmp) / "redis") as url:
         for i, (eta, loss, seed) in enumerate(todo, 1):
-            cell = run_cell(config, assets, val, out, url, eta, loss, seed, args.steps, [f"queue.max_depth={max(depth, (eta + 1) * batch)}", *args.set])
+            cell = run_cell(config, assets, val, out, url, eta, loss, seed, args.steps, base_acc,
+                            [f"queue.max_depth={max(depth, (eta + 1) * batch)}", *args.set])
             cells.append(cell)
             spent = time.monotonic() - started
             print(f"cell {len(cells)}/{len(plan)} eta={eta} {loss} seed={seed}: greedy {cell['final_acc']:.1%} ({cell['gain_points']:+.1f} points), "
@@ -137,10 +146,11 @@ def main() -> None:
                   f"max {cell['is_weight_max']:.2f}, behav_kl {cell['behav_kl']:.4f}, {cell['wall_s']:.0f} s; "
                   f"ETA {spent / i * (len(todo) - i) / 60:.1f} min", flush=True)
             if args.json:  # after every cell: a run cut short keeps what it measured
-                report_json({"cells": cells, **settings}, args.json)
+                report_json({"base_acc": base_acc, "cells": cells, **settings}, args.json)
     cells.sort(key=lambda c: plan.index((c["eta"], c["loss"], c["seed"])))  # parts in plan order
     summary = summarize(cells)
-    result = {"total_wall_s": sum(c["wall_s"] for c in cells), "target": target(summary, etas), **settings, "summary": summary, "cells": cells}
+    result = {"total_wall_s": sum(c["wall_s"] for c in cells), "target": target(summary, etas), **settings, "base_acc": base_acc,
+              "summary": summary, "cells": cells}
     for row in summary:
         print(f"eta={row['eta']} {row['loss']:<9} greedy {row['final_acc']:.1%} +- {row['final_acc_ci95']:.1%} "
               f"(gain {row['gain_points']:+.1f}), staleness {row['staleness_mean']:.2f}")
@@ -151,14 +161,21 @@ def main() -> None:
         plot(cells, summary, args.plot)
 
 
-def kept_cells(json_path: Path | None, settings: dict[str, Any]) -> list[dict[str, Any]]:
-    """The cells of ``json_path`` when it was written with ``settings`` (``--keep``), else none."""
-    old = kept_result(json_path, settings, lambda result: {k: v for k, v in result.items() if k in settings})
-    return old["cells"] if old else []
+def base_accuracy(config: Path, assets: Path, val: Path, out: Path, overrides: list[str]) -> float:
+    """Greedy accuracy of the base model on ``val``: ``async-rl eval`` (an offline vLLM engine, the
+    run's reward function), its console in ``out``.log."""
+    command = [sys.executable, "-m", "async_rl.cli", "eval", "--out", str(out), str(config), f"learner.model_path={assets / 'model'}",
+               f"data.val_files={val}", *overrides]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_suffix(".log"), "w") as log:
+        done = subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+    if done.returncode != 0:
+        raise SystemExit(f"the base model's evaluation exited {done.returncode}: see {out.with_suffix('.log')}")
+    return json.loads((out / "eval.json").read_text())["accuracy"]
 
 
 def run_cell(config: Path, assets: Path, val: Path, out: Path, redis_url: str, eta: int, loss: str, seed: int, steps: int,
-             extra: list[str]) -> dict[str, Any]:
+             base_acc: float, extra: list[str]) -> dict[str, Any]:
     """Train one cell with ``async-rl train`` on the shared Redis; its figures from metrics.jsonl."""
     name = f"eta{eta}-{loss}-s{seed}"
     run_dir = out / name
@@ -167,7 +184,8 @@ def run_cell(config: Path, assets: Path, val: Path, out: Path, redis_url: str, e
         assets, run_dir, f"ablation-{name}-{os.getpid()}", *LOSSES[loss],
         f"data.val_files={val}", f"queue.redis_url={redis_url}",
         f"algorithm.max_staleness={eta}", "learner.fill_staleness_window=true", f"trainer.seed={seed}",
-        f"trainer.total_steps={steps}", f"trainer.val_every={steps}", f"trainer.save_every={steps}", "trainer.val_n=1", *extra,
+        f"trainer.total_steps={steps}", f"trainer.val_every={steps}", f"trainer.save_every={steps}", "trainer.val_n=0",
+        "trainer.val_before_train=false", *extra,
         config=config)
     run_dir.mkdir(parents=True)
     t0 = time.monotonic()
@@ -176,12 +194,12 @@ def run_cell(config: Path, assets: Path, val: Path, out: Path, redis_url: str, e
     wall_s = time.monotonic() - t0
     if done.returncode != 0:
         raise SystemExit(f"cell {name} exited {done.returncode}: see {run_dir.with_suffix('.log')}")
-    return {"eta": eta, "loss": loss, "seed": seed, **read_cell(run_dir), "wall_s": wall_s, "run_dir": str(run_dir)}
+    return {"eta": eta, "loss": loss, "seed": seed, **read_cell(run_dir, base_acc), "wall_s": wall_s, "run_dir": str(run_dir)}
 
 
-def read_cell(run_dir: Path) -> dict[str, float]:
-    """A finished cell's figures from its ``metrics.jsonl``: the first and last greedy
-    validation, staleness over the trained groups, and the correction's per-step metrics
+def read_cell(run_dir: Path, base_acc: float) -> dict[str, float]:
+    """A finished cell's figures from its ``metrics.jsonl``: its greedy validation at the end
+    against ``base_acc``, staleness over the trained groups, and the correction's per-step metrics
     (weight mean and PPO-clip fraction averaged over steps, weight maximum over all)."""
     from async_rl.launch.plots import staleness_counts
 
@@ -196,8 +214,8 @@ def read_cell(run_dir: Path) -> dict[str, float]:
 
     return {
         "final_acc": vals[-1]["val/greedy_accuracy"],
-        "base_acc": vals[0]["val/greedy_accuracy"],
-        "gain_points": round(100 * (vals[-1]["val/greedy_accuracy"] - vals[0]["val/greedy_accuracy"]), 6),
+        "base_acc": base_acc,
+        "gain_points": round(100 * (vals[-1]["val/greedy_accuracy"] - base_acc), 6),
         "staleness_mean": sum(lag * n for lag, n in lags.items()) / groups,
         "staleness_max": max(r["staleness/max"] for r in steps),
         "is_weight_mean": mean("actor/is_weight_mean"),
@@ -208,7 +226,7 @@ def read_cell(run_dir: Path) -> dict[str, float]:
         "masked_fraction": mean("actor/masked_fraction"),
         "behav_kl": mean("actor/behav_kl"),
         "groups": groups,
-        # from the first step's compute (its wait for the first batch spans the base validation)
+        # from the first step's compute (its wait for the first batch spans start-up)
         "train_s": max(r["time/elapsed_s"] for r in steps) - min(r["time/elapsed_s"] - (r["time/step"] - r["time/wait"]) for r in steps),
     }
 

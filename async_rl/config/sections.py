@@ -597,8 +597,10 @@ class TrainerConfig:
     """``auto``: resume the run in output_dir (the head of its line of checkpoints, if any); ``off``: a new line from the base model, refused when output_dir or the run name's queue holds a run's state; ``fresh``: move that state aside (output_dir's run files to ``previous-<run id>/`` there, the queue's Redis keys to ``<run_name>.previous-<run id>:*``; nothing is deleted), then start a new run from the base model; or a checkpoint path to load (a new line from it)."""
     val_every: int = bounded(10, ge=0)
     """Validate every this many steps; 0 disables validation."""
-    val_n: int = bounded(4, ge=1)
-    """Samples per validation prompt for mean@n and pass@k (besides one greedy sample)."""
+    val_before_train: bool = True
+    """Validate the starting weights before the first step (verl's ``val_before_train``; the rollout workers start after it); false skips that one only."""
+    val_n: int = bounded(4, ge=0)
+    """Samples per validation prompt for mean@n and pass@n (besides one greedy sample); 0: greedy only, no mean@n or pass@n."""
     seed: int = bounded(1, ge=0, le=2**32 - 1)
     """Seed of the learner and samplers (also vLLM's, which seeds numpy: hence at most 2**32 - 1)."""
     stall_timeout_s: float = _seconds(900.0)

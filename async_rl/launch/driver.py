@@ -241,7 +241,8 @@ class _Run:
             relay = asyncio.create_task(self.reporter.relay_failures())
             # The first validation measures the starting weights alone: the rollout workers
             # (and so the learner's first updates) start after it (verl's val_before_train).
-            self.validator.maybe_start(force=True)
+            if self.cfg.trainer.val_before_train:
+                self.validator.maybe_start(force=True)
             if self.validator.running is not None:
                 await _until(self.validator.running, run.stop)
             if run.stop.is_set():

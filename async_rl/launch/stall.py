@@ -57,7 +57,7 @@ def blame(snap: Snapshot) -> str:
         return f"the inference servers: {'; '.join(broken)}"
     if not snap.workers_started:
         return ("the first validation: the starting weights are validated before the rollout workers start (verl's "
-                "val_before_train; trainer.val_every=0 turns validation off, this one with it), so no group is generated until it ends")
+                "val_before_train; trainer.val_before_train=false skips this one), so no group is generated until it ends")
     if snap.depth >= snap.batch_size:
         return (f"the learner: {snap.depth} groups are queued for it ({snap.batch_size} make a step) and it takes no step "
                 "(a slow or hung rank: see trainer.learner_hang_timeout_s)")

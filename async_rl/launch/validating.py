@@ -1,5 +1,5 @@
 """Validation during a run: every ``trainer.val_every`` steps, before the first step (the
-starting weights alone) and at the end, on server 0, one at a time beside training; text
+starting weights alone; ``trainer.val_before_train``) and at the end, on server 0, one at a time beside training; text
 prompts scored by the reward function, or environment episodes (their success rate)."""
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ class Validator:
             result = await validate(generate, inputs.val_prompts, inputs.scorer(cfg),
                                     n=cfg.trainer.val_n, temperature=r.temperature, max_tokens=r.max_response_length)
         self.results.append(result)
+        sampled_scores = {"val/mean_at_n": result.mean_at_n, "val/pass_at_n": result.pass_at_n} if result.n else {}  # none at val_n = 0
         self.run.tracker.log({
-            "version": float(result.version), "val/greedy_accuracy": result.greedy_accuracy, "val/mean_at_n": result.mean_at_n,
-            "val/pass_at_n": result.pass_at_n, "val/seconds": result.seconds, "val/final": float(final),
-            "val/max_version": float(result.max_version),
+            "version": float(result.version), "val/greedy_accuracy": result.greedy_accuracy, **sampled_scores,
+            "val/seconds": result.seconds, "val/final": float(final), "val/max_version": float(result.max_version),
         })

@@ -8,6 +8,7 @@ generation, and reports the policy version the servers held.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -39,9 +40,9 @@ class ValidationResult:
     greedy_accuracy: float
     """Fraction of prompts whose greedy answer is correct."""
     mean_at_n: float
-    """Mean correctness over ``n`` sampled answers per prompt."""
+    """Mean correctness over ``n`` sampled answers per prompt (nan when ``n`` = 0)."""
     pass_at_n: float
-    """Fraction of prompts with at least one correct answer among ``n`` samples."""
+    """Fraction of prompts with at least one correct answer among ``n`` samples (nan when ``n`` = 0)."""
     n: int
     prompts: int
     seconds: float
@@ -57,7 +58,7 @@ async def validate(
     max_tokens: int,
     concurrency: int = 32,
 ) -> ValidationResult:
-    """Greedy and ``n``-sample evaluation of ``prompts``."""
+    """Greedy and ``n``-sample evaluation of ``prompts`` (``n`` = 0: greedy only)."""
     t0 = time.monotonic()
     limit = asyncio.Semaphore(concurrency)
     greedy = Sampling(temperature=0.0, max_tokens=max_tokens)
@@ -66,8 +67,8 @@ async def validate(
     async def one(prompt: ValPrompt) -> tuple[bool, list[bool], list[int]]:
         async with limit:
             extra = (prompt.images,) if prompt.images else ()
-            best, samples = await asyncio.gather(generate(prompt.prompt_ids, 1, greedy, *extra), generate(prompt.prompt_ids, n, sampled, *extra))
-        completions = best + samples
+            requests = [generate(prompt.prompt_ids, 1, greedy, *extra)] + ([generate(prompt.prompt_ids, n, sampled, *extra)] if n else [])
+            completions = [c for batch in await asyncio.gather(*requests) for c in batch]
         scores = await scorer.score(
             [{"response": c.text, "response_length": len(c.token_ids), "ground_truth": prompt.answer} for c in completions]
         )
@@ -108,8 +109,8 @@ def _summary(results: list[tuple[bool, list[bool], list[int]]], n: int, t0: floa
         version=min(versions, default=0),
         max_version=max(versions, default=0),
         greedy_accuracy=sum(r[0] for r in results) / count,
-        mean_at_n=sum(sum(r[1]) / n for r in results) / count,
-        pass_at_n=sum(any(r[1]) for r in results) / count,
+        mean_at_n=sum(sum(r[1]) / n for r in results) / count if n else math.nan,
+        pass_at_n=sum(any(r[1]) for r in results) / count if n else math.nan,
         n=n,
         prompts=len(results),
         seconds=time.monotonic() - t0,

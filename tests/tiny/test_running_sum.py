@@ -88,7 +88,8 @@ def test_running_sum_assets_build_and_train_three_steps(tmp_path) -> None:
     cfg["data"].update(train_files=str(report.train_path), val_files=str(val_small))
     cfg["learner"].update(model_path=str(report.model_dir), batch_size=4)
     cfg["rollout"].update(n=2, max_inflight=8, max_response_length=96)
-    cfg["trainer"].update(output_dir=str(tmp_path / "run"), total_steps=3, save_every=3, val_every=3, val_n=1)
+    cfg["trainer"].update(output_dir=str(tmp_path / "run"), total_steps=3, save_every=3, val_every=3, val_n=0,
+                          val_before_train=False)  # the ablation's settings: one greedy-only validation, at the end
     config = tmp_path / "running_sum.yaml"
     config.write_text(yaml.safe_dump(cfg))
     proc = train_cli(config)
@@ -97,3 +98,5 @@ def test_running_sum_assets_build_and_train_three_steps(tmp_path) -> None:
     steps = [r for r in records if "perf/tokens_per_s" in r]
     assert [r["version"] for r in steps] == [1, 2, 3]
     assert max(r["batch/response_length_max"] for r in steps) > 16, "the responses are the long ones"
+    vals = [r for r in records if "val/greedy_accuracy" in r]
+    assert [r["version"] for r in vals] == [3] and not any("val/pass_at_n" in r for r in vals)
