@@ -32,8 +32,15 @@ vLLM to their own cores (``launch.cores.cpu_layout``), as in ``async_vs_sync.py`
     python benchmarks/staleness_ablation.py --json benchmarks/results/staleness_ablation.json \\
         --plot benchmarks/results/staleness_ablation.png            # the full run (~90 min on 2 cores)
     python benchmarks/staleness_ablation.py --seeds 1 --etas 0,4 --losses decoupled --steps 20   # a smoke
-    python benchmarks/staleness_ablation.py --task running_sum --seeds 5 --steps N --keep \\
-        --json benchmarks/results/staleness_ablation_long.json   # issue 44 item 4, in parts
+    python benchmarks/staleness_ablation.py --task running_sum --seeds 5 --etas 0,2,4,8 \\
+        --losses naive,decoupled --steps 40 --keep --json benchmarks/results/staleness_ablation_long.json \\
+        --plot benchmarks/results/staleness_ablation_long.png      # issue 44 item 4, in parts
+
+Issue 44's run on the running sum (fixed before it ran, 2026-12-07): eta 1 and the tis loss
+dropped, as the issue orders when the grid does not fit ~3 hours (40 cells at ~5 min); 40
+steps (x 16 groups), where the quickstart gains ~+9 points by step 20 and ~+20 by step 60;
+the config's lr 1e-4, the one users run (its 3e-4 collapsed the first build of the task at
+eta = 2). The pass rule is the issue's: decoupled at eta = 8 within 3 points of eta = 0.
 
 JSON keys: ``base_acc`` (the base model's greedy accuracy), ``cells`` (per cell: eta, loss,
 seed, final_acc, base_acc, gain_points, staleness_mean, staleness_max, is_weight_mean,
@@ -41,8 +48,8 @@ is_weight_max, is_ess (the weights' effective sample size fraction, their spread
 is_clipped_fraction (weights cut at is_cap), pg_clipfrac, masked_fraction, behav_kl, groups,
 wall_s, train_s, run_dir), ``summary`` (per eta and loss: the mean over
 seeds of final_acc and gain_points with the 95 % interval half-width, ``*_ci95``, and the
-mean staleness), ``target`` (decoupled at eta = max against eta = 0: the gap in points and
-whether it is within 3), plus the settings.
+mean staleness), ``target`` (decoupled at eta = max against eta = 0: the gap in points,
+whether it is within 3, whether both intervals are at most +-3 points), plus the settings.
 """
 
 from __future__ import annotations
@@ -120,7 +127,8 @@ def main() -> None:
     if not val.is_file():
         write_validation_split(assets, val_rows)
     out = (ROOT / (args.out or Path("runs/bench/staleness" + ("" if args.task == "addition" else f"-{args.task}")))).resolve()
-    plan = [(eta, loss, seed) for eta in etas for loss in losses for seed in range(1, args.seeds + 1)]
+    # seed by seed: an ablation cut short between parts holds every (eta, loss) at fewer seeds
+    plan = [(eta, loss, seed) for seed in range(1, args.seeds + 1) for eta in etas for loss in losses]
     settings = {"task": args.task, "config": str(config.relative_to(ROOT)), "steps": args.steps, "batch_size": batch,
                 "groups_per_cell": args.steps * batch, "val_rows": val_rows,
                 "etas": etas, "losses": {name: list(LOSSES[name]) for name in losses}, "seeds": args.seeds, "overrides": args.set,
@@ -256,15 +264,18 @@ def summarize(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def target(summary: list[dict[str, Any]], etas: list[int]) -> dict[str, Any]:
-    """decoupled at the largest eta against eta = 0: the gap in points (mean over seeds) and
-    whether it is within :data:`TARGET_POINTS`; empty without both cells."""
+    """decoupled at the largest eta against eta = 0: the gap in points (mean over seeds), whether
+    it is within :data:`TARGET_POINTS` and whether both cells' 95 % intervals are at most +-
+    that many points (the issue's rule: both); empty without both cells."""
     by = {(r["eta"], r["loss"]): r for r in summary}
     low, high = by.get((0, "decoupled")), by.get((max(etas), "decoupled"))
     if low is None or high is None or high is low:
         return {}
     gap = 100 * (high["final_acc"] - low["final_acc"])
-    return {"eta": max(etas), "gap_points": gap, "ci95_points": [100 * low["final_acc_ci95"], 100 * high["final_acc_ci95"]],
-            "met": gap >= -TARGET_POINTS}
+    intervals = [100 * low["final_acc_ci95"], 100 * high["final_acc_ci95"]]
+    narrow = all(ci <= TARGET_POINTS for ci in intervals)  # nan (one seed) is not narrow
+    return {"eta": max(etas), "gap_points": gap, "ci95_points": intervals, "gap_within": gap >= -TARGET_POINTS,
+            "intervals_within": narrow, "met": gap >= -TARGET_POINTS and narrow}
 
 
 def plot(cells: list[dict[str, Any]], summary: list[dict[str, Any]], path: Path) -> None:
