@@ -15,6 +15,7 @@ from typing import Any, Callable
 from async_rl.config import Config, save_resolved
 from async_rl.data.prompts import ImageFields, PromptFormatter, PromptRow, read_prompt_rows, write_rejected
 from async_rl.rewards import load_reward_function
+from async_rl.rewards.scoring import score_output
 from async_rl.rollout.engine_args import engine_kwargs
 
 EPISODES_IN_FLIGHT = 64
@@ -28,8 +29,9 @@ class EvalResult:
     prompts: int
     """Validation prompts evaluated."""
     accuracy: float
-    """Mean of the reward function's ``overall`` over prompts (greedy decoding), in [0, 1] for 0/1 rewards;
-    with an environment (``rollout.env.name``), the success rate of greedy episodes."""
+    """Fraction of prompts whose greedy answer is solved, as the run's validation counts it
+    (:attr:`~async_rl.rewards.scoring.Score.correct`: ``math``'s 0.1 format reward alone is not
+    solved); with an environment (``rollout.env.name``), the success rate of greedy episodes."""
     rejected_rows: int
     """Malformed rows skipped (written to ``rejected_rows.jsonl``)."""
     generated_tokens: int
@@ -48,6 +50,12 @@ def base_engine_kwargs(cfg: Config) -> dict[str, Any]:
     tokens, only slower: vLLM on CPU runs without ``torch.compile`` with LoRA). To evaluate a
     trained adapter, export it merged."""
     return engine_kwargs(replace(cfg, learner=replace(cfg.learner, lora=None)))
+
+
+def solved_fraction(outputs: list[dict[str, Any]]) -> float:
+    """Fraction of a reward function's ``outputs`` that count as solved, by the validation's rule
+    (:attr:`~async_rl.rewards.scoring.Score.correct`), not their mean reward."""
+    return sum(score_output(out).correct for out in outputs) / len(outputs)
 
 
 def evaluate(cfg: Config, out_dir: str | Path, limit: int | None = None, progress: Callable[[str], None] = print) -> EvalResult:
@@ -93,7 +101,7 @@ def evaluate(cfg: Config, out_dir: str | Path, limit: int | None = None, progres
     scores = reward_fn(
         [{"response": c.text, "response_length": len(c.token_ids), "ground_truth": r.answer} for c, r in zip(completions, rows)]
     )
-    accuracy = sum(s["overall"] for s in scores) / len(scores)
+    accuracy = solved_fraction(scores)
     examples = [
         {"prompt": r.prompt, "response": c.text, "answer": r.answer, "reward": f"{s['overall']:.2f}"}
         for r, c, s in list(zip(rows, completions, scores))[:5]

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from async_rl.config import load_config
-from async_rl.rollout.offline_eval import base_engine_kwargs, evaluate
+from async_rl.rollout.offline_eval import base_engine_kwargs, evaluate, solved_fraction
 
 pytestmark = pytest.mark.integration
 
@@ -52,3 +52,11 @@ def test_an_evaluation_serves_the_base_model_without_lora() -> None:
     kwargs = base_engine_kwargs(cfg)
     assert "enable_lora" not in kwargs and kwargs["model"] == cfg.learner.model_path
     assert cfg.learner.lora is not None  # the caller's config is left as it is
+
+
+def test_accuracy_counts_solved_answers_not_the_mean_reward() -> None:
+    """``math``'s reward is 0.9 * accuracy + 0.1 * format: a boxed wrong answer earns 0.1 and is not
+    solved, as in the run's validation (the eval once reported 36.5 % where validation said 29.5 %)."""
+    wrong, right = {"overall": 0.1, "accuracy": 0.0, "format": 1.0}, {"overall": 1.0, "accuracy": 1.0, "format": 1.0}
+    assert solved_fraction([wrong, wrong, wrong, right]) == 0.25
+    assert solved_fraction([{"overall": 1.0}, {"overall": 0.0}]) == 0.5  # no accuracy component: the reward
