@@ -1,6 +1,7 @@
 """Validation during a run: every ``trainer.val_every`` steps, before the first step (the
-starting weights alone; ``trainer.val_before_train``) and at the end, on server 0, one at a time beside training; text
-prompts scored by the reward function, or environment episodes (their success rate)."""
+starting weights alone; ``trainer.val_before_train``) and at the end, on server 0, one at a
+time beside training; text prompts scored by the reward function, or environment episodes
+(their success rate)."""
 
 from __future__ import annotations
 
