@@ -45,10 +45,11 @@ eta = 2). The pass rule is the issue's: decoupled at eta = 8 within 3 points of 
 JSON keys: ``base_acc`` (the base model's greedy accuracy), ``cells`` (per cell: eta, loss,
 seed, final_acc, base_acc, gain_points, staleness_mean, staleness_max, is_weight_mean,
 is_weight_max, is_ess (the weights' effective sample size fraction, their spread),
-is_clipped_fraction (weights cut at is_cap), pg_clipfrac, masked_fraction, behav_kl, groups,
-wall_s, train_s, run_dir), ``summary`` (per eta and loss: the mean over
-seeds of final_acc and gain_points with the 95 % interval half-width, ``*_ci95``, and the
-mean staleness), ``target`` (decoupled at eta = max against eta = 0: the gap in points,
+is_clipped_fraction (weights cut at is_cap), pg_clipfrac, masked_fraction, behav_kl (k3
+KL(mu || pi_prox)), ppo_kl (mean log pi_prox - log pi_theta: for naive, whose pi_prox is mu, how
+far the trained policy is from the behaviour one), groups, wall_s, train_s, run_dir),
+``summary`` (per eta and loss: the mean over seeds of final_acc and gain_points with the 95 %
+interval half-width, ``*_ci95``, and the means of staleness and the correction's metrics), ``target`` (decoupled at eta = max against eta = 0: the gap in points,
 whether it is within 3, whether both intervals are at most +-3 points), plus the settings.
 """
 
@@ -135,7 +136,7 @@ def main() -> None:
                 "validation": "greedy: the base model once (async-rl eval), each cell at its end only",
                 "machine": f"{os.cpu_count()} cores, cpu"}
     kept = kept_result(args.json, settings, lambda result: {k: v for k, v in result.items() if k in settings}) if args.keep else None
-    cells = kept["cells"] if kept else []
+    cells = [refreshed(c) for c in kept["cells"]] if kept else []
     if not cells:
         shutil.rmtree(out, ignore_errors=True)
     base_acc = kept["base_acc"] if kept else base_accuracy(config, assets, val, out / "base", args.set)
@@ -180,6 +181,13 @@ def base_accuracy(config: Path, assets: Path, val: Path, out: Path, overrides: l
     if done.returncode != 0:
         raise SystemExit(f"the base model's evaluation exited {done.returncode}: see {out.with_suffix('.log')}")
     return json.loads((out / "eval.json").read_text())["accuracy"]
+
+
+def refreshed(cell: dict[str, Any]) -> dict[str, Any]:
+    """A kept cell with its figures read again from its run directory when that is still there
+    (the run's metrics are the record; a figure added to :func:`read_cell` since is filled in)."""
+    run_dir = Path(cell["run_dir"])
+    return cell | read_cell(run_dir, cell["base_acc"]) if (run_dir / "metrics.jsonl").is_file() else cell
 
 
 def run_cell(config: Path, assets: Path, val: Path, out: Path, redis_url: str, eta: int, loss: str, seed: int, steps: int,
@@ -233,6 +241,7 @@ def read_cell(run_dir: Path, base_acc: float) -> dict[str, float]:
         "pg_clipfrac": mean("actor/pg_clipfrac"),
         "masked_fraction": mean("actor/masked_fraction"),
         "behav_kl": mean("actor/behav_kl"),
+        "ppo_kl": mean("actor/ppo_kl"),  # naive's distance of pi_theta from mu (its behav_kl is 0: pi_prox is mu)
         "groups": groups,
         # from the first step's compute (its wait for the first batch spans start-up)
         "train_s": max(r["time/elapsed_s"] for r in steps) - min(r["time/elapsed_s"] - (r["time/step"] - r["time/wait"]) for r in steps),
@@ -259,6 +268,8 @@ def summarize(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
                      "is_weight_mean": statistics.fmean(c["is_weight_mean"] for c in mine),
                      "is_clipped_fraction": statistics.fmean(c["is_clipped_fraction"] for c in mine),
                      "pg_clipfrac": statistics.fmean(c["pg_clipfrac"] for c in mine),
+                     "behav_kl": statistics.fmean(c["behav_kl"] for c in mine),
+                     "ppo_kl": statistics.fmean(c.get("ppo_kl", math.nan) for c in mine),  # nan: a kept cell without its run
                      "wall_s": statistics.fmean(c["wall_s"] for c in mine)})
     return rows
 
