@@ -49,8 +49,9 @@ is_clipped_fraction (weights cut at is_cap), pg_clipfrac, masked_fraction, behav
 KL(mu || pi_prox)), ppo_kl (mean log pi_prox - log pi_theta: for naive, whose pi_prox is mu, how
 far the trained policy is from the behaviour one), groups, wall_s, train_s, run_dir),
 ``summary`` (per eta and loss: the mean over seeds of final_acc and gain_points with the 95 %
-interval half-width, ``*_ci95``, and the means of staleness and the correction's metrics), ``target`` (decoupled at eta = max against eta = 0: the gap in points,
-whether it is within 3, whether both intervals are at most +-3 points), plus the settings.
+interval half-width, ``*_ci95``, and the means of staleness and the correction's metrics),
+``target`` (decoupled at eta = max against eta = 0: the gap in points, whether it is within 3,
+whether both intervals are at most +-3 points), plus the settings.
 """
 
 from __future__ import annotations
